@@ -1,0 +1,76 @@
+# LLM inference, stage by stage: naive -> tiling -> simd -> kv_cache -> quantized -> cuda.
+# `make help` lists the targets. Every target sets itself up (virtual environment, packages,
+# the default model) and re-running one does no repeated work.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+MODEL_FILE := models/SmolLM2-135M-Instruct.Q4_1.gguf
+VOCAB_STAMP := models/vocab/.complete
+export NUMBA_CACHE_DIR := $(CURDIR)/.numba_cache
+export PYTHONUNBUFFERED := 1
+
+# `make stage=tiling run` / `make run prompt="..." n=32 model=path.gguf`
+stage  ?= fastest
+prompt ?= The meaning of life is
+n      ?=
+model  ?= $(MODEL_FILE)
+name   ?= smollm2
+args   ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help setup model vocab test test-all run bench report baseline notebooks setup-cuda clean
+
+help:  ## list the targets
+	@echo "usage: make TARGET [stage=NAME prompt=TEXT n=N model=PATH name=MODEL]"
+	@echo
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  %-12s %s\n", $$1, $$2}'
+
+$(STAMP): requirements.txt requirements-test.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { echo "error: '$(PYTHON) -m venv' failed; install Python 3.10+ with venv (Debian: apt-get install python3-venv)"; exit 1; }
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-test.txt
+	@touch $@
+
+setup: $(STAMP)  ## create .venv and install the requirements
+
+$(MODEL_FILE): | $(STAMP)
+	$(PY) -m common model smollm2
+
+$(VOCAB_STAMP): | $(STAMP)
+	$(PY) -m common model vocab
+
+model: $(STAMP)  ## fetch a model: name=smollm2 (default) | tinyllama-synthetic | tinyllama | vocab
+	$(PY) -m common model $(name)
+
+vocab: $(VOCAB_STAMP)  ## fetch llama.cpp's vocab-only GGUF files (tokenizer tests)
+
+test: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## run the test suite (fast tests; GPU tests skip without a GPU)
+	$(PY) -m pytest -q tests $(args)
+
+test-all: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## the test suite including the slow tests
+	LLM_SLOW_TESTS=1 $(PY) -m pytest -q tests $(args)
+
+run: $(STAMP) $(MODEL_FILE)  ## run one stage: make stage=tiling run [prompt=... n=... model=...]
+	$(PY) -m common run --stage $(stage) -m $(model) -p "$(prompt)" $(if $(n),-n $(n)) $(args)
+
+bench: $(STAMP) $(MODEL_FILE)  ## measure one stage into profiles/: make stage=simd bench
+	$(PY) -m common bench --stage $(stage) -m $(model) $(args)
+
+report: $(STAMP) $(MODEL_FILE)  ## re-measure every stage, redraw profiles/*.png and the README table
+	$(PY) -m common report -m $(model) $(args)
+
+baseline: $(STAMP) $(MODEL_FILE)  ## install llama-cpp-python (compiles ~7 min) and record llama.cpp's row
+	$(PY) -c "import llama_cpp" 2>/dev/null || $(PY) -m pip install -r requirements-llama.txt
+	$(PY) -m common baseline -m $(model) $(args)
+
+notebooks: $(STAMP) $(MODEL_FILE)  ## start Jupyter Lab on notebooks/
+	$(VENV)/bin/jupyter lab notebooks/
+
+setup-cuda: $(STAMP)  ## install PyCUDA for the cuda stage (needs an NVIDIA GPU, driver and nvcc)
+	$(PY) -m pip install -r requirements-cuda.txt
+
+clean:  ## remove the numba cache and Python caches (keeps .venv and models/)
+	rm -rf .numba_cache .pytest_cache
+	find . -name __pycache__ -prune -exec rm -rf {} +

@@ -1,0 +1,3 @@
+from common.cli import main
+
+raise SystemExit(main())
