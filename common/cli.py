@@ -46,13 +46,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
+def user_errors() -> tuple:
+    """Exceptions that mean bad input (a sentence for the user), not a bug (a traceback)."""
+    from common.generate import ContextError
     from common.gguf import GGUFError
     from common.models import FetchError
+    from stages import StageError
+    errors = [GGUFError, FetchError, StageError, ContextError]
+    try:
+        from common.tokenizer import TokenizerError
+        errors.append(TokenizerError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (GGUFError, FetchError) as e:
+    except user_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

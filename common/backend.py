@@ -1,0 +1,143 @@
+"""The op surface: everything the llama graph asks of a stage.
+
+The graph (common/model.py) is written once against this class. A stage is a subclass that
+overrides only what its optimization changes, and inherits the rest from the stage before it:
+
+    primitives   matmul add mul rms_norm silu rope scale dot softmax argmax   (the article's ten)
+                 embed                                                       (row lookup)
+    composites   attention swiglu                    default compositions of the primitives below
+    weights      prepare_matrix prepare_embedding prepare_vector   how a stage holds its weights
+                 prepare_table                                     constant tables (RoPE)
+    memory       new_kv_cache                                      None: no KV cache
+                 to_host                                           backend array -> numpy
+
+Arrays are whatever the stage computes on: numpy float32 for the CPU stages, device
+buffers for cuda. Shapes below use M = rows being computed (tokens), D = n_embd,
+T = positions attended over, H/Hkv = query/KV heads, hd = head dim.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Backend:
+    name = "base"
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads or 1
+
+    # ---- weights: a stage decides how it holds them ------------------------------------
+    def prepare_matrix(self, tensor):
+        """A [out, in] weight (TensorInfo) -> whatever `matmul` takes as its second operand."""
+        raise NotImplementedError
+
+    def prepare_embedding(self, tensor):
+        """token_embd [n_vocab, D] -> whatever `embed` takes."""
+        raise NotImplementedError
+
+    def prepare_vector(self, tensor):
+        """A 1-D weight (norms) -> array."""
+        raise NotImplementedError
+
+    def tie_output(self, embedding, tensor):
+        """The output matrix when the model ties it to token_embd (no output.weight)."""
+        return self.prepare_matrix(tensor)
+
+    def prepare_table(self, table: np.ndarray):
+        """A constant float32 table the graph indexes by position (RoPE's cos and sin)."""
+        return table
+
+    def new_kv_cache(self, n_layer: int, n_ctx: int, kv_dim: int):
+        """An object with .store(layer, start_pos, k, v) -> (k_all, v_all) and .reset(), or
+        None: then every step recomputes the whole sequence (the article's baseline)."""
+        return None
+
+    def weight_bytes(self, weight) -> int:
+        """Resident bytes of one prepared weight (for the RAM balloon figure)."""
+        return int(getattr(weight, "nbytes", 0))
+
+    def to_host(self, x) -> np.ndarray:
+        return x
+
+    def last_row(self, x):
+        """x [M, D] -> [1, D]: the only row the logits need when all_logits=False."""
+        return x[-1:]
+
+    # ---- the ten primitives -------------------------------------------------------------
+    def matmul(self, x, w):
+        """x [M, K] @ W^T -> [M, N], W the prepared [N, K] weight: y[m, n] = sum_k x[m, k] W[n, k]."""
+        raise NotImplementedError
+
+    def add(self, a, b):
+        raise NotImplementedError
+
+    def mul(self, a, b):
+        raise NotImplementedError
+
+    def rms_norm(self, x, weight, eps: float):
+        """x [M, D] -> x / sqrt(mean(x^2) + eps) * weight, per row."""
+        raise NotImplementedError
+
+    def silu(self, x):
+        """x * sigmoid(x)."""
+        raise NotImplementedError
+
+    def rope(self, x, cos, sin, start_pos: int, n_heads: int):
+        """x [M, n_heads*hd] for positions start_pos..; rotate adjacent pairs (x[2i], x[2i+1])
+        of every head by angle i of its position, cos/sin being tables [n_ctx, hd/2]
+        (llama's 'NORM' RoPE mode)."""
+        raise NotImplementedError
+
+    def scale(self, x, s: float):
+        raise NotImplementedError
+
+    def dot(self, a, b):
+        """a [M, d], b [T, d] -> [M, T]: every row of a dotted with every row of b."""
+        raise NotImplementedError
+
+    def softmax(self, x, causal_offset: int | None = None):
+        """Row-wise softmax of x [M, T]. With causal_offset c, row i sees columns 0..c+i only
+        (the rest become 0): query i sits at position c+i and may not look ahead."""
+        raise NotImplementedError
+
+    def argmax(self, x) -> int:
+        """x [N] or [1, N] -> index of the largest value (the first on ties)."""
+        raise NotImplementedError
+
+    def embed(self, table, ids):
+        """ids [M] -> [M, D] rows of the embedding table."""
+        raise NotImplementedError
+
+    # ---- composites: default compositions of the primitives ----------------------------
+    def swiglu(self, gate, up):
+        """The llama FFN's gate: silu(gate) * up, both [M, n_ff]."""
+        return self.mul(self.silu(gate), up)
+
+    def attention(self, q, k, v, n_head: int, n_head_kv: int, start_pos: int):
+        """Causal multi-head attention with grouped KV heads.
+
+        q [M, H*hd] for positions start_pos..start_pos+M-1; k, v [T, Hkv*hd] for positions
+        0..T-1 (T = start_pos + M). Query head h reads KV head h // (H/Hkv): consecutive
+        query heads share one KV head. Returns [M, H*hd].
+
+        Composed as the article does: scores = dot(q_h, k_h) * 1/sqrt(hd), softmax over the
+        visible positions, then the probability-weighted sum of the value rows, which is
+        itself a dot: p [M, T] against v_h^T [hd, T].
+        """
+        hd = q.shape[1] // n_head
+        group = n_head // n_head_kv
+        out = np.empty_like(q)
+        for h in range(n_head):
+            kvh = h // group
+            q_h = q[:, h * hd:(h + 1) * hd]
+            k_h = k[:, kvh * hd:(kvh + 1) * hd]
+            v_h = v[:, kvh * hd:(kvh + 1) * hd]
+            scores = self.scale(self.dot(q_h, k_h), 1.0 / np.sqrt(hd))
+            p = self.softmax(scores, causal_offset=start_pos)
+            out[:, h * hd:(h + 1) * hd] = self.dot(p, v_h.T)
+        return out
+
+    # ---- bookkeeping --------------------------------------------------------------------
+    def warmup(self):
+        """Compile (or load from numba's cache) every kernel before anything is timed."""

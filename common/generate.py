@@ -1,0 +1,178 @@
+"""Prefill, decode, sampling: turning logits into text, timed the way the report measures.
+
+    TTFT    from the tokenized prompt to the first sampled token (prefill + first sample)
+    decode  ms per token for every token after the first
+
+Stages without a KV cache re-run the whole sequence for every token; stages with one feed
+only the tokens the cache has not seen. `Session` keeps that bookkeeping across calls, so a
+chat can add turns without recomputing the conversation.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class ContextError(ValueError):
+    """The prompt plus the tokens asked for do not fit in the context window."""
+
+
+def check_fits(engine, n_prompt: int, n_predict: int):
+    """Raise ContextError, before any work is done, if the tokens cannot fit the context."""
+    need = n_prompt + n_predict
+    if need > engine.n_ctx:
+        raise ContextError(
+            f"{n_prompt} prompt tokens + {n_predict} to generate = {need} exceeds the context window "
+            f"of {engine.n_ctx} tokens; use a shorter prompt or a smaller -n, or a larger --ctx-size "
+            f"(the model was trained on {engine.config.n_ctx_train})")
+
+
+@dataclass
+class SamplingParams:
+    """llama.cpp's sampler chain: penalties -> top_k -> top_p -> min_p -> temperature -> draw.
+    temp <= 0 means greedy (argmax), the default here so every stage prints the same text."""
+    temp: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp <= 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repeat_penalty != 1.0 and self.repeat_last_n != 0
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams | None = None):
+        self.params = params or SamplingParams()
+        self.rng = np.random.default_rng(self.params.seed)
+
+    def penalize(self, logits: np.ndarray, history) -> np.ndarray:
+        """Repeat penalty on the last repeat_last_n tokens: shrink their logits toward 'less likely'."""
+        p = self.params
+        if not p.penalized or not history:
+            return logits
+        recent = history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history
+        ids = np.unique(np.asarray(recent, dtype=np.int64))
+        logits = logits.astype(np.float32, copy=True)
+        v = logits[ids]
+        logits[ids] = np.where(v <= 0, v * p.repeat_penalty, v / p.repeat_penalty)
+        return logits
+
+    def __call__(self, logits: np.ndarray, history=()) -> int:
+        """logits [n_vocab] -> the next token id."""
+        p = self.params
+        logits = self.penalize(np.asarray(logits, dtype=np.float32), list(history))
+        if p.greedy:
+            return int(np.argmax(logits))
+        ids = np.argsort(-logits, kind="stable")                 # candidates, best first
+        if p.top_k > 0:
+            ids = ids[:p.top_k]
+        cand = logits[ids].astype(np.float64)
+        if p.top_p < 1.0:
+            probs = np.exp(cand - cand[0])
+            probs /= probs.sum()
+            keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)   # shortest prefix reaching top_p
+            ids, cand = ids[:keep], cand[:keep]
+        if p.min_p > 0.0:
+            keep = cand >= cand[0] + np.log(p.min_p)              # p >= min_p * p_max
+            ids, cand = ids[keep], cand[keep]
+        z = cand / p.temp
+        probs = np.exp(z - z.max())
+        probs /= probs.sum()
+        return int(ids[self.rng.choice(len(ids), p=probs)])
+
+
+@dataclass
+class Generation:
+    prompt_tokens: list
+    tokens: list = field(default_factory=list)          # generated ids (the stop token included)
+    ttft_ms: float = 0.0
+    decode_ms: list = field(default_factory=list)       # one figure per token after the first
+    stop_reason: str = ""                                # 'eog' | 'length'
+
+    @property
+    def decode_ms_median(self) -> float:
+        return float(np.median(self.decode_ms)) if self.decode_ms else float("nan")
+
+    @property
+    def decode_ms_mean(self) -> float:
+        return float(np.mean(self.decode_ms)) if self.decode_ms else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput (tokens after the first)."""
+        return 1000.0 / self.decode_ms_median if self.decode_ms else float("nan")
+
+
+class Session:
+    """A sequence of tokens and how much of it the engine's KV cache already holds."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.tokens = []
+        self.n_cached = 0
+        engine.reset()
+
+    def reset(self):
+        self.tokens, self.n_cached = [], 0
+        self.engine.reset()
+
+    def _next(self, sampler: Sampler) -> int:
+        e = self.engine
+        if e.uses_kv_cache:
+            feed, start = self.tokens[self.n_cached:], self.n_cached
+        else:
+            feed, start = self.tokens, 0
+        if sampler.params.greedy and not sampler.params.penalized:
+            tok = e.greedy_next(feed, start)        # argmax where the logits live
+        else:
+            tok = sampler(e.forward(feed, start, all_logits=False)[0], self.tokens)
+        self.n_cached = len(self.tokens)
+        return tok
+
+    def generate(self, new_tokens, n_predict: int, sampler: Sampler | None = None, stop_ids=(),
+                 on_token=None, ignore_eos: bool = False) -> Generation:
+        """Append new_tokens, then sample up to n_predict tokens (stopping at a stop id unless
+        ignore_eos). on_token(id) is called as each token arrives."""
+        sampler = sampler or Sampler()
+        new_tokens = list(new_tokens)
+        if not new_tokens and not self.tokens:
+            raise ValueError("nothing to generate from: the prompt is empty")
+        check_fits(self.engine, len(self.tokens) + len(new_tokens), n_predict)
+        gen = Generation(prompt_tokens=list(self.tokens) + new_tokens)
+        self.tokens += new_tokens
+        stop_ids = set() if ignore_eos else set(stop_ids)
+        t_prev = time.perf_counter()
+        for i in range(n_predict):
+            tok = self._next(sampler)
+            now = time.perf_counter()
+            if i == 0:
+                gen.ttft_ms = (now - t_prev) * 1e3
+            else:
+                gen.decode_ms.append((now - t_prev) * 1e3)
+            t_prev = now
+            gen.tokens.append(tok)
+            self.tokens.append(tok)
+            if on_token:
+                on_token(tok)
+            if tok in stop_ids:
+                gen.stop_reason = "eog"
+                break
+        else:
+            gen.stop_reason = "length"
+        return gen
+
+
+def generate(engine, prompt_tokens, n_predict: int, sampler: Sampler | None = None, **kw) -> Generation:
+    """One completion from an empty context."""
+    return Session(engine).generate(prompt_tokens, n_predict, sampler, **kw)

@@ -1,0 +1,117 @@
+"""What machine a measurement ran on: every benchmark record carries this."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import resource
+import sys
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> set:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _caches() -> dict:
+    """Per-core cache sizes from sysfs: {'L1d': '48K', 'L2': '2048K', 'L3': ...}."""
+    out = {}
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    for idx in sorted(base.glob("index*")):
+        try:
+            level = (idx / "level").read_text().strip()
+            kind = (idx / "type").read_text().strip()
+            size = (idx / "size").read_text().strip()
+        except OSError:
+            continue
+        name = f"L{level}" + ({"Data": "d", "Instruction": "i"}.get(kind, ""))
+        out[name] = size
+    return out
+
+
+def physical_cores() -> int:
+    """Physical cores this process may use (hyperthreads counted once)."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:
+        cpus = set(range(os.cpu_count() or 1))
+    cores = set()
+    for c in cpus:
+        try:
+            p = Path(f"/sys/devices/system/cpu/cpu{c}/topology")
+            cores.add(((p / "physical_package_id").read_text().strip(), (p / "core_id").read_text().strip()))
+        except OSError:
+            cores.add((None, c))
+    return max(1, len(cores))
+
+
+def simd_features() -> list[str]:
+    wanted = ["sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+              "avx_vnni", "avx512_bf16", "amx_int8", "neon", "asimd"]
+    flags = _cpu_flags()
+    return [f for f in wanted if f in flags]
+
+
+def versions(*names) -> dict:
+    names = names or ("numpy", "numba", "llvmlite", "llama_cpp_python", "pycuda")
+    out = {"python": platform.python_version()}
+    for n in names:
+        try:
+            out[n] = metadata.version(n.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+@lru_cache(maxsize=1)
+def machine_info() -> dict:
+    mem = None
+    try:
+        m = re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text())
+        mem = int(m.group(1)) * 1024 if m else None
+    except OSError:
+        pass
+    return {
+        "cpu": _cpu_model(),
+        "arch": platform.machine(),
+        "logical_cpus": os.cpu_count(),
+        "physical_cores": physical_cores(),
+        "caches": _caches(),
+        "simd": simd_features(),
+        "memory_bytes": mem,
+        "os": f"{platform.system()} {platform.release()}",
+        "versions": versions(),
+    }
+
+
+def machine_id() -> str:
+    """A short folder name for this machine's results: cpu model + cores."""
+    cpu = re.sub(r"\(R\)|\(TM\)|CPU|Processor|@.*", "", machine_info()["cpu"])
+    cpu = re.sub(r"[^A-Za-z0-9]+", "-", cpu).strip("-").lower()
+    return f"{cpu}-{machine_info()['physical_cores']}c"
+
+
+def rusage() -> dict:
+    """Peak RSS and page faults of this process so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    scale = 1 if sys.platform == "darwin" else 1024      # ru_maxrss: bytes on macOS, KiB on Linux
+    return {"peak_rss_mb": r.ru_maxrss * scale / 2**20, "minor_faults": r.ru_minflt, "major_faults": r.ru_majflt}

@@ -1,0 +1,306 @@
+"""The llama graph, written once against the op surface (common/backend.py).
+
+Nothing here knows about loops, SIMD, numba or CUDA: a stage's backend decides how the
+weights are held and how every op runs. What this file knows is the model:
+
+    h = token_embd[tokens]                                     [M, D]
+    for each layer:
+        x = rms_norm(h) * attn_norm
+        q, k, v = x Wq^T, x Wk^T, x Wv^T                       [M, H*hd], [M, Hkv*hd] x2
+        q, k = rope(q), rope(k)                                adjacent pairs ('NORM' mode)
+        h = h + attention(q, k, v) Wo^T                        causal, grouped KV heads
+        x = rms_norm(h) * ffn_norm
+        h = h + (silu(x Wgate^T) * (x Wup^T)) Wdown^T
+    logits = (rms_norm(h) * output_norm) Wout^T                [M, n_vocab]
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.gguf import GGUFError, GGUFFile
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+@dataclass
+class LlamaConfig:
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    rope_base: float
+    rope_freq_scale: float       # 1 / linear scaling factor
+    eps: float
+    n_ctx_train: int
+    n_vocab: int
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    @classmethod
+    def from_gguf(cls, g: GGUFFile) -> "LlamaConfig":
+        arch = g.architecture
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise GGUFError(f"architecture '{arch or '(none)'}' is not supported; this engine runs "
+                            f"{', '.join(SUPPORTED_ARCHITECTURES)} models (general.architecture)")
+
+        def key(name, default=None, kind=int):
+            full = f"{arch}.{name}"
+            if full not in g.metadata:
+                if default is None:
+                    raise GGUFError(f"required metadata key '{full}' is missing")
+                return default
+            value = g.metadata[full]
+            if isinstance(value, (list, np.ndarray)):       # per-layer arrays: all equal in llama
+                values = set(np.asarray(value).tolist())
+                if len(values) != 1:
+                    raise GGUFError(f"'{full}' varies per layer ({sorted(values)}); not supported")
+                value = values.pop()
+            return kind(value)
+
+        n_embd = key("embedding_length")
+        n_head = key("attention.head_count")
+        n_head_kv = key("attention.head_count_kv", n_head)
+        head_dim = key("attention.key_length", n_embd // n_head)
+        if key("attention.value_length", head_dim) != head_dim:
+            raise GGUFError("attention.value_length differs from key_length; not supported")
+        n_rot = key("rope.dimension_count", head_dim)
+        if n_rot != head_dim:
+            raise GGUFError(f"rope.dimension_count {n_rot} != head dim {head_dim}: llama rotates whole heads")
+        if n_head % n_head_kv:
+            raise GGUFError(f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+        scaling = g.metadata.get(f"{arch}.rope.scaling.type", "linear")
+        if scaling not in ("none", "linear"):
+            raise GGUFError(f"rope scaling '{scaling}' is not supported (none and linear are)")
+        factor = key("rope.scaling.factor", 0.0, float) or key("rope.scale_linear", 0.0, float)
+        tokens = g.metadata.get("tokenizer.ggml.tokens")
+        n_vocab = key("vocab_size", len(tokens) if tokens is not None else 0)
+        if n_vocab == 0:
+            n_vocab = g.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in g.tensors else 0
+        return cls(
+            n_layer=key("block_count"), n_embd=n_embd, n_ff=key("feed_forward_length"),
+            n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_rot=n_rot,
+            rope_base=key("rope.freq_base", 10000.0, float),
+            rope_freq_scale=1.0 / factor if factor and scaling == "linear" else 1.0,
+            eps=key("attention.layer_norm_rms_epsilon", kind=float),
+            n_ctx_train=key("context_length"), n_vocab=n_vocab,
+        )
+
+
+# The per-layer tensors the graph reads (blk.N.<name>.weight).
+LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                 "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def rope_angles(cfg: LlamaConfig, positions: np.ndarray, freq_factors=None) -> np.ndarray:
+    """theta[p, i] = p * base^(-2i/n_rot) * freq_scale / factor_i, float64 [len(positions), n_rot/2]."""
+    i = np.arange(cfg.n_rot // 2, dtype=np.float64)
+    inv_freq = cfg.rope_base ** (-2.0 * i / cfg.n_rot) * cfg.rope_freq_scale
+    if freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)
+    return np.outer(np.asarray(positions, dtype=np.float64), inv_freq)
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: object
+    wq: object
+    wk: object
+    wv: object
+    wo: object
+    ffn_norm: object
+    w_gate: object
+    w_up: object
+    w_down: object
+
+
+class LlamaModel:
+    """A llama model bound to one backend: `forward(tokens, start_pos)` -> logits.
+
+    Stages with a KV cache treat forward(tokens, start_pos) as "these tokens sit at
+    positions start_pos..; the cache already holds 0..start_pos-1". Stages without one
+    take the whole sequence from position 0 every time.
+    """
+
+    def __init__(self, gguf: GGUFFile, backend, n_ctx: int | None = None, progress: bool = False):
+        t0 = time.perf_counter()
+        self.gguf = gguf
+        self.backend = backend
+        self.config = cfg = LlamaConfig.from_gguf(gguf)
+        self.n_ctx = min(n_ctx or min(cfg.n_ctx_train, 2048), cfg.n_ctx_train)
+        self.weight_names = {}     # id(prepared weight) -> tensor name, for per-op profiles
+        self._load_weights(progress)
+        freq_factors = None
+        if "rope_freqs.weight" in gguf.tensors:
+            from common.quants import dequantize_tensor
+            freq_factors = dequantize_tensor(gguf.tensors["rope_freqs.weight"])
+        angles = rope_angles(cfg, np.arange(self.n_ctx), freq_factors)
+        self.rope_cos = backend.prepare_table(np.cos(angles).astype(np.float32))   # [n_ctx, hd/2]
+        self.rope_sin = backend.prepare_table(np.sin(angles).astype(np.float32))
+        self.kv = backend.new_kv_cache(cfg.n_layer, self.n_ctx, cfg.kv_dim)
+        self.load_s = time.perf_counter() - t0
+
+    @property
+    def tokenizer(self):
+        if getattr(self, "_tokenizer", None) is None:
+            from common.tokenizer import Tokenizer
+            self._tokenizer = Tokenizer.from_gguf(self.gguf)
+        return self._tokenizer
+
+    @property
+    def uses_kv_cache(self) -> bool:
+        return self.kv is not None
+
+    def _tensor(self, name):
+        t = self.gguf.tensors.get(name)
+        if t is None:
+            raise GGUFError(f"tensor '{name}' is missing from {self.gguf.path}")
+        return t
+
+    def _load_weights(self, progress: bool):
+        cfg, b = self.config, self.backend
+        known = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
+        for il in range(cfg.n_layer):
+            known |= {f"blk.{il}.{n}.weight" for n in LAYER_TENSORS}
+        unexpected = sorted(set(self.gguf.tensors) - known)
+        if unexpected:
+            raise GGUFError(f"tensors this llama graph does not use (biases? fused qkv?): {unexpected[:5]}")
+
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=cfg.n_layer + 2, desc=f"loading ({b.name})", unit="layer", leave=False)
+
+        def load(kind, name):
+            t = self._tensor(name)
+            w = getattr(b, f"prepare_{kind}")(t)
+            self.weight_names[id(w)] = name
+            return w
+
+        self.token_embd = load("embedding", "token_embd.weight")
+        self.output_norm = load("vector", "output_norm.weight")
+        if "output.weight" in self.gguf.tensors:
+            self.output = load("matrix", "output.weight")
+        else:                                         # tied embeddings (SmolLM2)
+            self.output = b.tie_output(self.token_embd, self.gguf.tensors["token_embd.weight"])
+            self.weight_names[id(self.output)] = "output.weight (tied to token_embd)"
+        if bar:
+            bar.update(2)
+        self.layers = []
+        for il in range(cfg.n_layer):
+            p = f"blk.{il}."
+            self.layers.append(LayerWeights(
+                attn_norm=load("vector", p + "attn_norm.weight"),
+                wq=load("matrix", p + "attn_q.weight"), wk=load("matrix", p + "attn_k.weight"),
+                wv=load("matrix", p + "attn_v.weight"), wo=load("matrix", p + "attn_output.weight"),
+                ffn_norm=load("vector", p + "ffn_norm.weight"),
+                w_gate=load("matrix", p + "ffn_gate.weight"), w_up=load("matrix", p + "ffn_up.weight"),
+                w_down=load("matrix", p + "ffn_down.weight")))
+            if bar:
+                bar.update(1)
+        if bar:
+            bar.close()
+
+    def weight_bytes(self) -> int:
+        """Bytes the backend holds for the weights (float32 copies for the eager stages)."""
+        b, seen, total = self.backend, set(), 0
+        ws = [self.token_embd, self.output_norm, self.output]
+        for layer in self.layers:
+            ws += list(vars(layer).values())
+        for w in ws:
+            inner = getattr(w, "data", None)       # a wrapper sharing another weight's array
+            key = id(inner) if isinstance(inner, np.ndarray) else id(w)
+            if key not in seen:
+                seen.add(key)
+                total += b.weight_bytes(w)
+        return total
+
+    # ---- the forward pass ----------------------------------------------------------------
+    def hidden(self, tokens, start_pos: int = 0, all_rows: bool = True):
+        """The final normed hidden state [M, D] (or its last row) as a backend array."""
+        cfg, b = self.config, self.backend
+        tokens = np.asarray(tokens, dtype=np.int64)
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("forward() needs at least one token")
+        if self.kv is None and start_pos != 0:
+            raise ValueError(f"stage '{b.name}' has no KV cache: pass the whole sequence from position 0")
+        if start_pos + n > self.n_ctx:
+            raise ValueError(f"positions {start_pos}..{start_pos + n - 1} exceed the context of {self.n_ctx}")
+        if tokens.min() < 0 or tokens.max() >= cfg.n_vocab:
+            raise ValueError(f"token ids must be in 0..{cfg.n_vocab - 1}")
+        cos, sin = self.rope_cos, self.rope_sin
+
+        h = b.embed(self.token_embd, tokens)                                  # [M, D]
+        for il, L in enumerate(self.layers):
+            x = b.rms_norm(h, L.attn_norm, cfg.eps)
+            q = b.rope(b.matmul(x, L.wq), cos, sin, start_pos, cfg.n_head)   # [M, H*hd]
+            k = b.rope(b.matmul(x, L.wk), cos, sin, start_pos, cfg.n_head_kv)  # [M, Hkv*hd]
+            v = b.matmul(x, L.wv)                                            # [M, Hkv*hd]
+            if self.kv is not None:
+                k, v = self.kv.store(il, start_pos, k, v)                    # [start_pos+M, Hkv*hd]
+            a = b.attention(q, k, v, cfg.n_head, cfg.n_head_kv, start_pos)   # [M, H*hd]
+            h = b.add(h, b.matmul(a, L.wo))
+            x = b.rms_norm(h, L.ffn_norm, cfg.eps)
+            f = b.swiglu(b.matmul(x, L.w_gate), b.matmul(x, L.w_up))         # [M, n_ff]
+            h = b.add(h, b.matmul(f, L.w_down))
+        if not all_rows:
+            h = b.last_row(h)
+        return b.rms_norm(h, self.output_norm, cfg.eps)
+
+    def forward(self, tokens, start_pos: int = 0, all_logits: bool = True) -> np.ndarray:
+        """float32 logits [len(tokens), n_vocab], or [1, n_vocab] for the last position only."""
+        h = self.hidden(tokens, start_pos, all_rows=all_logits)
+        return self.backend.to_host(self.backend.matmul(h, self.output))
+
+    def greedy_next(self, tokens, start_pos: int = 0) -> int:
+        """The argmax token after `tokens`, computed where the logits live (on the GPU for
+        cuda: only the id crosses the bus)."""
+        b = self.backend
+        return int(b.argmax(b.matmul(self.hidden(tokens, start_pos, all_rows=False), self.output)))
+
+    def reset(self):
+        """Forget the conversation (empty the KV cache)."""
+        if self.kv is not None:
+            self.kv.reset()
+
+    def warmup(self):
+        """Run every kernel once so that JIT compilation is not timed as inference.
+        Returns the seconds it took (numba compiles, or loads its on-disk cache)."""
+        t0 = time.perf_counter()
+        self.backend.warmup()
+        toks = [0, 1]
+        if self.kv is not None:
+            self.forward(toks, 0, all_logits=True)
+            self.greedy_next([2], 2)
+            self.reset()
+        else:
+            self.forward(toks, 0, all_logits=True)
+            self.greedy_next(toks, 0)
+        return time.perf_counter() - t0
+
+    def kv_bytes(self) -> int:
+        return int(getattr(self.kv, "nbytes", 0)) if self.kv is not None else 0
+
+
+def n_params(cfg: LlamaConfig) -> int:
+    per_layer = cfg.n_embd * (cfg.n_head * cfg.head_dim) * 2 + cfg.n_embd * cfg.kv_dim * 2 \
+        + 3 * cfg.n_embd * cfg.n_ff + 2 * cfg.n_embd
+    return cfg.n_layer * per_layer + cfg.n_vocab * cfg.n_embd + cfg.n_embd
+
+
+def flops_per_token(cfg: LlamaConfig, context: int) -> float:
+    """Multiply-adds x2 of one token's forward pass at a given context length (matmuls +
+    attention), the figure the roofline places stages by."""
+    matmul = n_params(cfg) - cfg.n_embd * (2 * cfg.n_layer + 1)
+    attn = cfg.n_layer * cfg.n_head * cfg.head_dim * context * 2
+    return 2.0 * (matmul + attn)
+

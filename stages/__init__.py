@@ -1,0 +1,77 @@
+"""The stages, in order. Each module defines one Backend subclass that inherits from the
+stage before it and overrides only what its optimization changes:
+
+    naive      textbook loops, float32 weights, no KV cache
+    tiling     the matmul blocked for the caches
+    simd       packed panels + a contiguous inner loop that LLVM vectorizes
+    kv_cache   keep K and V of past positions: each step computes the new token only
+    quantized  weights stay in their ggml blocks; fused dequantize-matmul kernels
+    cuda       everything on the GPU (PyCUDA)
+
+    engine = load("simd", "models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    logits = engine.forward(tokens, start_pos=0)        # float32 [len(tokens), n_vocab]
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+# name -> (module, Backend class name)
+_REGISTRY = {
+    "naive": ("stages.naive", "NaiveBackend"),
+    "tiling": ("stages.tiling", "TilingBackend"),
+    "simd": ("stages.simd", "SimdBackend"),
+    "kv_cache": ("stages.kv_cache", "KVCacheBackend"),
+    "quantized": ("stages.quantized", "QuantizedBackend"),
+    "cuda": ("stages.cuda", "CudaBackend"),
+}
+
+
+def _present(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(_REGISTRY[name][0]) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+STAGES = [name for name in _REGISTRY if _present(name)]
+
+
+class StageError(ValueError):
+    """An unknown stage, or one this machine cannot run; the message says why."""
+
+
+def backend_class(stage: str):
+    if stage not in _REGISTRY:
+        raise StageError(f"unknown stage '{stage}'; the stages are: {', '.join(STAGES)}")
+    module, cls = _REGISTRY[stage]
+    return getattr(importlib.import_module(module), cls)
+
+
+def unavailable_reason(stage: str) -> str | None:
+    """None if this machine can run the stage, else a sentence saying what is missing."""
+    check = getattr(backend_class(stage), "unavailable_reason", None)
+    return check() if check else None
+
+
+def runnable_stages() -> list[str]:
+    return [s for s in STAGES if unavailable_reason(s) is None]
+
+
+def fastest_stage() -> str:
+    return runnable_stages()[-1]
+
+
+def load(stage: str, model_path, n_ctx: int | None = None, threads: int | None = None,
+         progress: bool = False):
+    """A LlamaModel bound to the stage's backend (see common/model.py)."""
+    from common.gguf import GGUFFile
+    from common.model import LlamaModel
+    reason = unavailable_reason(stage)
+    if reason:
+        raise StageError(f"stage '{stage}' cannot run here: {reason}")
+    backend = backend_class(stage)(threads=threads)
+    model = LlamaModel(GGUFFile(model_path), backend, n_ctx=n_ctx, progress=progress)
+    model.stage = stage
+    return model

@@ -1,0 +1,167 @@
+"""Every CPU stage on the default model against the float64 reference, and against each other.
+
+Tolerance: float32 stages differ from float64 only by rounding (the summation order differs
+per stage), which on SmolLM2's logits (|logit| up to ~30) measures ~1e-4; we allow 5e-3
+in logit units at every position — 40x the measured error, far below the gaps between the
+top candidates that greedy decoding depends on. Stages that round activations more coarsely
+(e.g. to int8) declare their own, looser tolerance as LOGIT_TOLERANCE in their module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import platform
+import re
+
+import numpy as np
+import pytest
+
+from common import reference
+from common.gguf import GGUFFile
+from stages import backend_class, load
+from tests.util import cpu_stages
+
+STAGES = cpu_stages()
+PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
+N_GREEDY = 8
+DEFAULT_TOLERANCE = 5e-3
+
+
+def tolerance(stage: str) -> float:
+    module = importlib.import_module(backend_class(stage).__module__)
+    return getattr(module, "LOGIT_TOLERANCE", DEFAULT_TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def prompt_and_greedy(default_model_path):
+    """The prompt's ids and the 8 tokens simd (a fast stage) generates greedily after them."""
+    from common.generate import generate
+    engine = load("simd", default_model_path)
+    prompt = engine.tokenizer.encode(PROMPT)
+    assert 12 <= len(prompt) <= 20, "the test wants a ~16-token prompt"
+    gen = generate(engine, prompt, N_GREEDY, ignore_eos=True)
+    return prompt, gen.tokens
+
+
+@pytest.fixture(scope="module")
+def reference_logits(default_model_path, prompt_and_greedy):
+    prompt, cont = prompt_and_greedy
+    return reference.forward(GGUFFile(default_model_path), prompt + cont)
+
+
+@pytest.fixture(scope="module")
+def engines(default_model_path):
+    cache = {}
+
+    def get(stage):
+        if stage not in cache:
+            cache.clear()                                # one eager float32 model in memory at a time
+            cache[stage] = load(stage, default_model_path)
+        return cache[stage]
+    return get
+
+
+def stage_logits(engine, tokens):
+    """All-position logits; stages with a KV cache get the prompt in two chunks (prefill, then
+    one token at a time for the rest), which exercises both paths of the cache."""
+    if not engine.uses_kv_cache:
+        return engine.forward(tokens, 0)
+    engine.reset()
+    split = len(tokens) - N_GREEDY
+    rows = [engine.forward(tokens[:split], 0)]
+    for i in range(split, len(tokens)):
+        rows.append(engine.forward(tokens[i:i + 1], i))
+    engine.reset()
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_logits_match_reference(stage, engines, prompt_and_greedy, reference_logits):
+    prompt, cont = prompt_and_greedy
+    logits = stage_logits(engines(stage), prompt + cont)
+    assert logits.shape == reference_logits.shape and logits.dtype == np.float32
+    assert np.isfinite(logits).all(), "NaN or Inf in the logits"
+    err = np.abs(logits - reference_logits).max(axis=1)             # per position
+    tol = tolerance(stage)
+    assert err.max() <= tol, f"{stage}: max |logit - reference| per position {np.round(err, 5)} > {tol}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_greedy_continuation_identical(stage, engines, prompt_and_greedy):
+    """The 8 greedy tokens after the prompt are the same for every stage. Checked by teacher
+    forcing: one forward over prompt + simd's 8 tokens; the stage's argmax at each position
+    must be the next of those tokens, which is exactly when its own greedy loop would have
+    produced them. Stages with a KV cache also generate for real."""
+    from common.generate import generate
+    prompt, cont = prompt_and_greedy
+    engine = engines(stage)
+    logits = stage_logits(engine, prompt + cont)
+    predicted = logits[len(prompt) - 1:-1].argmax(axis=1).tolist()
+    assert predicted == cont, f"{stage} would generate {predicted}, simd generated {cont}"
+    if engine.uses_kv_cache:
+        assert generate(engine, prompt, N_GREEDY, ignore_eos=True).tokens == cont
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_last_position_and_greedy_next(stage, engines, prompt_and_greedy):
+    prompt, _ = prompt_and_greedy
+    engine = engines(stage)
+    engine.reset()
+    full = engine.forward(prompt, 0)
+    engine.reset()
+    last = engine.forward(prompt, 0, all_logits=False)
+    assert last.shape == (1, full.shape[1])
+    np.testing.assert_allclose(last[0], full[-1], rtol=0, atol=1e-4)
+    engine.reset()
+    assert engine.greedy_next(prompt, 0) == int(np.argmax(full[-1]))
+    engine.reset()
+
+
+def test_stage_without_cache_rejects_start_pos(engines):
+    engine = engines("naive")
+    with pytest.raises(ValueError, match="no KV cache"):
+        engine.forward([1, 2], start_pos=3)
+
+
+def test_prompt_longer_than_context_is_refused_before_work(default_model_path):
+    from common.generate import ContextError, generate
+    engine = load("simd", default_model_path, n_ctx=32)
+    with pytest.raises(ContextError, match="context window of 32"):
+        generate(engine, list(range(30)), 8)
+
+
+def test_unknown_stage_lists_the_stages(default_model_path):
+    from stages import StageError
+    with pytest.raises(StageError, match="naive"):
+        load("warp-drive", default_model_path)
+
+
+def test_eager_stages_balloon_to_float32(engines):
+    """naive..simd hold every matrix as float32: ~4 bytes per parameter, whatever the file."""
+    engine = engines("naive")
+    n_params = sum(t.n_elements for t in engine.gguf.tensors.values())
+    # naive also keeps a transposed copy of the tied output matrix (49152 x 576)
+    assert engine.weight_bytes() >= 4 * n_params
+    assert engine.weight_bytes() > 6 * engine.gguf.file_size
+
+
+def _cpu_has(*flags) -> bool:
+    from common.machine import simd_features
+    return all(f in simd_features() for f in flags)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the check reads x86 assembly")
+@pytest.mark.skipif(not _cpu_has("avx2", "fma"), reason="this CPU has no AVX2+FMA, so no packed FMA to find")
+def test_simd_matmul_is_vectorized():
+    """numba's assembly for the simd stage's matmul holds packed FMAs on 256/512-bit registers,
+    while the naive textbook loop holds none."""
+    from stages.naive import matmul_textbook
+    from stages.simd import matmul_panels
+    a = np.ones((5, 33), np.float32)
+    matmul_panels(a, np.ones((8, 33), np.float32))
+    matmul_textbook(a, np.ones((33, 8), np.float32))
+    packed = re.compile(r"vfmadd\d+ps\s+.*%?[yz]mm")
+    simd_asm = "\n".join(matmul_panels.inspect_asm().values())
+    naive_asm = "\n".join(matmul_textbook.inspect_asm().values())
+    assert len(packed.findall(simd_asm)) >= 4, "no packed FMA in the simd matmul"
+    assert not packed.findall(naive_asm), "the naive loop should not be vectorized"
