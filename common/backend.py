@@ -54,7 +54,8 @@ class Backend:
         return None
 
     def weight_bytes(self, weight) -> int:
-        """Resident bytes of one prepared weight (for the RAM balloon figure)."""
+        """Bytes of one prepared weight as this stage holds it: float32 copies for the eager
+        stages (the RAM balloon), the mapped ggml blocks for the quantized ones."""
         return int(getattr(weight, "nbytes", 0))
 
     def to_host(self, x) -> np.ndarray:

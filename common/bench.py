@@ -101,13 +101,30 @@ def write_record(rec: dict, out_dir=None, name: str | None = None) -> Path:
     return path
 
 
+def profile_run(engine, stage: str, prompt_tokens: int, n_predict: int) -> list[dict]:
+    """A separate, per-op profiled run (the timers slow it a little; figures come from measure)."""
+    from common.generate import Sampler, generate
+    from common.run_cli import start_profile, stop_profile
+    prompt = bench_prompt(engine.tokenizer, prompt_tokens)
+    profiler = start_profile(engine)
+    try:
+        generate(engine, prompt, n_predict, Sampler(), ignore_eos=True)
+    finally:
+        rows = stop_profile(engine, profiler)
+    return rows
+
+
 def bench_stage(stage: str, model, prompt_tokens=None, n_predict=None, threads=None, ctx_size=None,
-                out_dir=None):
-    """Load, measure and record one stage. Returns (record, path)."""
+                out_dir=None, profile_n: int = 0):
+    """Load, measure and record one stage (and, with profile_n, a per-op profile of a run of
+    profile_n tokens). Returns (record, path)."""
     from common.models import resolve
     from stages import fastest_stage, load
     stage = fastest_stage() if stage == "fastest" else stage
     prompt_tokens, n_predict = settings_for(stage, prompt_tokens, n_predict)
     engine = load(stage, resolve(model), n_ctx=ctx_size, threads=threads, progress=True)
     rec = measure(engine, stage, prompt_tokens, n_predict)
+    if profile_n:
+        rec["profile"] = profile_run(engine, stage, prompt_tokens, profile_n)
+        rec["profile_settings"] = {"prompt_tokens": prompt_tokens, "n_predict": profile_n}
     return rec, write_record(rec, out_dir)

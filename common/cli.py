@@ -41,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--list", action="store_true", help="list the known models and whether they are present")
     s.set_defaults(func=_cmd_model)
 
-    from common import run_cli
+    from common import report, run_cli
     run_cli.add_commands(sub)
+    report.add_commands(sub)
     return p
 
 

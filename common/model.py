@@ -209,13 +209,21 @@ class LlamaModel:
         if bar:
             bar.close()
 
-    def weight_bytes(self) -> int:
-        """Bytes the backend holds for the weights (float32 copies for the eager stages)."""
-        b, seen, total = self.backend, set(), 0
+    def _weights(self) -> list:
         ws = [self.token_embd, self.output_norm, self.output]
         for layer in self.layers:
             ws += list(vars(layer).values())
-        for w in ws:
+        return ws
+
+    def weight_stream_bytes(self) -> int:
+        """Bytes of weights one forward pass reads: every matrix and norm once, plus one
+        embedding row per token (negligible); the tied output counted once as a matrix."""
+        return sum(self.backend.weight_bytes(w) for w in self._weights()[1:])
+
+    def weight_bytes(self) -> int:
+        """Bytes the backend holds for the weights (float32 copies for the eager stages)."""
+        b, seen, total = self.backend, set(), 0
+        for w in self._weights():
             inner = getattr(w, "data", None)       # a wrapper sharing another weight's array
             key = id(inner) if isinstance(inner, np.ndarray) else id(w)
             if key not in seen:

@@ -55,6 +55,7 @@ def load_engine(args, progress=True):
 def run_record(engine, stage, gen, text, jit_s) -> dict:
     """The figures every run and benchmark reports (see the measurement protocol)."""
     from common.machine import rusage
+    from common.model import flops_per_token
     rec = {
         "stage": stage, "model": engine.gguf.path.split("/")[-1],
         "prompt_tokens": gen.prompt_tokens, "n_prompt": len(gen.prompt_tokens),
@@ -65,6 +66,10 @@ def run_record(engine, stage, gen, text, jit_s) -> dict:
         "n_ctx": engine.n_ctx, "uses_kv_cache": engine.uses_kv_cache,
         "weights_mb": engine.weight_bytes() / 2**20, "kv_cache_mb": engine.kv_bytes() / 2**20,
         "stop_reason": gen.stop_reason,
+        # for the roofline: what one forward pass computes and reads
+        "flops_per_token": flops_per_token(engine.config, len(gen.prompt_tokens)),
+        "weights_stream_bytes": engine.weight_stream_bytes(),
+        "kv_bytes_per_position": 2 * engine.config.n_layer * engine.config.kv_dim * 4,
     }
     rec.update(rusage())
     return rec
@@ -80,6 +85,22 @@ def print_stats(rec: dict, out=sys.stderr):
     print(f"load {rec['load_s']:.2f} s | JIT/warm-up {rec['jit_s']:.2f} s | weights {rec['weights_mb']:.0f} MiB"
           f" | KV cache {rec['kv_cache_mb']:.0f} MiB | peak RSS {rec['peak_rss_mb']:.0f} MiB | page faults "
           f"{rec['minor_faults']} minor, {rec['major_faults']} major | threads {rec['threads']}", file=out)
+
+
+def start_profile(engine):
+    """A per-op profiler for the run: the backend's own (CUDA events) if it has one."""
+    if hasattr(engine.backend, "start_profile"):
+        engine.backend.start_profile()
+        return engine.backend
+    from common.profile import OpProfiler
+    return OpProfiler(engine).__enter__()
+
+
+def stop_profile(engine, profiler) -> list[dict]:
+    if profiler is engine.backend:
+        return engine.backend.stop_profile()
+    profiler.__exit__(None, None, None)
+    return profiler.rows()
 
 
 def cmd_run(args):
@@ -106,24 +127,31 @@ def cmd_run(args):
     if echo:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
+    profiler = start_profile(engine) if args.profile else None
     gen = session.generate(prompt, n_predict, Sampler(sampling_params(args)), stop_ids=tok.eog_ids,
                            on_token=on_token)
     if echo:
         sys.stdout.write(stream.flush() + "\n")
     rec = run_record(engine, stage, gen, tok.decode(gen.tokens), jit_s)
+    if profiler:
+        rec["profile"] = stop_profile(engine, profiler)
     if args.json:
         rec.pop("decode_ms_all")
         print(json.dumps(rec))
     else:
         print_stats(rec)
+        if profiler:
+            from common.profile import format_table
+            print("\n" + format_table(rec["profile"], f"per-op profile ({stage}, this run)"), file=sys.stderr)
 
 
 def cmd_bench(args):
     from common.bench import bench_stage
     rec, path = bench_stage(args.stage, args.model, prompt_tokens=args.prompt_tokens, n_predict=args.n_predict,
-                            threads=args.threads, ctx_size=args.ctx_size, out_dir=args.out)
+                            threads=args.threads, ctx_size=args.ctx_size, out_dir=args.out,
+                            profile_n=args.profile_n)
     if args.json:
-        print(json.dumps(rec))
+        print(json.dumps(rec, default=float))
     else:
         print_stats(rec)
         print(f"wrote {path}", file=sys.stderr)
@@ -141,6 +169,8 @@ def add_commands(sub):
     p.add_argument("--chat", action="store_true",
                    help="interactive chat with the model's template (stages with a KV cache); /reset, Ctrl-D")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    p.add_argument("--profile", action="store_true",
+                   help="time every op (matmul by weight, attention, norms, ...) and print an nvprof-style table")
     add_sampling_args(p)
     p.set_defaults(func=cmd_run)
 
@@ -152,6 +182,8 @@ def add_commands(sub):
     p.add_argument("--prompt-tokens", type=int, default=None, help="prompt length in tokens (default: by stage)")
     p.add_argument("-n", "--n-predict", type=int, default=None, help="tokens to generate (default: by stage)")
     p.add_argument("--out", default=None, help="folder for the record (default: profiles/results/<machine>/<model>/)")
-    p.add_argument("--json", action="store_true", help="also print the record")
+    p.add_argument("--json", action="store_true", help="print the record (one JSON line) instead of a summary")
+    p.add_argument("--profile-n", type=int, default=0,
+                   help="after measuring, profile a run of this many tokens per op and add it to the record")
     p.set_defaults(func=cmd_bench)
 

@@ -158,10 +158,18 @@ def test_simd_matmul_is_vectorized():
     from stages.naive import matmul_textbook
     from stages.simd import matmul_panels
     a = np.ones((5, 33), np.float32)
-    matmul_panels(a, np.ones((8, 33), np.float32))
-    matmul_textbook(a, np.ones((33, 8), np.float32))
+    simd_asm = fresh_asm(matmul_panels, a, np.ones((8, 33), np.float32))
+    naive_asm = fresh_asm(matmul_textbook, a, np.ones((33, 8), np.float32))
     packed = re.compile(r"vfmadd\d+ps\s+.*%?[yz]mm")
-    simd_asm = "\n".join(matmul_panels.inspect_asm().values())
-    naive_asm = "\n".join(matmul_textbook.inspect_asm().values())
     assert len(packed.findall(simd_asm)) >= 4, "no packed FMA in the simd matmul"
     assert not packed.findall(naive_asm), "the naive loop should not be vectorized"
+
+
+def fresh_asm(dispatcher, *args) -> str:
+    """Assembly of a numba function compiled now with its own options (numba cannot show the
+    assembly of a kernel it loaded from its on-disk cache)."""
+    from numba import njit
+    options = {k: v for k, v in dispatcher.targetoptions.items() if k not in ("cache", "nopython")}
+    fn = njit(**options)(dispatcher.py_func)
+    fn(*args)
+    return "\n".join(fn.inspect_asm().values())
