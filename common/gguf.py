@@ -12,7 +12,9 @@ The reader maps the whole file once and hands every tensor out as a zero-copy
 ``numpy.uint8`` view into that mapping: opening a 600 MB model costs a few page
 faults, not 600 MB of reads. Nothing is allocated before it is checked against the
 bytes that remain, so a hostile file can neither hang the reader nor make it allocate
-more than the file's own size; every failure is a ``GGUFError`` naming what and where.
+more than its own bytes can back (every element it claims must be there; as Python
+objects, the densest metadata costs a few times its size in the file); every failure
+is a ``GGUFError`` naming what and where.
 """
 
 from __future__ import annotations
@@ -205,15 +207,20 @@ class _Cursor:
         n = self.u64(f"length of {what}")
         if n > self.remaining:
             raise GGUFError(f"{what} at byte {start} claims {n} bytes, only {self.remaining} remain")
-        # surrogateescape keeps any invalid UTF-8 byte recoverable (some vocabularies hold raw bytes)
-        return self.raw(n, what).decode("utf-8", errors="surrogateescape")
+        # surrogateescape keeps any invalid UTF-8 byte recoverable (some vocabularies hold raw bytes);
+        # decoding straight from the mapping skips an intermediate bytes copy
+        s = str(self.buf[self.pos:self.pos + n], "utf-8", "surrogateescape")
+        self.pos += n
+        return s
 
-    def array(self, dtype: np.dtype, count: int, what: str) -> np.ndarray:
+    def array(self, dtype: np.dtype, count: int, what: str, copy: bool = True) -> np.ndarray:
         nbytes = count * dtype.itemsize
         if nbytes > self.remaining:
             raise GGUFError(f"{what} at byte {self.pos}: {count} elements of {dtype.itemsize} bytes "
                             f"need {nbytes}, only {self.remaining} remain")
-        a = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
+        a = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
+        if copy:        # metadata must not pin the mapping
+            a = a.copy()
         self.pos += nbytes
         return a
 
@@ -267,8 +274,9 @@ def _read_value(cur: _Cursor, vtype: ValueType, key: str, depth: int = 0):
             if depth + 1 >= MAX_ARRAY_NESTING:
                 raise GGUFError(f"array '{key}' at byte {at} nests deeper than {MAX_ARRAY_NESTING} levels")
             return [_read_value(cur, etype, key, depth + 1) for _ in range(count)]
-        a = cur.array(SCALAR_DTYPES[etype], count, f"array '{key}'")
-        return a.astype(bool) if etype == ValueType.BOOL else a
+        if etype == ValueType.BOOL:     # any nonzero byte is true, as in gguf.cpp
+            return cur.array(SCALAR_DTYPES[etype], count, f"array '{key}'", copy=False) != 0
+        return cur.array(SCALAR_DTYPES[etype], count, f"array '{key}'")
     dtype = SCALAR_DTYPES[vtype]
     cur.need(dtype.itemsize, f"value of '{key}'")
     (v,) = np.frombuffer(cur.buf, dtype=dtype, count=1, offset=cur.pos)
@@ -444,10 +452,14 @@ class GGUFFile:
 # ---- writing ---------------------------------------------------------------------------------
 
 def _infer_type(value) -> ValueType:
+    if isinstance(value, np.generic) and value.dtype in _NUMPY_TO_VALUE:
+        return _NUMPY_TO_VALUE[value.dtype]     # a numpy scalar states its own width
     if isinstance(value, bool):
         return ValueType.BOOL
     if isinstance(value, int):
-        return ValueType.UINT32 if 0 <= value < 2**32 else ValueType.INT64
+        if 0 <= value < 2**32:
+            return ValueType.UINT32
+        return ValueType.UINT64 if value >= 2**63 else ValueType.INT64
     if isinstance(value, float):
         return ValueType.FLOAT32
     if isinstance(value, str):
@@ -461,7 +473,29 @@ _NUMPY_TO_VALUE = {np.dtype(d): t for t, d in SCALAR_DTYPES.items() if t != Valu
 _NUMPY_TO_VALUE[np.dtype(bool)] = ValueType.BOOL
 
 
+def _encode_numbers(value, vtype: ValueType) -> bytes:
+    """A number or a sequence of numbers as vtype, refusing any that would not survive the trip."""
+    dtype = SCALAR_DTYPES[vtype]
+    try:
+        enc = value.astype(dtype) if isinstance(value, np.ndarray) else np.array(value, dtype=dtype)
+    except (OverflowError, ValueError, TypeError) as e:
+        raise GGUFError(f"cannot store {_brief(value)} as {vtype.name}: {e}") from None
+    # numpy's casts wrap integers and truncate floats without a word; compare exactly, as Python ints
+    if dtype.kind in "iu":
+        given = value.tolist() if isinstance(value, np.ndarray) else value
+        if enc.tolist() != (list(given) if isinstance(given, tuple) else given):
+            raise GGUFError(f"cannot store {_brief(value)} as {vtype.name}: out of range or not whole")
+    return enc.tobytes()
+
+
+def _brief(value) -> str:
+    r = repr(value)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
 def _encode_string(s: str) -> bytes:
+    if not isinstance(s, str):
+        raise GGUFError(f"expected a str, got {_brief(s)}")
     b = s.encode("utf-8", errors="surrogateescape")
     return struct.pack("<Q", len(b)) + b
 
@@ -470,10 +504,14 @@ def _encode_value(value, vtype: ValueType, elem_type: ValueType | None = None) -
     if vtype == ValueType.STRING:
         return _encode_string(value)
     if vtype == ValueType.ARRAY:
+        if isinstance(value, np.ndarray) and value.ndim != 1:
+            raise GGUFError(f"a metadata array must be 1-D (nest lists for more), not shape {value.shape}")
         if elem_type is None:
             if isinstance(value, np.ndarray):
-                elem_type = _NUMPY_TO_VALUE[value.dtype.newbyteorder("<") if value.dtype.byteorder == ">"
-                                            else value.dtype]
+                elem_type = _NUMPY_TO_VALUE.get(value.dtype.newbyteorder("<") if value.dtype.byteorder == ">"
+                                                else value.dtype)
+                if elem_type is None:
+                    raise GGUFError(f"cannot store a numpy {value.dtype} array in GGUF metadata")
             elif len(value) == 0:
                 elem_type = ValueType.UINT32
             else:
@@ -485,10 +523,12 @@ def _encode_value(value, vtype: ValueType, elem_type: ValueType | None = None) -
             return head + b"".join(_encode_string(s) for s in value)
         if elem_type == ValueType.ARRAY:
             return head + b"".join(_encode_value(v, ValueType.ARRAY) for v in value)
-        return head + np.asarray(value).astype(SCALAR_DTYPES[elem_type]).tobytes()
+        if elem_type == ValueType.BOOL:
+            return head + np.asarray(value).astype(bool).astype(SCALAR_DTYPES[elem_type]).tobytes()
+        return head + _encode_numbers(value, elem_type)
     if vtype == ValueType.BOOL:
         return struct.pack("<B", 1 if value else 0)
-    return np.array(value).astype(SCALAR_DTYPES[vtype]).tobytes()
+    return _encode_numbers(value, vtype)
 
 
 class GGUFWriter:
@@ -506,6 +546,8 @@ class GGUFWriter:
     """
 
     def __init__(self, path, alignment: int = DEFAULT_ALIGNMENT):
+        if not (isinstance(alignment, int) and 0 < alignment < 2**32 and alignment & (alignment - 1) == 0):
+            raise GGUFError(f"alignment {alignment!r} must be a power of two that fits a UINT32")
         self.path = os.fspath(path)
         self.alignment = alignment
         self.kv = {}       # key -> (value, ValueType, element ValueType or None)
@@ -516,7 +558,14 @@ class GGUFWriter:
     def add(self, key: str, value, vtype: ValueType | None = None, elem_type: ValueType | None = None):
         if key in self.kv:
             raise GGUFError(f"metadata key '{key}' added twice")
-        self.kv[key] = (value, _infer_type(value) if vtype is None else ValueType(vtype), elem_type)
+        if not key:
+            raise GGUFError("metadata key must not be empty")
+        vtype = _infer_type(value) if vtype is None else ValueType(vtype)
+        try:    # encode once now, so a bad value fails here, naming its key, not later in write()
+            _encode_value(value, vtype, elem_type)
+        except GGUFError as e:
+            raise GGUFError(f"metadata '{key}': {e}") from None
+        self.kv[key] = (value, vtype, elem_type)
 
     def add_tensor(self, name: str, data, ggml_type: GGMLType | None = None, shape=None):
         """data: a float32/float16 array (type inferred), raw uint8 blocks with ggml_type and
@@ -529,6 +578,14 @@ class GGUFWriter:
             data, shape = arr, arr.shape
         if shape is None:
             raise GGUFError(f"tensor '{name}': raw data needs its shape")
+        if any(t[0] == name for t in self.tensors):
+            raise GGUFError(f"tensor '{name}' added twice")
+        if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
+            raise GGUFError(f"tensor name '{name}' is longer than {MAX_NAME_BYTES} bytes")
+        if not 1 <= len(shape) <= MAX_DIMS:
+            raise GGUFError(f"tensor '{name}': shape {tuple(shape)} must have 1..{MAX_DIMS} dimensions")
+        if any(int(d) <= 0 for d in shape):
+            raise GGUFError(f"tensor '{name}': shape {tuple(shape)} must be all positive")
         nbytes = type_nbytes(ggml_type, shape)
         if not callable(data) and np.asarray(data).nbytes != nbytes:
             raise GGUFError(f"tensor '{name}': {np.asarray(data).nbytes} bytes given, "
@@ -547,16 +604,20 @@ class GGUFWriter:
             offset = align_up(offset + nbytes, self.alignment)
         head = b"".join(header)
         tmp = self.path + ".part"
-        with open(tmp, "wb") as f:
-            f.write(head)
-            f.write(b"\0" * ((-len(head)) % self.alignment))
-            for name, shape, gtype, data, nbytes in self.tensors:
-                raw = data() if callable(data) else data
-                raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
-                if raw.nbytes != nbytes:
-                    raise GGUFError(f"tensor '{name}': generator gave {raw.nbytes} bytes, expected {nbytes}")
-                f.write(raw.data)
-                f.write(b"\0" * ((-nbytes) % self.alignment))
-                if progress:
-                    progress(nbytes)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.write(b"\0" * ((-len(head)) % self.alignment))
+                for name, shape, gtype, data, nbytes in self.tensors:
+                    raw = data() if callable(data) else data
+                    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+                    if raw.nbytes != nbytes:
+                        raise GGUFError(f"tensor '{name}': generator gave {raw.nbytes} bytes, expected {nbytes}")
+                    f.write(raw.data)
+                    f.write(b"\0" * ((-nbytes) % self.alignment))
+                    if progress:
+                        progress(nbytes)
+        except BaseException:   # a half-written file must not be mistaken for a model later
+            os.unlink(tmp)
+            raise
         os.replace(tmp, self.path)
