@@ -20,7 +20,7 @@ name   ?= smollm2
 args   ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup model vocab test test-all run bench report baseline notebooks setup-cuda clean
+.PHONY: help setup model vocab test test-all run bench report baseline llama-cpp notebooks setup-cuda clean
 
 help:  ## list the targets
 	@echo "usage: make TARGET [stage=NAME prompt=TEXT n=N model=PATH name=MODEL]"
@@ -61,8 +61,19 @@ bench: $(STAMP) $(MODEL_FILE)  ## measure one stage into profiles/: make stage=s
 report: $(STAMP) $(MODEL_FILE)  ## re-measure every stage, redraw profiles/*.png and the README table
 	$(PY) -m common report -m $(model) $(args)
 
-baseline: $(STAMP) $(MODEL_FILE)  ## install llama-cpp-python (compiles ~7 min) and record llama.cpp's row
-	$(PY) -c "import llama_cpp" 2>/dev/null || $(PY) -m pip install -r requirements-llama.txt
+# llama.cpp is compiled for this CPU (GGML_NATIVE) but without AMX tiles: some virtual machines
+# advertise AMX and then fault on its first instruction.
+ifeq ($(shell uname -m),x86_64)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON '-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' '-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
+else
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON
+endif
+
+llama-cpp: $(STAMP)  ## install llama-cpp-python, the oracle and baseline (optional; compiles llama.cpp ~7 min)
+	@$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PY) -m pip install --no-cache-dir -r requirements-llama.txt
+
+baseline: llama-cpp $(MODEL_FILE)  ## install llama-cpp-python if needed and record llama.cpp's row
 	$(PY) -m common baseline -m $(model) $(args)
 
 notebooks: $(STAMP) $(MODEL_FILE)  ## start Jupyter Lab on notebooks/
