@@ -61,6 +61,19 @@ def engines(default_model_path):
     return get
 
 
+@pytest.fixture(scope="module")
+def run_logits(engines, prompt_and_greedy):
+    """stage -> its logits over prompt + simd's greedy tokens, computed once per stage."""
+    done = {}
+
+    def get(stage):
+        if stage not in done:
+            prompt, cont = prompt_and_greedy
+            done[stage] = stage_logits(engines(stage), prompt + cont)
+        return done[stage]
+    return get
+
+
 def stage_logits(engine, tokens):
     """All-position logits; stages with a KV cache get the prompt in two chunks (prefill, then
     one token at a time for the rest), which exercises both paths of the cache."""
@@ -76,9 +89,8 @@ def stage_logits(engine, tokens):
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_logits_match_reference(stage, engines, prompt_and_greedy, reference_logits):
-    prompt, cont = prompt_and_greedy
-    logits = stage_logits(engines(stage), prompt + cont)
+def test_logits_match_reference(stage, run_logits, reference_logits):
+    logits = run_logits(stage)
     assert logits.shape == reference_logits.shape and logits.dtype == np.float32
     assert np.isfinite(logits).all(), "NaN or Inf in the logits"
     err = np.abs(logits - reference_logits).max(axis=1)             # per position
@@ -87,7 +99,7 @@ def test_logits_match_reference(stage, engines, prompt_and_greedy, reference_log
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_greedy_continuation_identical(stage, engines, prompt_and_greedy):
+def test_greedy_continuation_identical(stage, engines, run_logits, prompt_and_greedy):
     """The 8 greedy tokens after the prompt are the same for every stage. Checked by teacher
     forcing: one forward over prompt + simd's 8 tokens; the stage's argmax at each position
     must be the next of those tokens, which is exactly when its own greedy loop would have
@@ -95,7 +107,7 @@ def test_greedy_continuation_identical(stage, engines, prompt_and_greedy):
     from common.generate import generate
     prompt, cont = prompt_and_greedy
     engine = engines(stage)
-    logits = stage_logits(engine, prompt + cont)
+    logits = run_logits(stage)
     predicted = logits[len(prompt) - 1:-1].argmax(axis=1).tolist()
     assert predicted == cont, f"{stage} would generate {predicted}, simd generated {cont}"
     if engine.uses_kv_cache:
@@ -103,17 +115,18 @@ def test_greedy_continuation_identical(stage, engines, prompt_and_greedy):
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_last_position_and_greedy_next(stage, engines, prompt_and_greedy):
+def test_last_position_and_greedy_next(stage, engines, run_logits, prompt_and_greedy):
+    """all_logits=False gives the last row of the full logits; greedy_next is its argmax.
+    (Causal attention: the prompt's last row is the same whether or not tokens follow it.)"""
     prompt, _ = prompt_and_greedy
+    full_row = run_logits(stage)[len(prompt) - 1]
     engine = engines(stage)
     engine.reset()
-    full = engine.forward(prompt, 0)
-    engine.reset()
     last = engine.forward(prompt, 0, all_logits=False)
-    assert last.shape == (1, full.shape[1])
-    np.testing.assert_allclose(last[0], full[-1], rtol=0, atol=1e-4)
+    assert last.shape == (1, full_row.shape[0])
+    np.testing.assert_allclose(last[0], full_row, rtol=0, atol=1e-4)
     engine.reset()
-    assert engine.greedy_next(prompt, 0) == int(np.argmax(full[-1]))
+    assert engine.greedy_next(prompt, 0) == int(np.argmax(last[0]))
     engine.reset()
 
 
