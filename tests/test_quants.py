@@ -3,7 +3,8 @@ quantizers through llama-cpp-python's shared library (Q4_K, Q6_K); plus the synt
 
 from __future__ import annotations
 
-import ctypes
+import hashlib
+import json
 import filecmp
 import os
 from collections import Counter
@@ -180,44 +181,23 @@ def test_quantize_accepts_any_leading_shape():
 
 @pytest.fixture(scope="module")
 def ggml_quantize_chunk():
-    """ggml_quantize_chunk(type, src, dst, start, nrows, n_per_row, imatrix) from the ggml
-    library inside llama-cpp-python. With imatrix = NULL it runs quantize_row_<type>_ref."""
+    """ggml's own quantizer (from llama-cpp-python's ggml library); see tests/ggml_ref.py."""
+    from tests.ggml_ref import GGMLUnavailable, ggml_quantizer
     try:
-        import llama_cpp
-    except ImportError:
-        pytest.skip("llama-cpp-python is not installed (optional: requirements-llama.txt); "
-                    "it carries ggml's reference K-quant quantizers")
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll", "libggml.so", "libllama.so"):
-        if (lib_dir / name).exists():
-            lib = ctypes.CDLL(str(lib_dir / name))
-            if hasattr(lib, "ggml_quantize_chunk"):
-                break
-    else:
-        pytest.skip(f"no ggml library exporting ggml_quantize_chunk in {lib_dir}")
-    fn = lib.ggml_quantize_chunk
-    fn.restype = ctypes.c_size_t
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                   ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-
-    def quantize(x: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
-        x = np.ascontiguousarray(x, np.float32)
-        nrows, n_per_row = x.shape
-        out = np.zeros((nrows, type_nbytes(ggml_type, (n_per_row,))), np.uint8)
-        written = fn(int(ggml_type), x.ctypes.data, out.ctypes.data, 0, nrows, n_per_row, None)
-        assert written == out.nbytes
-        return out
-    return quantize
+        return ggml_quantizer()
+    except GGMLUnavailable as e:
+        pytest.skip(str(e))
 
 
 def mismatched_rows(ours, theirs):
     return np.nonzero((ours != theirs).any(axis=1))[0].tolist()
 
 
-@pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
-def test_k_quantize_byte_exact_with_ggml_reference(ggml_type, ggml_quantize_chunk):
+def k_quant_cases(ggml_type: GGMLType) -> dict:
+    """The float tensors the K-quant tests quantize (seeded, so scripts/make_kquant_golden.py
+    can record ggml's output for exactly these)."""
     rng = np.random.default_rng(3000 + int(ggml_type))
-    tensors = {
+    return {
         "tricky rows": tricky_rows(rng, 1024),
         "weights N(0, 0.02)": rng.normal(0, 0.02, (96, 2048)).astype(np.float32),
         "rows of very different scales": (rng.normal(0, 1, (64, 512))
@@ -225,9 +205,34 @@ def test_k_quantize_byte_exact_with_ggml_reference(ggml_type, ggml_quantize_chun
         "outlier columns": (rng.normal(0, 0.02, (32, 1024))
                             * np.where(rng.random(1024) < 0.01, 30.0, 1.0)).astype(np.float32),
     }
-    for what, x in tensors.items():
+
+
+def sha256_rows(a: np.ndarray) -> list[str]:
+    return [hashlib.sha256(np.ascontiguousarray(r).tobytes()).hexdigest() for r in a]
+
+
+GOLDEN_K = Path(__file__).parent / "golden" / "ggml_k_quants.json"
+
+
+@pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
+def test_k_quantize_byte_exact_with_ggml_reference(ggml_type, ggml_quantize_chunk):
+    for what, x in k_quant_cases(ggml_type).items():
         bad = mismatched_rows(Q.quantize(x, ggml_type), ggml_quantize_chunk(x, ggml_type))
         assert not bad, f"{what}: rows {bad} differ from ggml's quantize_row_{ggml_type.name.lower()}_ref"
+
+
+@pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
+def test_k_quantize_matches_recorded_ggml_output(ggml_type):
+    """The same check without llama.cpp: ggml's output for these inputs, recorded by
+    scripts/make_kquant_golden.py as one sha256 per quantized row."""
+    golden = json.loads(GOLDEN_K.read_text())[ggml_type.name]
+    for what, x in k_quant_cases(ggml_type).items():
+        assert hashlib.sha256(x.tobytes()).hexdigest() == golden[what]["input_sha256"], \
+            f"{what}: the seeded inputs changed (a numpy RNG change?); regenerate the golden file"
+        ours = sha256_rows(Q.quantize(x, ggml_type))
+        bad = [i for i, (a, b) in enumerate(zip(ours, golden[what]["rows"])) if a != b]
+        assert len(ours) == len(golden[what]["rows"]) and not bad, \
+            f"{what}: rows {bad} differ from ggml's quantize_row_{ggml_type.name.lower()}_ref"
 
 
 @pytest.mark.parametrize("ggml_type", LEGACY_TYPES, ids=lambda t: t.name)
