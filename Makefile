@@ -79,8 +79,8 @@ baseline: llama-cpp $(MODEL_FILE)  ## install llama-cpp-python if needed and rec
 notebooks: $(STAMP) $(MODEL_FILE)  ## start Jupyter Lab on notebooks/
 	$(VENV)/bin/jupyter lab notebooks/
 
-setup-cuda: $(STAMP)  ## install PyCUDA for the cuda stage (needs an NVIDIA GPU, driver and nvcc)
-	$(PY) -m pip install -r requirements-cuda.txt
+setup-cuda: $(STAMP)  ## build and install PyCUDA for the cuda stage (needs an NVIDIA GPU, driver and nvcc)
+	PYTHON=$(PY) bash scripts/install_pycuda.sh
 
 clean:  ## remove the numba cache and Python caches (keeps .venv and models/)
 	rm -rf .numba_cache .pytest_cache

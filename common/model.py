@@ -264,15 +264,34 @@ class LlamaModel:
             h = b.last_row(h)
         return b.rms_norm(h, self.output_norm, cfg.eps)
 
+    def pieces(self, tokens, start_pos: int = 0):
+        """[(tokens, start_pos)]: a backend with a `max_batch` (cuda: scratch memory sized for
+        that many rows) gets a long prompt in pieces of at most max_batch tokens; the KV cache
+        carries the context from one piece to the next."""
+        n = getattr(self.backend, "max_batch", None)
+        if not n or self.kv is None or len(tokens) <= n:
+            return [(tokens, start_pos)]
+        return [(tokens[i:i + n], start_pos + i) for i in range(0, len(tokens), n)]
+
     def forward(self, tokens, start_pos: int = 0, all_logits: bool = True) -> np.ndarray:
         """float32 logits [len(tokens), n_vocab], or [1, n_vocab] for the last position only."""
+        *head, (tokens, start_pos) = self.pieces(tokens, start_pos)
+        rows = []
+        for t, p in head:
+            h = self.hidden(t, p, all_rows=all_logits)
+            if all_logits:
+                rows.append(self.backend.to_host(self.backend.matmul(h, self.output)))
         h = self.hidden(tokens, start_pos, all_rows=all_logits)
-        return self.backend.to_host(self.backend.matmul(h, self.output))
+        rows.append(self.backend.to_host(self.backend.matmul(h, self.output)))
+        return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
     def greedy_next(self, tokens, start_pos: int = 0) -> int:
         """The argmax token after `tokens`, computed where the logits live (on the GPU for
         cuda: only the id crosses the bus)."""
         b = self.backend
+        *head, (tokens, start_pos) = self.pieces(tokens, start_pos)
+        for t, p in head:
+            self.hidden(t, p, all_rows=False)
         return int(b.argmax(b.matmul(self.hidden(tokens, start_pos, all_rows=False), self.output)))
 
     def reset(self):

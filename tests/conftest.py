@@ -25,18 +25,9 @@ def pytest_configure(config):
 
 
 def _gpu_missing_reason() -> str | None:
-    """None if a CUDA device can be used through PyCUDA, else why not."""
-    try:
-        import pycuda.driver as cuda
-    except ImportError:
-        return "PyCUDA is not installed (`make setup-cuda`)"
-    try:
-        cuda.init()
-        if cuda.Device.count() == 0:
-            return "no CUDA device found"
-    except Exception as e:  # the driver's own error types vary; any of them means "no GPU here"
-        return f"CUDA is not usable here: {e}"
-    return None
+    """None if the cuda stage can run here, else why not (PyCUDA, driver, GPU, nvcc)."""
+    from stages.cuda import CudaBackend
+    return CudaBackend.unavailable_reason()
 
 
 def pytest_collection_modifyitems(config, items):
