@@ -97,8 +97,10 @@ def start_profile(engine):
 
 
 def stop_profile(engine, profiler) -> list[dict]:
+    """[{op, calls, total_ms, avg_us, share}]; a GPU stage's rows are its kernels."""
     if profiler is engine.backend:
-        return engine.backend.stop_profile()
+        engine.backend.stop_profile()
+        return [{"op": r["kernel"], **r} for r in engine.backend.profile_rows()]
     profiler.__exit__(None, None, None)
     return profiler.rows()
 
@@ -140,7 +142,9 @@ def cmd_run(args):
         print(json.dumps(rec))
     else:
         print_stats(rec)
-        if profiler:
+        if profiler is engine.backend:
+            print("\n" + engine.backend.profile_table(), file=sys.stderr)
+        elif profiler:
             from common.profile import format_table
             print("\n" + format_table(rec["profile"], f"per-op profile ({stage}, this run)"), file=sys.stderr)
 
