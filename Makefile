@@ -76,8 +76,8 @@ llama-cpp: $(STAMP)  ## install llama-cpp-python, the oracle and baseline (optio
 baseline: llama-cpp $(MODEL_FILE)  ## install llama-cpp-python if needed and record llama.cpp's row
 	$(PY) -m common baseline -m $(model) $(args)
 
-notebooks: $(STAMP) $(MODEL_FILE)  ## start Jupyter Lab on notebooks/
-	$(VENV)/bin/jupyter lab notebooks/
+notebooks: $(STAMP) $(MODEL_FILE)  ## start Jupyter Lab on notebooks/ (LLM_NOTEBOOK_QUICK=1: tiny settings)
+	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/ $(args)
 
 setup-cuda: $(STAMP)  ## build and install PyCUDA for the cuda stage (needs an NVIDIA GPU, driver and nvcc)
 	PYTHON=$(PY) bash scripts/install_pycuda.sh

@@ -1,0 +1,144 @@
+# Source of notebooks/01_naive.ipynb (build with: python notebooks/build.py).
+
+# %% [markdown]
+# # 01 · naive: the textbook, and what it costs
+#
+# The first stage is the engine as a textbook would write it: every weight converted to float32
+# when the model loads, matmul as the triple loop `C[i][j] += A[i][k] * B[k][j]`, and no memory
+# of past tokens, so every new token runs the whole text through the model again.
+#
+# **How fast could it be?** Producing one token multiplies the current row by every weight
+# matrix once: about 2 FLOP (a multiply and an add) per weight. With float32 weights each
+# weight is 4 bytes that must come from memory, so the work has an *arithmetic intensity* of
+# 2 / 4 = 0.5 FLOP per byte. A machine has two ceilings, its memory bandwidth (bytes/s) and its
+# peak arithmetic (FLOP/s); at 0.5 FLOP/byte the bandwidth one is far lower. So the best a
+# decode step can do is *the time to read every weight once*. That is the yardstick for the
+# whole journey.
+
+# %%
+import numpy as np
+
+findings = nb.Findings()
+ceil = nb.ceilings()
+print(f"this machine, one thread: {ceil['bandwidth_gbs']:.1f} GB/s, {ceil['peak_gflops']:.0f} GFLOP/s "
+      f"({ceil['source']})")
+print(f"ridge point: {ceil['peak_gflops'] / ceil['bandwidth_gbs']:.1f} FLOP/byte; below it, memory is the limit")
+
+# %% [markdown]
+# ## The stage's code
+#
+# The lesson is the matmul and the weight layout; the other primitives (norms, RoPE, softmax)
+# are simple loops in the same file that every later CPU stage inherits.
+
+# %%
+import stages.naive
+
+nb.show_source(stages.naive.matmul_textbook, stages.naive.NaiveBackend.prepare_matrix,
+               stages.naive.NaiveBackend.matmul)
+
+# %% [markdown]
+# The inner loop walks down a column of `B`: consecutive `k` are a whole row of `B` apart in
+# memory, so each load touches a new 64-byte cache line and uses 4 bytes of it. Chapter 02 is
+# about that.
+#
+# ## Loading: the RAM balloon
+#
+# The file stores most weights in 4- and 8-bit blocks; this stage turns every one of them into a
+# 4-byte float before the first token.
+
+# %%
+before = nb.memory_now()
+engine = nb.load("naive")
+after = nb.memory_now()
+file_size = engine.gguf.file_size
+held = engine.weight_bytes()
+nb.show_table(["", "size"],
+              [("model file (quantized blocks)", nb.human_bytes(file_size)),
+               ("weights as this stage holds them (float32)", nb.human_bytes(held)),
+               ("resident memory added by loading", f"{after['rss_mb'] - before['rss_mb']:.0f} MiB"),
+               ("load time (dequantize + transpose)", f"{engine.load_s:.2f} s"),
+               ("JIT compile or cache load", f"{engine.jit_s:.2f} s")])
+nb.bar_chart({"file": file_size / 2**20, "float32 weights": held / 2**20,
+              "RSS added by load": after["rss_mb"] - before["rss_mb"]},
+             "MiB", "The RAM balloon: the same weights, before and after dequantizing", fmt="{:,.0f}")
+findings["RAM balloon"] = (f"a {nb.human_bytes(file_size)} file became {nb.human_bytes(held)} of float32 "
+                           f"weights ({held / file_size:.1f}x); loading added "
+                           f"{after['rss_mb'] - before['rss_mb']:.0f} MiB of resident memory")
+
+# %% [markdown]
+# ## Running it
+#
+# One generation by the measurement protocol (`common/bench.py`): fixed prompt ids, greedy,
+# the JIT warmed up first. TTFT is the prompt's forward pass plus the first token; decode is
+# the median time of each token after it.
+
+# %%
+live = nb.measure(engine, cfg)
+print(f"prompt {live['n_prompt']} tokens -> {live['text']!r}")
+print(f"TTFT {live['ttft_ms']:.0f} ms, decode {live['decode_ms']:.0f} ms/token")
+lower_bound_ms = engine.weight_stream_bytes() / (ceil["bandwidth_gbs"] * 1e9) * 1e3
+print(f"reading the float32 weights once at {ceil['bandwidth_gbs']:.1f} GB/s takes {lower_bound_ms:.0f} ms: "
+      f"decode is {live['decode_ms'] / lower_bound_ms:.1f}x that floor")
+findings["naive, live"] = (f"TTFT {live['ttft_ms']:.0f} ms, decode {live['decode_ms']:.0f} ms/token; "
+                           f"the memory floor for one token is {lower_bound_ms:.0f} ms")
+
+# %% [markdown]
+# ## Where the time goes
+#
+# A per-op profile (`common/profile.py`) wraps every op of the backend in a timer. The matmuls
+# are split by the weight they multiply.
+
+# %%
+rows = nb.profile(engine, cfg)
+nb.print_profile(rows, "per-op profile, naive (live)")
+rec = nb.recorded()
+profiles = {"naive (live)": rows}
+if rec.get("naive") and rec.get("naive").get("profile"):
+    profiles["naive (recorded)"] = rec.get("naive")["profile"]
+nb.ops_chart(profiles, "naive: where the time goes")
+findings["matmul share"] = f"{nb.matmul_share(rows):.0%} of the profiled run is spent in the weight matmuls"
+
+# %% [markdown]
+# ## No KV cache: every token costs more than the last
+#
+# Without a cache, the step that produces token `L + 1` pushes all `L` tokens through every
+# matmul again. Timing one such step at growing lengths shows the cost growing with the text.
+
+# %%
+lengths = cfg.naive_lengths
+tokens = nb.prompt_ids(engine, max(lengths))
+step = [nb.step_ms(engine, tokens, n, reps=1) for n in lengths]
+slope, intercept = np.polyfit(lengths, step, 1)
+nb.line_chart({"naive: one decode step": (lengths, step)}, "tokens in the text (rows through every matmul)",
+              "ms for the next token", "Without a KV cache, the next token re-reads the whole text")
+print("\n".join(f"  {n:4d} tokens: {ms:8.0f} ms" for n, ms in zip(lengths, step)))
+print(f"each extra token of text adds about {slope:.0f} ms to every later step")
+findings["cost vs length"] = (f"one step grows from {step[0]:.0f} ms at {lengths[0]} tokens to {step[-1]:.0f} ms "
+                              f"at {lengths[-1]}: about {slope:.0f} ms per token of text")
+
+# %% [markdown]
+# ## On the roofline
+#
+# Each run is a point: FLOP per byte read (x) against FLOP/s achieved (y). Prefill processes all
+# prompt rows per weight read, so it sits further right than a single token would.
+
+# %%
+from common.charts import roofline_points
+
+points = [(f"naive {kind} (live)", x, y) for kind, x, y in roofline_points(live)]
+nb.roofline_chart(ceil, points, "naive on this machine's roofline")
+best = max(y for _, _, y in points)
+findings["roofline"] = (f"at best {best:.2f} GFLOP/s, {best / ceil['peak_gflops']:.1%} of the measured peak "
+                        f"of {ceil['peak_gflops']:.0f} GFLOP/s")
+
+# %% [markdown]
+# ## Against the record
+#
+# `make report` measures every stage with the same protocol and keeps the records in `profiles/`.
+
+# %%
+nb.md(rec.note)
+nb.stage_chart([live], rec, ["naive"], "naive: live run and record")
+
+# %%
+findings.show()

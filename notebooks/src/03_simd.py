@@ -1,0 +1,180 @@
+# Source of notebooks/03_simd.ipynb (build with: python notebooks/build.py).
+
+# %% [markdown]
+# # 03 · simd: break the chain, fill the vector registers
+#
+# After tiling, the bytes come from cache, yet the loop is still slow, because of one line:
+# `acc += A[i, k] * B[k, j]`. Every addition needs the result of the one before it. A
+# floating-point add (or fused multiply-add) takes about 4 cycles to produce its result, so the
+# loop does one multiply-add every 4 cycles: 0.5 FLOP per cycle.
+#
+# The core can do far more. It can *start* one or two fused multiply-adds (FMA) every cycle, and
+# each can work on a whole vector register: 8 floats (`ymm`, AVX2) or 16 (`zmm`, AVX-512). The
+# compiler may not use that on its own: splitting one sum into 8 partial sums changes the order
+# of float additions, so the result can differ in the last bits. This stage gives it permission
+# (`fastmath` reassociation) and something worth vectorizing:
+#
+# 1. **packing**: each weight stored as `[N, K]`, so the inner loop over `k` reads consecutive
+#    addresses, which is what vector loads need;
+# 2. **a 4 x 4 register block**: 4 rows of `x` against 4 rows of `W` keep 16 independent sums in
+#    registers; every value loaded is used 4 times.
+
+# %%
+import platform
+
+import numpy as np
+
+from common.machine import machine_info
+
+findings = nb.Findings()
+info = machine_info()
+ceil = nb.ceilings()
+print(f"{info['cpu']}: SIMD features {', '.join(info['simd']) or 'none reported'}")
+print(f"measured peak, one thread: {ceil['peak_gflops']:.0f} GFLOP/s; bandwidth {ceil['bandwidth_gbs']:.1f} GB/s "
+      f"({ceil['source']})")
+
+# %% [markdown]
+# ## The stage's code
+
+# %%
+import stages.simd
+
+nb.show_source(stages.simd.matmul_panels, stages.simd.Panels, stages.simd.SimdBackend,
+               note=f"`FASTMATH = {sorted(stages.simd.FASTMATH)}`: reassociation (what splitting a sum "
+                    f"needs), FMA contraction, and ignoring the sign of zero; NaN and Inf keep their meaning.")
+
+# %% [markdown]
+# ## The evidence: the assembly LLVM generated
+#
+# numba compiles each kernel with LLVM; we ask for the machine code and count the fused
+# multiply-adds by the width of the registers they work on. `vfmadd231ps` on a `ymm` register is
+# 8 multiply-adds in one instruction; `...ss` is one.
+
+# %%
+from stages.naive import matmul_textbook
+from stages.tiling import matmul_tiled
+from stages.simd import matmul_panels
+
+a = np.ones((5, 33), np.float32)
+asm = {"naive": nb.kernel_asm(matmul_textbook, a, np.ones((33, 8), np.float32)),
+       "tiling": nb.kernel_asm(matmul_tiled, a, np.ones((33, 8), np.float32)),
+       "simd": nb.kernel_asm(matmul_panels, a, np.ones((8, 33), np.float32))}
+counts = {k: nb.fma_counts(v) for k, v in asm.items()}
+kinds = list(next(iter(counts.values())))
+nb.show_table(["kernel", *kinds, "lines of assembly"],
+              [(k, *[c[x] for x in kinds], len(asm[k].splitlines())) for k, c in counts.items()])
+x86 = platform.machine() in ("x86_64", "AMD64")
+if not x86:
+    print(f"This is a {platform.machine()} machine: the counts above look for x86 instructions; "
+          "the excerpts below are its own assembly.")
+packed = {k: sum(v for kind, v in c.items() if kind.startswith("packed")) for k, c in counts.items()}
+findings["assembly"] = (f"packed FMAs: simd {packed['simd']}, tiling {packed['tiling']}, naive {packed['naive']}"
+                        + ("" if x86 else " (x86 patterns on a non-x86 machine)"))
+
+# %% [markdown]
+# The inner loop of each, picked out as the basic block doing the most floating-point work:
+
+# %%
+nb.md("**simd** (`matmul_panels`):\n\n```asm\n" + nb.hot_loop(asm["simd"], 34) + "\n```")
+nb.md("**naive** (`matmul_textbook`):\n\n```asm\n" + nb.hot_loop(asm["naive"], 20) + "\n```")
+
+# %% [markdown]
+# In the simd loop, each vector load brings 8 (or 16) consecutive `k` of one row, and each FMA
+# accumulates them into a register of partial sums; 16 such registers are the 4 x 4 block. The
+# naive loop does one scalar multiply-add (`vfmadd...ss`, or a `mul` and an `add`) per trip.
+#
+# ## GFLOP/s against the peak
+#
+# The three kernels on the model's largest matmul shape, at 16 rows (a prompt) and at 1 row (a
+# decode step with a KV cache), against the peak this machine reaches with this very kernel on
+# data that sits in L1 (`common/roofline.py`).
+
+# %%
+from common.gguf import GGUFFile
+from common.model import LlamaConfig
+
+mcfg = LlamaConfig.from_gguf(GGUFFile(nb.model_path()))
+K, N = mcfg.n_embd, mcfg.n_ff
+rng = np.random.default_rng(0)
+W = rng.standard_normal((N, K), dtype=np.float32)           # packed layout [N, K]
+B = np.ascontiguousarray(W.T)                                # the textbook's [K, N]
+results = {}
+for rows in (16, 1):
+    x = rng.standard_normal((rows, K), dtype=np.float32)
+    for name, fn, w in (("naive", matmul_textbook, B), ("tiling", matmul_tiled, B), ("simd", matmul_panels, W)):
+        seconds = nb.best_seconds(lambda: fn(x, w), cfg.timing_reps)
+        results[f"{name}\n{rows} row{'s' if rows > 1 else ''}"] = 2 * rows * K * N / seconds / 1e9
+import matplotlib.pyplot as plt
+
+fig, ax = plt.subplots(figsize=(9, 4.2))
+bars = ax.bar(range(len(results)), list(results.values()), color=[f"C{i % 3}" for i in range(len(results))])
+for b, v in zip(bars, results.values()):
+    ax.annotate(f"{v:.1f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
+ax.axhline(ceil["peak_gflops"], color="black", lw=1, ls="--")
+ax.annotate(f"peak {ceil['peak_gflops']:.0f} GFLOP/s", (0, ceil["peak_gflops"]), fontsize=8, va="bottom")
+ax.set_xticks(range(len(results)), list(results), fontsize=8)
+ax.set_yscale("log")
+ax.set_ylabel("GFLOP/s (log)")
+ax.set_title(f"[rows x {K}] @ [{K} x {N}] (weights hot in cache)", fontsize=10)
+ax.grid(axis="y", which="both", alpha=0.25)
+fig.tight_layout()
+nb.show(fig)
+nb.show_table(["kernel, rows", "GFLOP/s", "share of the measured peak"],
+              [(k.replace(chr(10), ", "), f"{v:.1f}", f"{v / ceil['peak_gflops']:.0%}") for k, v in results.items()])
+simd16 = results["simd\n16 rows"]
+if simd16 > ceil["peak_gflops"]:
+    print(f"simd beats the recorded 'peak' of {ceil['peak_gflops']:.0f} GFLOP/s: common/roofline.py measures it "
+          "with a small matmul (8 x 512 operands) called many times, which this larger shape outruns. "
+          "Read that peak as a floor, not a ceiling.")
+findings["kernel GFLOP/s"] = (f"16 rows: simd {simd16:.1f}, tiling {results['tiling' + chr(10) + '16 rows']:.1f}, "
+                              f"naive {results['naive' + chr(10) + '16 rows']:.1f} GFLOP/s "
+                              f"({simd16 / results['naive' + chr(10) + '16 rows']:.0f}x naive); 1 row: simd "
+                              f"{results['simd' + chr(10) + '1 row']:.1f} GFLOP/s")
+
+# %% [markdown]
+# With one row, the 4 x 4 block degenerates to 1 x 4: each weight loaded is used once, and the
+# kernel is bound by loads, not FMAs. And in the real model the weights do not sit in cache:
+# one token reads all of them from DRAM. That is the roofline's memory ceiling, and the reason
+# the next stages are about *bytes*, not FLOPs.
+#
+# ## The stage, end to end
+
+# %%
+from common.charts import roofline_points
+
+live = []
+for stage in ("tiling", "simd"):
+    engine = nb.load(stage)
+    live.append(nb.measure(engine, cfg))
+    if stage == "simd":
+        rows = nb.profile(engine, cfg)
+    del engine
+for r in live:
+    print(f"{r['stage']:>8}: TTFT {r['ttft_ms']:7.0f} ms, decode {r['decode_ms']:7.0f} ms/token  {r['text']!r}")
+t, s = live
+findings["simd, live"] = (f"TTFT {s['ttft_ms']:.0f} ms ({t['ttft_ms'] / s['ttft_ms']:.1f}x tiling), "
+                          f"decode {s['decode_ms']:.0f} ms/token ({t['decode_ms'] / s['decode_ms']:.1f}x tiling)")
+
+# %%
+nb.print_profile(rows, "per-op profile, simd (live)")
+rec = nb.recorded()
+profiles = {"simd (live)": rows}
+for st in ("tiling", "simd"):
+    if rec.get(st) and rec.get(st).get("profile"):
+        profiles[f"{st} (recorded)"] = rec.get(st)["profile"]
+nb.ops_chart(profiles, "simd: where the time goes")
+
+# %%
+points = [(f"{r['stage']} {kind} (live)", x, y) for r in live for kind, x, y in roofline_points(r)]
+nb.roofline_chart(ceil, points, "tiling and simd on this machine's roofline")
+
+# %%
+nb.md(rec.note)
+nb.stage_chart(live, rec, ["naive", "tiling", "simd"], "naive -> tiling -> simd")
+
+# %% [markdown]
+# simd still has no KV cache: every decode step pushes the whole text through the model again.
+# That waste is the next chapter.
+
+# %%
+findings.show()

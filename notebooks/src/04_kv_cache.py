@@ -1,0 +1,124 @@
+# Source of notebooks/04_kv_cache.ipynb (build with: python notebooks/build.py).
+
+# %% [markdown]
+# # 04 · kv_cache: stop recomputing the past
+#
+# Every stage so far produces token `L + 1` by running all `L` tokens of the text through the
+# model again. Yet almost all of that work was already done for token `L`: in a causal model,
+# a position's hidden state depends only on the positions before it, so its **keys** and
+# **values** (the K and V rows attention reads) never change once computed.
+#
+# Keep them, and a decode step only has to push the *new* token through the matmuls: one row
+# instead of `L`. Attention still looks at every earlier position (one dot product per stored
+# key), so that part of the cost keeps growing with the text, but it is small next to the
+# matmuls for a long while.
+#
+# The price is memory: K and V for every layer and every position up to the context length.
+
+# %%
+findings = nb.Findings()
+engine = nb.load("kv_cache")
+c = engine.config
+per_position = 2 * c.n_layer * c.kv_dim * 4
+print(f"K and V per position: 2 x {c.n_layer} layers x {c.kv_dim} (= {c.n_head_kv} KV heads x {c.head_dim}) "
+      f"x 4 bytes = {nb.human_bytes(per_position)}")
+print(f"the arena for {engine.n_ctx} positions: {nb.human_bytes(engine.kv_bytes())}, allocated once at load")
+findings["KV arena"] = (f"{nb.human_bytes(per_position)} per position, {nb.human_bytes(engine.kv_bytes())} for "
+                        f"{engine.n_ctx} positions")
+
+# %% [markdown]
+# ## The stage's code
+#
+# The whole stage: an arena, a `store` that writes the new rows and returns views of all rows so
+# far, and a backend that hands the model one. The model (`common/model.py`) calls `store` when a
+# backend gives it a cache, and the generation loop (`common/generate.py`) then feeds only the
+# tokens the cache has not seen.
+
+# %%
+import stages.kv_cache
+from common.generate import Session
+
+nb.show_source(stages.kv_cache.KVCache, stages.kv_cache.KVCacheBackend, Session._next)
+
+# %% [markdown]
+# ## The work removed
+#
+# We count what the matmuls really compute, token by token, by wrapping the backend's `matmul`
+# while generating: each call multiplies `M` rows, and costs `M x K x N` multiply-adds. Without a
+# cache (the simd stage, whose matmul this stage shares), `M` is the whole text; with one, the
+# prompt once and then 1.
+
+# %%
+n_gen = min(max(cfg.n_for("kv_cache"), 4), 16)          # enough steps to see the trend
+prompt = nb.prompt_ids(engine, cfg.prompt_tokens)
+with_cache = nb.matmul_work(engine, prompt, n_gen)
+simd = nb.load("simd")
+without = nb.matmul_work(simd, prompt, n_gen)
+steps = list(range(1, n_gen + 1))
+nb.show_table(["token", "rows per matmul, simd", "rows per matmul, kv_cache", "multiply-adds, simd",
+               "multiply-adds, kv_cache"],
+              [(i, w, k, f"{wm / 1e6:,.0f} M", f"{km / 1e6:,.0f} M")
+               for i, w, k, wm, km in zip(steps, without.rows, with_cache.rows, without.macs, with_cache.macs)])
+nb.line_chart({"simd (no cache)": (steps, [m / 1e9 for m in without.macs]),
+               "kv_cache": (steps, [m / 1e9 for m in with_cache.macs])},
+              "generated token", "billion multiply-adds in the matmuls",
+              "Work per token: the whole text again, or one row")
+saved = 1 - sum(with_cache.macs[1:]) / sum(without.macs[1:])
+findings["work removed"] = (f"over {n_gen - 1} decode steps the cache skipped {saved:.0%} of the matmul work "
+                            f"(the first token is the prompt's forward pass for both)")
+
+# %% [markdown]
+# ## Decode time against the length of the text
+#
+# The time of one decode step at growing context lengths: without a cache it grows with the
+# whole text; with one it stays nearly flat, rising only by the attention over the stored keys.
+
+# %%
+lengths = cfg.lengths
+tokens = nb.prompt_ids(engine, max(lengths))
+t_simd = [nb.step_ms(simd, tokens, n, reps=cfg.timing_reps) for n in lengths]
+t_kv = [nb.step_ms(engine, tokens, n, reps=cfg.timing_reps) for n in lengths]
+nb.line_chart({"simd (no cache)": (lengths, t_simd), "kv_cache": (lengths, t_kv)},
+              "tokens of text before the new one", "ms for the next token",
+              "One decode step: the whole text again, or one token")
+nb.show_table(["context", "simd ms", "kv_cache ms", "ratio"],
+              [(n, f"{a:.1f}", f"{b:.1f}", f"{a / b:.1f}x") for n, a, b in zip(lengths, t_simd, t_kv)])
+findings["decode vs length"] = (f"at {lengths[-1]} tokens of context: simd {t_simd[-1]:.0f} ms, kv_cache "
+                                f"{t_kv[-1]:.1f} ms per token ({t_simd[-1] / t_kv[-1]:.0f}x); from {lengths[0]} to "
+                                f"{lengths[-1]} kv_cache went from {t_kv[0]:.1f} to {t_kv[-1]:.1f} ms")
+
+# %% [markdown]
+# ## The stage, end to end
+
+# %%
+live = [nb.measure(simd, cfg), nb.measure(engine, cfg)]
+for r in live:
+    print(f"{r['stage']:>8}: TTFT {r['ttft_ms']:7.0f} ms, decode {r['decode_ms']:7.1f} ms/token "
+          f"({r['n_generated']} generated)  {r['text']!r}")
+del simd
+rows = nb.profile(engine, cfg)
+nb.print_profile(rows, "per-op profile, kv_cache (live)")
+floor_ms = engine.weight_stream_bytes() / (nb.ceilings()["bandwidth_gbs"] * 1e9) * 1e3
+print(f"reading the float32 weights once takes {floor_ms:.0f} ms at this machine's bandwidth: decode is "
+      f"{live[1]['decode_ms'] / floor_ms:.1f}x that floor")
+findings["kv_cache, live"] = (f"decode {live[1]['decode_ms']:.1f} ms/token against simd's "
+                              f"{live[0]['decode_ms']:.0f} after a {cfg.prompt_tokens}-token prompt; the float32 "
+                              f"weights alone take {floor_ms:.0f} ms to read")
+
+# %%
+rec = nb.recorded()
+profiles = {"kv_cache (live)": rows}
+for st in ("simd", "kv_cache"):
+    if rec.get(st) and rec.get(st).get("profile"):
+        profiles[f"{st} (recorded)"] = rec.get(st)["profile"]
+nb.ops_chart(profiles, "kv_cache: where the time goes")
+nb.md(rec.note)
+nb.stage_chart(live, rec, ["naive", "tiling", "simd", "kv_cache"], "naive -> ... -> kv_cache")
+
+# %% [markdown]
+# With one row per matmul, the decode step reads every weight once and does 2 FLOP with each:
+# back at 0.5 FLOP per byte, deep under the memory ceiling. From here on the way forward is
+# fewer bytes per weight: the next chapter.
+
+# %%
+findings.show()

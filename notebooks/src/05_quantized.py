@@ -1,0 +1,158 @@
+# Source of notebooks/05_quantized.ipynb (build with: python notebooks/build.py).
+
+# %% [markdown]
+# # 05 · quantized: fewer bytes per weight
+#
+# With the KV cache, a decode step multiplies one row by every weight once: 2 FLOP per weight,
+# and every weight read from memory. The stages so far hold each weight as a 4-byte float, so a
+# token costs *at least* the time to stream all those floats from DRAM, however good the
+# arithmetic. The roofline says what to do: raise the FLOP per byte by reading fewer bytes.
+#
+# The file already has the weights in fewer bytes: Q4_1 keeps 32 weights in 20 bytes (5 bits
+# each), Q8_0 in 34. The eager stages threw that away at load, inflating every weight to 32 bits.
+# This stage keeps the ggml blocks exactly as they are mapped from the file and decodes them
+# inside the matmul, a few rows at a time, so the float32 form of a weight only ever exists in
+# the core's caches.
+#
+# Nothing in this stage makes the arithmetic cheaper: decoding adds work. It wins only because
+# the work was never the bottleneck.
+
+# %%
+from common.gguf import GGUFFile
+from common.model import LlamaConfig, n_params
+
+findings = nb.Findings()
+missing = nb.missing_stage("quantized")
+if missing:
+    nb.md(f"**The live parts of this chapter are skipped:** {missing}. The reasoning below still runs "
+          f"from the model file; the recorded results, if any, are shown at the end.")
+ceil = nb.ceilings()
+g = GGUFFile(nb.model_path())
+mcfg = LlamaConfig.from_gguf(g)
+params = n_params(mcfg)
+# What one decode step must read (matrices + norms; the tied output head once), by representation.
+streamed = {t.name: t for t in g.tensors.values() if t.name != "token_embd.weight" or "output.weight" not in g.tensors}
+f32_bytes = sum(t.n_elements * 4 for t in streamed.values())
+file_bytes = sum(t.nbytes for t in streamed.values())
+floor = {"float32 (naive .. kv_cache)": f32_bytes / (ceil["bandwidth_gbs"] * 1e9) * 1e3,
+         "ggml blocks (quantized)": file_bytes / (ceil["bandwidth_gbs"] * 1e9) * 1e3}
+n_streamed = sum(t.n_elements for t in streamed.values())
+nb.show_table(["weights held as", "bytes per weight", "bytes read per token", "memory floor per token"],
+              [(kind, f"{nbytes / n_streamed:.2f}", nb.human_bytes(nbytes), f"{floor[kind]:.1f} ms")
+               for kind, nbytes in zip(floor, (f32_bytes, file_bytes))])
+print(f"at {ceil['bandwidth_gbs']:.1f} GB/s ({ceil['source']}); the quantized floor is "
+      f"{f32_bytes / file_bytes:.1f}x lower")
+findings["bytes per token"] = (f"{nb.human_bytes(f32_bytes)} as float32, {nb.human_bytes(file_bytes)} as ggml "
+                               f"blocks: a memory floor of {floor['float32 (naive .. kv_cache)']:.0f} ms vs "
+                               f"{floor['ggml blocks (quantized)']:.1f} ms per token")
+
+# %% [markdown]
+# ## The stage's code
+#
+# The backend keeps each weight as a view of the file's bytes and picks a kernel by ggml type;
+# the kernels decode blocks into a small buffer and multiply straight away.
+
+# %%
+if missing:
+    nb.md(f"_Skipped: {missing}._")
+else:
+    import stages.quantized as sq
+    nb.show_source(sq.QuantizedBackend.prepare_matrix, sq.QuantizedBackend.matmul)
+    kernels = nb.module_kernels(sq)
+    print("kernels defined in stages/quantized.py:", ", ".join(k.__name__ for k in kernels))
+    if kernels:
+        nb.show_source(kernels[0])
+    main_type = max({t.ggml_type for t in g.tensors.values()}, key=lambda ty: sum(
+        t.nbytes for t in g.tensors.values() if t.ggml_type == ty))
+    per_type = nb.find_kernels(sq, main_type.name.lower())
+    if per_type:
+        nb.show_source(per_type[0], note=f"The decoder for {main_type.name}, the model's main type:")
+
+# %% [markdown]
+# ## Bytes per weight, as each stage holds them
+
+# %%
+if missing:
+    nb.md(f"_Skipped: {missing}._")
+else:
+    held = {}
+    engines = {}
+    for stage in ("kv_cache", "quantized"):
+        engines[stage] = nb.load(stage)
+        held[stage] = engines[stage].weight_bytes()
+    nb.bar_chart({s: b / params for s, b in held.items()}, "bytes per weight",
+                 "What a stage keeps per weight (weights held / parameters)", fmt="{:.2f}")
+    findings["bytes per weight"] = ", ".join(f"{s} {b / params:.2f}" for s, b in held.items())
+
+# %% [markdown]
+# ## Memory and page faults
+#
+# Each stage runs in a fresh process (`python -m common run --json`), so its peak resident memory
+# and page faults are its own. The eager stage allocates and fills ~4 bytes per weight before
+# the first token; the quantized one maps the file and faults in only the pages it reads.
+
+# %%
+if missing:
+    nb.md(f"_Skipped: {missing}._")
+else:
+    runs = {s: nb.measure_in_subprocess(s, "The meaning of life is", cfg.profile_n_for(s))
+            for s in ("kv_cache", "quantized")}
+    nb.show_table(["stage", "peak RSS", "minor faults", "major faults", "load"],
+                  [(s, f"{r['peak_rss_mb']:.0f} MiB", f"{r['minor_faults']:,}", f"{r['major_faults']:,}",
+                    f"{r['load_s']:.2f} s") for s, r in runs.items()])
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, key, label in ((axes[0], "peak_rss_mb", "peak RSS (MiB)"), (axes[1], "minor_faults", "minor page faults")):
+        ax.bar(list(runs), [r[key] for r in runs.values()], color=["C0", "C1"])
+        for i, r in enumerate(runs.values()):
+            ax.annotate(f"{r[key]:,.0f}", (i, r[key]), ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel(label)
+        ax.margins(y=0.15)
+    fig.suptitle("One short run per stage, each in its own process", fontsize=11)
+    fig.tight_layout()
+    nb.show(fig)
+    k, q = runs["kv_cache"], runs["quantized"]
+    findings["memory"] = (f"peak RSS {k['peak_rss_mb']:.0f} MiB (kv_cache) vs {q['peak_rss_mb']:.0f} MiB (quantized); "
+                          f"minor faults {k['minor_faults']:,} vs {q['minor_faults']:,}")
+
+# %% [markdown]
+# ## Decode against the memory floor
+
+# %%
+if missing:
+    nb.md(f"_Skipped: {missing}._")
+else:
+    live = [nb.measure(engines[s], cfg) for s in ("kv_cache", "quantized")]
+    for r in live:
+        print(f"{r['stage']:>9}: TTFT {r['ttft_ms']:7.1f} ms, decode {r['decode_ms']:6.1f} ms/token  {r['text']!r}")
+    measured = {f"{r['stage']}\nmeasured": r["decode_ms"] for r in live}
+    floors = {f"{r['stage']}\nmemory floor": r["weights_stream_bytes"] / (ceil["bandwidth_gbs"] * 1e9) * 1e3
+              for r in live}
+    nb.bar_chart({**measured, **floors}, "ms per token", "Decode: measured, and the time to read the weights once")
+    findings["quantized, live"] = (f"decode {live[1]['decode_ms']:.1f} ms/token vs kv_cache's "
+                                   f"{live[0]['decode_ms']:.1f} "
+                                   f"({live[0]['decode_ms'] / live[1]['decode_ms']:.1f}x); its memory floor is "
+                                   f"{floors[chr(10).join(['quantized', 'memory floor'])]:.1f} ms")
+
+# %%
+if not missing:
+    from common.charts import roofline_points
+    points = [(f"{r['stage']} {kind} (live)", x, y) for r in live for kind, x, y in roofline_points(r)]
+    nb.roofline_chart(ceil, points, "kv_cache and quantized on this machine's roofline")
+    rows = nb.profile(engines["quantized"], cfg)
+    nb.print_profile(rows, "per-op profile, quantized (live)")
+    nb.ops_chart({"quantized (live)": rows}, "quantized: where the time goes")
+
+# %% [markdown]
+# ## Against the record
+
+# %%
+rec = nb.recorded()
+nb.md(rec.note)
+if rec.get("quantized") is None:
+    nb.md("_No recorded run of the quantized stage for this model._")
+nb.stage_chart([] if missing else live, rec, ["naive", "tiling", "simd", "kv_cache", "quantized"],
+               "naive -> ... -> quantized")
+
+# %%
+findings.show()

@@ -1,0 +1,165 @@
+# Source of notebooks/06_cuda.ipynb (build with: python notebooks/build.py).
+
+# %% [markdown]
+# # 06 · cuda: the whole forward pass on the GPU
+#
+# A GPU has what decode needs most: memory bandwidth, many times a CPU core's. But it sits
+# at the end of a bus (PCIe) that is slower than either memory, and every trip across it, and
+# every call into its driver, costs microseconds that a small model's whole forward pass cannot
+# afford. So the lesson of this stage is less about kernels than about *distance*:
+#
+# - the weights cross the bus **once**, at load, still in their ggml blocks;
+# - the KV cache and every intermediate live on the device, in memory allocated **once** (an
+#   arena handed out again for every forward pass: no allocation, no free, per token);
+# - per token, the host sends one token id and gets one token id back: the **argmax runs on the
+#   device**, so the logits never cross the bus.
+#
+# The article this project retells moved its kernels to the GPU and at first did neither of the
+# last two: a `cudaMalloc`/`cudaFree` around every op, and all logits copied back every token.
+#
+# Most readers' machines have no NVIDIA GPU. This chapter then shows the design from the code
+# and the recorded results, and says so; it never needs a GPU to run.
+
+# %%
+import re
+
+from common.gguf import GGUFFile
+from common.model import LlamaConfig
+
+findings = nb.Findings()
+missing = nb.missing_stage("cuda")
+print("cuda stage:", missing or "runs on this machine")
+findings["this machine"] = missing or "has a usable GPU: the figures below are live"
+cuda_py = nb.ROOT / "stages" / "cuda.py"
+kernel_files = sorted((nb.ROOT / "stages").glob("*.cu"))
+
+# %% [markdown]
+# ## The design, in the stage's own code
+#
+# Read from `stages/cuda.py` without importing it (that needs PyCUDA). First the arena: one
+# device allocation, handed out front to back and reset at the start of each forward pass.
+
+# %%
+if not nb.show_class_from_file(cuda_py, "Arena"):
+    nb.md("_`stages/cuda.py` has no `Arena` class (or the file is missing): nothing to show._")
+
+# %% [markdown]
+# Then the two ends of a token: the greedy argmax reduced on the device (4 bytes come back), and
+# a matmul that picks the fused dequantize-matmul kernel for the weight's ggml type.
+
+# %%
+if not nb.show_class_from_file(cuda_py, "CudaBackend", ["argmax", "matmul"]):
+    nb.md("_`stages/cuda.py` (CudaBackend.argmax, .matmul) is not in this checkout._")
+
+# %% [markdown]
+# ## The kernels
+#
+# The kernels are CUDA C in one file, compiled when the stage first loads. Their names:
+
+# %%
+if not kernel_files:
+    nb.md("_No `.cu` kernel source in `stages/` yet._")
+for path in kernel_files:
+    src = path.read_text()
+    names = re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?([\w#]+)\s*\(", src)
+    print(f"{nb.rel(path)}: {len(src.splitlines())} lines, {len(names)} __global__ definitions "
+          f"(## marks a kernel a macro writes once per ggml type):")
+    print("  " + ", ".join(dict.fromkeys(names)))
+    findings["kernel source"] = f"{nb.rel(path)}: {len(names)} kernel definitions"
+
+# %% [markdown]
+# One of them in full: attention fused into a single kernel with an *online softmax*. Each
+# (query row, head) keeps a running maximum, a running sum and a running weighted sum of the
+# values while it walks the cached keys once, so the scores are never written to memory.
+
+# %%
+shown = any(nb.show_file_excerpt(p, r'^extern "C" __global__[^\n]*\n\s*attention\s*\(', max_lines=70)
+            for p in kernel_files)
+if not shown and kernel_files:
+    shown = nb.show_file_excerpt(kernel_files[0], r"__global__", max_lines=40)
+if not shown:
+    nb.md("_No kernel source to show._")
+
+# %% [markdown]
+# ## PCIe traffic per token
+#
+# What must cross the bus, for this model: the weights once, and per token only ids. Copying the
+# logits back to take the argmax on the host, as the article first did, would move `n_vocab`
+# floats every token instead.
+
+# %%
+g = GGUFFile(nb.model_path())
+mcfg = LlamaConfig.from_gguf(g)
+upload = sum(t.nbytes for t in g.tensors.values())
+per_token_ids = 4 + 4                                 # an int32 token id each way
+per_token_logits = 4 + 4 * mcfg.n_vocab               # the id in, every logit out
+nb.show_table(["what crosses the bus", "bytes", "when"],
+              [("the weights, in their ggml blocks", nb.human_bytes(upload), "once, at load"),
+               ("token id in + argmax id out (this stage)", f"{per_token_ids} B", "per token"),
+               (f"token id in + {mcfg.n_vocab:,} float32 logits out (host-side argmax)",
+                nb.human_bytes(per_token_logits), "per token")])
+findings["PCIe per token"] = (f"{per_token_ids} bytes with the argmax on the device, "
+                              f"{nb.human_bytes(per_token_logits)} if the logits came back "
+                              f"({per_token_logits // per_token_ids:,}x); weights: {nb.human_bytes(upload)} once")
+
+# %% [markdown]
+# ## Live: the kernel table and the copies (only with a GPU)
+
+# %%
+live = []
+if missing:
+    nb.md(f"_No live run: {missing}. The recorded results follow._")
+else:
+    engine = nb.load("cuda")
+    b = engine.backend
+    live.append(nb.measure(engine, cfg))
+    before = b.transfer_stats()
+    b.start_profile()
+    from common.generate import generate
+    gen = generate(engine, nb.prompt_ids(engine, cfg.prompt_tokens), cfg.n_for("cuda"), ignore_eos=True)
+    b.stop_profile()
+    after = b.transfer_stats()
+    print(b.profile_table())
+    steps = max(after["forwards"] - before["forwards"], 1)
+    h2d = (after["h2d_bytes"] - before["h2d_bytes"]) / steps
+    d2h = (after["d2h_bytes"] - before["d2h_bytes"]) / steps
+    print(f"per forward pass: {h2d:.0f} bytes host->device, {d2h:.0f} bytes device->host; "
+          f"device allocations while generating: {after['device_allocs'] - before['device_allocs']}")
+    findings["cuda, live"] = (f"TTFT {live[0]['ttft_ms']:.1f} ms, decode {live[0]['decode_ms']:.2f} ms/token; "
+                              f"{h2d:.0f} + {d2h:.0f} bytes over PCIe per forward pass; "
+                              f"{after['device_allocs'] - before['device_allocs']} allocations while generating")
+
+# %% [markdown]
+# ## Recorded results
+#
+# The cuda stage is measured where a GPU was available, usually not the reader's machine, so
+# records from every machine are listed.
+
+# %%
+records = nb.find_records("cuda")
+if not records:
+    nb.md(f"_No recorded cuda run for `{nb.model_path().name}` under `profiles/results/` yet: it is "
+          f"recorded by `make report` on a machine with an NVIDIA GPU and PyCUDA (`make setup-cuda`)._")
+    findings["recorded"] = "no cuda record for this model yet"
+else:
+    nb.show_table(["record", "machine", "TTFT (ms)", "decode (ms/token)", "tokens/s"],
+                  [(f"`{nb.rel(p)}`", (r.get("machine") or {}).get("cpu", "?"), f"{r.get('ttft_ms', float('nan')):.1f}",
+                    f"{r.get('decode_ms', float('nan')):.2f}", f"{r.get('tokens_per_s', float('nan')):.0f}")
+                   for p, r in records])
+    for p, r in records:
+        rows = r.get("profile") or []
+        if rows:
+            table = [{**row, "op": row.get("op") or row.get("kernel", "?")} for row in rows]
+            nb.print_profile(table, f"recorded kernel table ({nb.rel(p)})")
+    best = min((r for _, r in records if r.get("decode_ms")), key=lambda r: r["decode_ms"], default=None)
+    if best:
+        where = (best.get("machine") or {}).get("cpu", "?")
+        findings["recorded"] = f"decode {best['decode_ms']:.2f} ms/token on {where}"
+
+# %%
+rec = nb.recorded()
+nb.md(rec.note)
+nb.stage_chart(live, rec, ["kv_cache", "quantized", "cuda"], "the CPU's best against the GPU")
+
+# %%
+findings.show()

@@ -1,0 +1,138 @@
+"""The notebooks: built from their sources, committed without outputs, and every one of them runs
+top to bottom in a fresh kernel with the quick settings (LLM_NOTEBOOK_QUICK=1). A cell that
+raises fails its notebook's test. Each notebook's time is printed at the end of the run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK_DIR = ROOT / "notebooks"
+CHAPTERS = ["00_gguf_and_tokens", "01_naive", "02_tiling", "03_simd", "04_kv_cache", "05_quantized",
+            "06_cuda", "07_journey"]
+CELL_TIMEOUT_S = 300          # one cell; a cold numba cache is the slowest case
+
+nbformat = pytest.importorskip("nbformat", reason="nbformat is in requirements-test.txt")
+
+
+def _build_module():
+    spec = importlib.util.spec_from_file_location("notebooks_build", NOTEBOOK_DIR / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_chapter_has_a_source_and_a_notebook():
+    assert sorted(p.stem for p in (NOTEBOOK_DIR / "src").glob("[0-9][0-9]_*.py")) == CHAPTERS
+    assert sorted(p.stem for p in NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb")) == CHAPTERS
+
+
+def test_committed_notebooks_are_built_from_their_sources():
+    stale = [p.name for p, text in _build_module().targets().items() if not p.exists() or p.read_text() != text]
+    assert not stale, f"{stale} differ from notebooks/src/: run `python notebooks/build.py`"
+
+
+def test_committed_notebooks_carry_no_outputs():
+    """Outputs are the reader's own measurements; the repository keeps the notebooks clean."""
+    for path in NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"):
+        nb = json.loads(path.read_text())
+        for cell in nb["cells"]:
+            if cell["cell_type"] == "code":
+                assert cell["outputs"] == [] and cell["execution_count"] is None, f"{path.name} has outputs"
+
+
+def test_build_parses_percent_format():
+    cells = _build_module().parse("header, not a cell\n# %% [markdown]\n# # Title\n#\n# text\n\n"
+                                  "# %%\nx = 1\n# a comment stays code\n\n# %%\n\n")
+    assert cells == [("markdown", "# Title\n\ntext"), ("code", "x = 1\n# a comment stays code")]
+
+
+def test_settings_follow_the_environment(monkeypatch):
+    from common import notebook, report
+    monkeypatch.setenv(notebook.QUICK_ENV, "1")
+    quick = notebook.settings()
+    monkeypatch.setenv(notebook.QUICK_ENV, "0")
+    full = notebook.settings()
+    assert quick.quick and not full.quick
+    assert quick.prompt_tokens < full.prompt_tokens == report.PROMPT_TOKENS
+    assert full.n_for("naive") == report.REPORT_N_PREDICT["naive"]
+    assert full.n_for("quantized") == report.REPORT_N_PREDICT_DEFAULT
+    assert all(quick.n_for(s) <= full.n_for(s) for s in ("naive", "tiling", "simd", "kv_cache"))
+
+
+def test_missing_records_are_a_sentence_not_an_error(tmp_path):
+    from common import notebook
+    rec = notebook.recorded(results_root=tmp_path)
+    assert rec.results is None and "make report" in rec.note
+    assert rec.get("simd") is None
+    assert notebook.find_records("cuda", results_root=tmp_path) == []
+
+
+def test_fma_counts_and_hot_loop():
+    from common import notebook
+    asm = ("f:\n\tmovq %rdi, %rax\n.LBB0_1:\n\tvfmadd231ps %ymm1, %ymm2, %ymm3\n\tvfmadd231ps %zmm1, %zmm2, %zmm3\n"
+           "\tvfmadd213ss %xmm1, %xmm2, %xmm3\n\tvmulss %xmm1, %xmm2, %xmm2\n\tjne .LBB0_1\n.LBB0_2:\n\tretq\n")
+    counts = notebook.fma_counts(asm)
+    assert counts["packed FMA, ymm (8 floats)"] == 1 and counts["packed FMA, zmm (16 floats)"] == 1
+    assert counts["scalar FMA"] == 1 and counts["scalar mul / add"] == 1
+    assert notebook.hot_loop(asm).startswith(".LBB0_1:")
+
+
+@pytest.fixture(scope="module")
+def timings(request):
+    """Seconds per notebook, printed in pytest's summary (also with -q)."""
+    times = {}
+
+    class Summary:
+        def pytest_terminal_summary(self, terminalreporter):
+            if times:
+                terminalreporter.write_sep("-", "notebooks, quick settings (seconds, kernel start included)")
+                for name, s in times.items():
+                    terminalreporter.write_line(f"{s:7.1f}  {name}")
+                terminalreporter.write_line(f"{sum(times.values()):7.1f}  all")
+
+    plugin = Summary()
+    request.config.pluginmanager.register(plugin, "notebook-timings")
+    yield times
+
+
+KERNEL = "llm-notebooks-test"
+
+
+@pytest.fixture(scope="module")
+def jupyter_path(tmp_path_factory):
+    """A folder with a kernel spec that runs this interpreter (put on JUPYTER_PATH), so the
+    notebooks see this environment's packages whatever kernels the machine has installed."""
+    d = tmp_path_factory.mktemp("jupyter")
+    spec = d / "kernels" / KERNEL
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": KERNEL, "language": "python"}))
+    return d
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_notebook_runs(name, monkeypatch, timings, jupyter_path, default_model_path):
+    pytest.importorskip("ipykernel", reason="ipykernel is in requirements-test.txt")
+    from nbclient import NotebookClient
+    monkeypatch.setenv("LLM_NOTEBOOK_QUICK", "1")      # tiny prompts and generations
+    monkeypatch.setenv("MPLBACKEND", "Agg")            # figures are drawn, not displayed
+    monkeypatch.setenv("JUPYTER_PATH", str(jupyter_path))
+    nb = nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
+    client = NotebookClient(nb, kernel_name=KERNEL, timeout=CELL_TIMEOUT_S,
+                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
+    t0 = time.perf_counter()
+    client.execute()                  # a fresh kernel, shut down after; a failing cell raises here
+    timings[name] = time.perf_counter() - t0
+    last = nb.cells[-1]
+    assert last.cell_type == "code" and "findings.show()" in last.source, "a chapter ends with its findings"
+    shown = "".join(o.get("data", {}).get("text/markdown", "") for o in last.outputs)
+    assert "What we measured here" in shown
