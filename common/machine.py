@@ -110,8 +110,20 @@ def machine_id() -> str:
     return f"{cpu}-{machine_info()['physical_cores']}c"
 
 
+def _vm_hwm_bytes() -> int | None:
+    """Linux: this process's own peak RSS. (ru_maxrss survives fork + exec, so a child of a
+    big process would report its parent's peak.)"""
+    try:
+        m = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
+        return int(m.group(1)) * 1024 if m else None
+    except OSError:
+        return None
+
+
 def rusage() -> dict:
     """Peak RSS and page faults of this process so far."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    scale = 1 if sys.platform == "darwin" else 1024      # ru_maxrss: bytes on macOS, KiB on Linux
-    return {"peak_rss_mb": r.ru_maxrss * scale / 2**20, "minor_faults": r.ru_minflt, "major_faults": r.ru_majflt}
+    peak = _vm_hwm_bytes()
+    if peak is None:
+        peak = r.ru_maxrss * (1 if sys.platform == "darwin" else 1024)   # bytes on macOS, KiB elsewhere
+    return {"peak_rss_mb": peak / 2**20, "minor_faults": r.ru_minflt, "major_faults": r.ru_majflt}

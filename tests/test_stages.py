@@ -168,21 +168,13 @@ def _cpu_has(*flags) -> bool:
 def test_simd_matmul_is_vectorized():
     """numba's assembly for the simd stage's matmul holds packed FMAs on 256/512-bit registers,
     while the naive textbook loop holds none."""
+    from common.notebook import kernel_asm
     from stages.naive import matmul_textbook
     from stages.simd import matmul_panels
     a = np.ones((5, 33), np.float32)
-    simd_asm = fresh_asm(matmul_panels, a, np.ones((8, 33), np.float32))
-    naive_asm = fresh_asm(matmul_textbook, a, np.ones((33, 8), np.float32))
+    simd_asm = kernel_asm(matmul_panels, a, np.ones((8, 33), np.float32))
+    naive_asm = kernel_asm(matmul_textbook, a, np.ones((33, 8), np.float32))
     packed = re.compile(r"vfmadd\d+ps\s+.*%?[yz]mm")
     assert len(packed.findall(simd_asm)) >= 4, "no packed FMA in the simd matmul"
     assert not packed.findall(naive_asm), "the naive loop should not be vectorized"
 
-
-def fresh_asm(dispatcher, *args) -> str:
-    """Assembly of a numba function compiled now with its own options (numba cannot show the
-    assembly of a kernel it loaded from its on-disk cache)."""
-    from numba import njit
-    options = {k: v for k, v in dispatcher.targetoptions.items() if k not in ("cache", "nopython")}
-    fn = njit(**options)(dispatcher.py_func)
-    fn(*args)
-    return "\n".join(fn.inspect_asm().values())
