@@ -39,7 +39,9 @@ def measure_llama_cpp(model_path, prompt_ids, n_predict: int, threads: int = 1, 
     load_s = time.perf_counter() - t0
 
     def pick() -> int:
-        return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        # llama-cpp-python 0.3.x no longer copies logits into llm.scores unless logits_all=True
+        # (they stay zeros, and argmax was always token 0): read the last output row directly
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
 
     llm.eval(list(prompt_ids[:4]))        # warm-up: first-use costs (thread pool, buffers)
     llm.reset()
