@@ -16,8 +16,10 @@ to the context length, K and V of all KV heads, float32:
     2 (K, V) x n_layer x n_ctx x n_head_kv * head_dim x 4 bytes
     SmolLM2-135M, 2048 positions: 2 x 30 x 2048 x 192 x 4 = 90 MiB
 
-Nothing is allocated per token. np.zeros maps the arena lazily, so pages that no position
-reaches never cost memory.
+Nothing is allocated per token. np.zeros asks the OS for zeroed memory that becomes resident
+as it is first written; where the OS backs large arrays with 2 MiB huge pages (Linux's
+transparent huge pages, as on the machine measured here) the whole arena is resident after
+the first token, which is what the peak-RSS figures show.
 Everything else (the vectorized matmul included) is the simd stage's.
 """
 
