@@ -164,6 +164,26 @@ def op_shares(profile_rows: list[dict]) -> dict:
     return out
 
 
+def plot_op_shares(ax, profiles: dict):
+    """Stacked horizontal bars on ax: per label, the share of time of each op group
+    ({label: profile rows}). Used by ops_chart and by the notebooks."""
+    labels = list(profiles)
+    groups = [g for g, _ in OP_GROUPS] + ["other ops"]
+    shares = [op_shares(profiles[k]) for k in labels]
+    left = [0.0] * len(labels)
+    for g, color in zip(groups, OP_COLORS):
+        vals = [s[g] * 100 for s in shares]
+        ax.barh(range(len(labels)), vals, left=left, color=color, label=g)
+        for i, v in enumerate(vals):
+            if v >= 6:
+                ax.text(left[i] + v / 2, i, f"{v:.0f}%", ha="center", va="center", fontsize=7, color="white")
+        left = [a + b for a, b in zip(left, vals)]
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("share of the profiled run's time (%)")
+
+
 def ops_chart(res: Results, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -171,21 +191,8 @@ def ops_chart(res: Results, path):
     recs = [r for r in res.stages if r.get("profile")]
     if not recs:
         raise ValueError("no stage record carries a per-op profile")
-    groups = [g for g, _ in OP_GROUPS] + ["other ops"]
-    shares = [op_shares(r["profile"]) for r in recs]
     fig, ax = plt.subplots(figsize=(11, 0.6 * len(recs) + 2.2))
-    left = [0.0] * len(recs)
-    for g, color in zip(groups, OP_COLORS):
-        vals = [s[g] * 100 for s in shares]
-        ax.barh(range(len(recs)), vals, left=left, color=color, label=g)
-        for i, v in enumerate(vals):
-            if v >= 6:
-                ax.text(left[i] + v / 2, i, f"{v:.0f}%", ha="center", va="center", fontsize=7, color="white")
-        left = [a + b for a, b in zip(left, vals)]
-    ax.set_yticks(range(len(recs)), [r["stage"] for r in recs])
-    ax.invert_yaxis()
-    ax.set_xlim(0, 100)
-    ax.set_xlabel("share of the profiled run's time (%)")
+    plot_op_shares(ax, {r["stage"]: r["profile"] for r in recs})
     ax.legend(ncol=4, fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.18))
     ax.set_title(f"Where the time goes, per op: {_title(res)}", fontsize=11)
     fig.tight_layout()

@@ -538,23 +538,9 @@ def stage_chart(live: list[dict], rec: Recorded | None = None, stages=None, titl
 def ops_chart(profiles: dict, title: str = "Where the time goes, per op"):
     """Stacked shares per op group (common.charts.OP_GROUPS) for {label: profile rows}."""
     import matplotlib.pyplot as plt
-    from common.charts import OP_COLORS, OP_GROUPS, op_shares
-    labels = list(profiles)
-    groups = [g for g, _ in OP_GROUPS] + ["other ops"]
-    shares = [op_shares(profiles[k]) for k in labels]
-    fig, ax = plt.subplots(figsize=(12, 0.45 * len(labels) + 1.6), layout="constrained")
-    left = [0.0] * len(labels)
-    for g, color in zip(groups, OP_COLORS):
-        vals = [s[g] * 100 for s in shares]
-        ax.barh(range(len(labels)), vals, left=left, color=color, label=g)
-        for i, v in enumerate(vals):
-            if v >= 6:
-                ax.text(left[i] + v / 2, i, f"{v:.0f}%", ha="center", va="center", fontsize=7, color="white")
-        left = [a + b for a, b in zip(left, vals)]
-    ax.set_yticks(range(len(labels)), labels)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 100)
-    ax.set_xlabel("share of the profiled run's time (%)")
+    from common.charts import plot_op_shares
+    fig, ax = plt.subplots(figsize=(12, 0.45 * len(profiles) + 1.6), layout="constrained")
+    plot_op_shares(ax, profiles)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.set_title(title, fontsize=11)
     show(fig)
