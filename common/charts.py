@@ -277,7 +277,9 @@ def results_table(res: Results) -> str:
     ups = _speedups(res, "decode_ms")
     for r, (vs_naive, vs_prev) in zip(res.stages, ups):
         s = r.get("settings") or {}
-        lines.append(f"| {r['stage']} | {_fmt(r['ttft_ms'])} | {_fmt(r['decode_ms'])} | {_fmt(r['tokens_per_s'])} "
+        threads = s.get("threads") or r.get("threads") or 1
+        name = r["stage"] + (f" ({threads} threads)" if threads > 1 else "")
+        lines.append(f"| {name} | {_fmt(r['ttft_ms'])} | {_fmt(r['decode_ms'])} | {_fmt(r['tokens_per_s'])} "
                      f"| {_fmt(vs_naive) + 'x' if vs_naive else '-'} | {_fmt(vs_prev, 2) + 'x' if vs_prev else '-'} "
                      f"| {_fmt(r.get('peak_rss_mb'), 0)} | {s.get('prompt_tokens', r['n_prompt'])} / "
                      f"{s.get('n_predict', r['n_generated'])} |")

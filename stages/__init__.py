@@ -6,6 +6,8 @@ stage before it and overrides only what its optimization changes:
     simd       packed panels + a contiguous inner loop that LLVM vectorizes
     kv_cache   keep K and V of past positions: each step computes the new token only
     quantized  weights stay in their ggml blocks; fused dequantize-matmul kernels
+    threads    the quantized kernels and a fused attention on every core (numba prange)
+    int8       activations rounded to 8-bit blocks as llama.cpp does; integer dot products
     cuda       everything on the GPU (PyCUDA)
 
     engine = load("simd", "models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -24,6 +26,8 @@ _REGISTRY = {
     "simd": ("stages.simd", "SimdBackend"),
     "kv_cache": ("stages.kv_cache", "KVCacheBackend"),
     "quantized": ("stages.quantized", "QuantizedBackend"),
+    "threads": ("stages.threads", "ThreadsBackend"),
+    "int8": ("stages.int8", "Int8Backend"),
     "cuda": ("stages.cuda", "CudaBackend"),
 }
 

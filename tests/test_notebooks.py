@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 CHAPTERS = ["00_gguf_and_tokens", "01_naive", "02_tiling", "03_simd", "04_kv_cache", "05_quantized",
-            "06_cuda", "07_journey"]
+            "06_cuda", "07_journey", "08_beyond"]
 CELL_TIMEOUT_S = 300          # one cell; a cold numba cache is the slowest case
 
 nbformat = pytest.importorskip("nbformat", reason="nbformat is in requirements-test.txt")

@@ -1,0 +1,281 @@
+# Source of notebooks/08_beyond.ipynb (build with: python notebooks/build.py).
+
+# %% [markdown]
+# # 08 · Beyond one core: threads, and 8-bit activations
+#
+# Two stages after `quantized`, each changing one thing:
+#
+# | stage | what changed | what it attacks |
+# |---|---|---|
+# | threads | the quantized kernels' rows (and prompt panels, and attention heads) split over every core; attention fused into one kernel | one core's share of the machine |
+# | int8 | every activation row rounded to 8-bit blocks, as llama.cpp does; integer dot products | the float conversions in the inner loop (and llama.cpp's numerics) |
+#
+# Decode streams every weight once per token. The roofline chapter said that makes it
+# **bandwidth-bound**, so the question for `threads` is: what does a second core buy, when the
+# memory is shared? Measure it. And for `int8`: llama.cpp multiplies 8-bit activations by the
+# 4-bit weights with integer dot-product instructions; does LLVM, vectorizing our loops, find
+# them too, and are they faster here?
+
+# %%
+import numpy as np
+
+from common import roofline
+from common.machine import physical_cores
+
+findings = nb.Findings()
+missing = {s: nb.missing_stage(s) for s in ("threads", "int8")}
+for s, why in missing.items():
+    print(f"{s}: {why or 'runs on this machine'}")
+cores = physical_cores()
+counts = sorted({1, cores} | set(range(1, cores + 1)) if cores <= 4 else {1, 2, cores // 2, cores})
+ceil = roofline.measure(threads=cores)             # 512 MiB: far more than any cache
+bw = {int(k): v for k, v in ceil["bandwidth_gbs"].items()}
+peak = {int(k): v for k, v in ceil["peak_gflops"].items()}
+nb.show_table(["threads", "read bandwidth", "peak (this numba code)"],
+              [(t, f"{bw[t]:.1f} GB/s", f"{peak[t]:.0f} GFLOP/s") for t in sorted(bw)])
+findings["the machine"] = (f"{cores} physical core(s); read bandwidth {bw[1]:.1f} GB/s on one thread, "
+                           f"{bw[max(bw)]:.1f} on {max(bw)}; peak {peak[1]:.0f} vs {peak[max(peak)]:.0f} GFLOP/s")
+
+# %% [markdown]
+# Compute scales with the cores, bandwidth much less: one core already draws most of what the
+# memory delivers (on the machine this was written on, one thread reads ~11 GB/s and two ~12).
+# A second core helps decode only as far as one core could not keep the memory busy, which is
+# where the quantized stage's kernels are: their unpacking, not the memory, limits them.
+#
+# ## The threads stage's code
+#
+# Nothing about a block format is new: the parallel kernels call the quantized stage's, each
+# thread on its own rows (decode) or panels (prefill).
+
+# %%
+if missing["threads"]:
+    nb.md(f"_Skipped: {missing['threads']}._")
+else:
+    import stages.thread_kernels as tk
+    import stages.threads as st
+    nb.show_source(st.ThreadsBackend.matmul, st.ThreadsBackend.attention)
+    nb.show_source(tk.matvec_parallel)
+
+# %% [markdown]
+# ## Thread scaling, live
+#
+# The same stage at 1 .. N threads, each measured by the protocol (prompt, then greedy decode).
+# The dotted line is perfect scaling; the dashed one the bandwidth floor: the file's bytes read
+# once per token at the bandwidth measured above for that many threads.
+
+# %%
+if missing["threads"]:
+    nb.md(f"_Skipped: {missing['threads']}._")
+else:
+    from stages import load as load_stage
+    file_bytes = nb.model_path().stat().st_size
+    scaling = {}
+    for t in counts:
+        engine = load_stage("threads", nb.model_path(), threads=t)
+        engine.stage = "threads"
+        engine.warmup()
+        scaling[t] = nb.measure(engine, cfg)
+        del engine
+    ts = list(scaling)
+    dec = [scaling[t]["decode_ms"] for t in ts]
+    nb.line_chart({"threads stage, measured": (ts, dec),
+                   "perfect scaling": (ts, [dec[0] / t for t in ts]),
+                   "bandwidth floor (file / bandwidth)": (ts, [file_bytes / (bw.get(t, bw[max(bw)]) * 1e9) * 1e3
+                                                             for t in ts])},
+                  "threads", "decode ms per token", "Decode vs threads (live)")
+    nb.show_table(["threads", "TTFT (ms)", "decode (ms/token)", "speedup over 1 thread"],
+                  [(t, f"{scaling[t]['ttft_ms']:.1f}", f"{scaling[t]['decode_ms']:.2f}",
+                    f"{dec[0] / scaling[t]['decode_ms']:.2f}x") for t in ts])
+    findings["thread scaling (live)"] = ", ".join(f"{t}: {scaling[t]['decode_ms']:.1f} ms" for t in ts) + \
+        f" per token ({dec[0] / dec[-1]:.2f}x on {ts[-1]})"
+
+# %% [markdown]
+# ## On the roofline
+#
+# Each run placed by its arithmetic intensity (FLOP per byte of weights read) and its achieved
+# FLOP/s, under the ceilings of one thread and of all of them. Decode sits far left: a few FLOP
+# per byte, where only bandwidth counts.
+
+# %%
+if not missing["threads"]:
+    from common.charts import roofline_points
+    for t in (1, max(bw)):
+        pts = [(f"threads@{n} {kind}", x, y) for n, r in scaling.items() if n == t
+               for kind, x, y in roofline_points(r)]
+        nb.roofline_chart({"bandwidth_gbs": bw[t], "peak_gflops": peak[t]}, pts, f"Roofline, {t} thread(s)")
+    r = scaling[max(scaling)]
+    x, y = [(x, y) for kind, x, y in roofline_points(r) if kind == "decode"][0]
+    findings["roofline"] = (f"decode on {max(scaling)} threads: {y:.1f} GFLOP/s at {x:.2f} FLOP/byte, "
+                            f"{y / (bw[max(bw)] * x):.0%} of the bandwidth ceiling there")
+
+# %% [markdown]
+# ## Attention, fused
+#
+# The inherited attention was the article's composition: per head, four numba calls (dot,
+# scale, softmax, dot) and a transposed view of V. The threads stage runs one kernel per layer,
+# one (query row, head) pair per iteration of its parallel loop, reading V row by row. Timed
+# here on this model's head geometry at a decode step with a few hundred cached positions:
+
+# %%
+if not missing["threads"]:
+    from common.gguf import GGUFFile
+    from common.model import LlamaConfig
+    from stages.kv_cache import KVCacheBackend
+    from stages.threads import ThreadsBackend
+    mc = LlamaConfig.from_gguf(GGUFFile(nb.model_path()))
+    rng = np.random.default_rng(0)
+    T = 64 if cfg.quick else 512
+    q = rng.standard_normal((1, mc.n_head * mc.head_dim)).astype(np.float32)
+    k, v = (rng.standard_normal((T, mc.kv_dim)).astype(np.float32) for _ in range(2))
+    args = (q, k, v, mc.n_head, mc.n_head_kv, T - 1)
+    composite = KVCacheBackend()
+    times = {"composite (kv_cache .. quantized)": nb.best_seconds(lambda: composite.attention(*args), cfg.timing_reps),
+             "fused, 1 thread": nb.best_seconds(lambda: ThreadsBackend(threads=1).attention(*args), cfg.timing_reps),
+             f"fused, {cores} threads": nb.best_seconds(lambda: ThreadsBackend(threads=cores).attention(*args),
+                                                        cfg.timing_reps)}
+    nb.bar_chart({k_: s * 1e6 for k_, s in times.items()}, "microseconds per layer",
+                 f"Attention at one decode step, {T} cached positions")
+    first = list(times.values())[0]
+    findings["attention"] = ", ".join(f"{k_} {s * 1e6:.0f} us" for k_, s in times.items()) + \
+        f" ({first / times['fused, 1 thread']:.1f}x on one thread)"
+
+# %% [markdown]
+# ## int8: what llama.cpp does to an activation row
+#
+# Before a matrix multiply, llama.cpp rounds the activation row to blocks of 8-bit integers
+# with one scale each: 32 values per block (Q8_0/Q8_1) for the 32-value weight formats, 256
+# (Q8_K, with the sums of every 16) for the K-quants. Then a block's dot product is a sum of
+# integer products, and the scales are applied once per block.
+
+# %%
+if missing["int8"]:
+    nb.md(f"_Skipped: {missing['int8']}._")
+else:
+    import stages.int8 as si
+    import stages.int8_kernels as ik
+    nb.show_source(si.Int8Backend.matmul)
+    x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
+    x[0, 5] = 9.0                                            # one large channel in the first block
+    qx, dx, sx, sums = ik.quantize_q8(x, 32)
+    back = ik.dequantize_q8(qx, dx, 32)
+    print("first 8 values:      ", np.round(x[0, :8], 3))
+    print("their int8:          ", qx[0, :8], " block scales d:", dx[0])
+    print("and back, d * q:     ", np.round(back[0, :8], 3))
+    err = np.abs(back - x).reshape(2, 32).max(axis=1)
+    print(f"largest rounding error per block: {err[0]:.4f} (the block with the 9.0), {err[1]:.4f}")
+
+# %% [markdown]
+# ## The instructions LLVM chose
+#
+# The int8 kernels' sums are written as plain loops over integer products. LLVM recognizes a
+# loop of 16-bit products summed into 32 bits and emits `vpmaddwd` (8 products, adjacent pairs
+# added, per 128-bit register) or, with VNNI, `vpdpwssd` (the add folded in). llama.cpp's
+# hand-written AVX2 code uses `vpmaddubsw` (32 unsigned x signed byte products per 256-bit
+# register) and keeps each block's 8 lanes to convert and scale them in float: no horizontal
+# add per block. An auto-vectorizer only forms these instructions inside a reduction, which
+# ends in a horizontal add, once per block.
+
+# %%
+if not missing["int8"]:
+    import platform
+    import re
+    from collections import Counter
+
+    from numba import njit
+
+    from common.gguf import GGMLType
+    from stages.int8_kernels import _dot_q4_k, _dot_q4_x
+    from stages.quant_kernels import F16_TO_F32
+
+    @njit
+    def rows_q4_1(a, da, sa, sm, w, f16):                     # matvec_int8's loop, one type, no prange
+        y = np.empty(w.shape[0], dtype=np.float32)
+        for n in range(w.shape[0]):
+            y[n] = _dot_q4_x(w[n], a, da, sa, sm, f16, 20, 0)
+        return y
+
+    @njit
+    def rows_q4_k(a, da, sa, sm, w, f16):
+        y = np.empty(w.shape[0], dtype=np.float32)
+        buf = np.empty(a.shape[0], dtype=np.int16)
+        for n in range(w.shape[0]):
+            y[n] = _dot_q4_k(w[n], a, da, sm, f16, buf, False)
+        return y
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        nb.md("_The assembly below is x86; this machine is not._")
+    else:
+        table, seen = [], []
+        for name, fn, qk_, size in (("Q4_1 (SmolLM2)", rows_q4_1, 32, 20), ("Q4_K (TinyLlama)", rows_q4_k, 256, 144)):
+            K = 512
+            w = np.zeros((2, K // qk_ * size), np.uint8)
+            w.flags.writeable = False
+            qa, da_, sa, sm = ik.quantize_q8(np.ones((1, K), np.float32), qk_)
+            asm = nb.kernel_asm(fn, qa[0], da_[0], sa[0], sm[0], w, F16_TO_F32)
+            ops = Counter(re.findall(r"^\s+(?:\{vex\}\s+)?(vpmaddwd|vpdpwssds?|vpdpbusds?|vpmaddubsw|vpmulld|vpmuldq)"
+                                     r"\b[^\n]*%([xyz])mm", asm, re.M))
+            for (op, reg), n in sorted(ops.items()):
+                table.append((name, op, {"x": "xmm (128-bit)", "y": "ymm (256-bit)", "z": "zmm (512-bit)"}[reg], n))
+                seen.append(f"{name.split()[0]}: {op} {reg}mm x{n}")
+        nb.show_table(["kernel", "instruction", "register", "count"], table)
+        findings["int8 instructions"] = "; ".join(seen) or "no integer multiply-add found (see the CPU's flags)"
+
+# %% [markdown]
+# ## int8 against threads: numbers, and speed
+#
+# Rounding activations to 8 bits moves the logits by a few percent, as it does in llama.cpp:
+# the float64 reference and the recorded llama.cpp logits (tests/golden) tell by how much.
+
+# %%
+if not missing["int8"]:
+    from common import reference
+    gold = np.load(nb.ROOT / "tests" / "golden" / "llama_cpp_logits.npz")
+    default = nb.model_path().resolve() == (nb.ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").resolve()
+    ids = gold["p0_ids"].tolist() if default else [1, 2, 3, 4, 5]
+    ref = reference.forward(GGUFFile(nb.model_path()), ids)
+    live = {}
+    rows_ = []
+    for s in ("threads", "int8"):
+        e = nb.load(s)
+        e.reset()
+        lg = e.forward(ids, 0)
+        e.reset()
+        rel = np.sqrt(((lg - ref) ** 2).mean() / (ref ** 2).mean())
+        row = [s, f"{np.abs(lg - ref).max():.3f}", f"{rel:.2%}"]
+        if default:
+            sub, want = gold["subset_ids"], gold["p0_subset_logits"]
+            row.append(f"{np.sqrt(((lg[:, sub] - want) ** 2).mean() / (want ** 2).mean()):.2%}")
+        live[s] = nb.measure(e, cfg)
+        row.append(f"{live[s]['decode_ms']:.2f}")
+        rows_.append(row)
+        del e
+    heads = ["stage", "max abs vs float64", "rel. RMS vs float64"]
+    nb.show_table(heads + (["rel. RMS vs llama.cpp"] if default else []) + ["decode ms/token (live)"], rows_)
+    findings["int8 vs threads (live)"] = (f"decode {live['int8']['decode_ms']:.1f} vs "
+                                          f"{live['threads']['decode_ms']:.1f} ms/token; logits "
+                                          f"{rows_[1][2]} from float64 (threads {rows_[0][2]})")
+
+# %% [markdown]
+# ## Against llama.cpp, recorded
+#
+# `scripts/bench_vs_llama.py` measures these stages and llama.cpp side by side, at 1 thread and
+# at all cores, and writes `profiles/bench/vs_llama_<model>.json`. Its ratios, if it has run:
+
+# %%
+import json
+
+recorded_rows = []
+for path in sorted((nb.ROOT / "profiles" / "bench").glob("vs_llama_*.json")):
+    res = json.loads(path.read_text())
+    for k, v in res.get("ratios", {}).items():
+        if k.startswith(("threads", "int8")):
+            recorded_rows.append((res["model"], k, f"{v['value']:.2f}", v["target"], "met" if v["met"] else "missed"))
+if recorded_rows:
+    nb.show_table(["model", "ratio", "value", "target", ""], recorded_rows)
+    met = sum(r[-1] == "met" for r in recorded_rows)
+    findings["recorded ratios"] = f"{met} of {len(recorded_rows)} targets met (profiles/bench/)"
+else:
+    nb.md("_No recorded comparison yet: `python scripts/bench_vs_llama.py` writes it._")
+
+# %%
+findings.show()

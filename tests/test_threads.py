@@ -1,0 +1,139 @@
+"""The threads stage: the same numbers on 1 thread and on N, the thread count respected, the
+parallel kernels against the quantized stage's serial ones and the fused attention against
+numpy.
+
+Splitting work between threads changes which core computes a value, never the order of the
+additions inside one value (a matrix row, a panel of rows, one (query row, head) pair), so
+the results on 1 and on N threads are compared for equality, bit for bit.
+(The default model against the float64 reference and greedy tokens are checked for every
+stage in tests/test_stages.py, primitives in tests/test_ops.py.)
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from common.gguf import GGMLType
+from stages import load
+from stages.quant_kernels import F16_TO_F32, KERNEL_TYPES, MATVEC, matvec_rows
+from stages.quantized import PREFILL_ROWS, QuantizedBackend
+from stages.thread_kernels import attention_parallel, matvec_parallel, prefill_parallel
+from stages.threads import ThreadsBackend, default_threads
+from tests.test_quantized import n_cols_for, random_blocks
+from tests.util import tensor_from_raw
+
+POOL = numba.config.NUMBA_NUM_THREADS
+TYPES = list(KERNEL_TYPES)
+
+
+def close(got, want, x, w64):
+    """Equal up to the order of float additions: relative to sum |x||w| (as test_quantized)."""
+    scale = np.abs(x).astype(np.float64) @ np.abs(w64).T
+    return (np.abs(got.astype(np.float64) - want) <= 2e-6 * np.maximum(scale, 1e-30)).all()
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_parallel_kernels_against_the_serial_ones(ggml_type):
+    """Decode (rows split in 1, 2 and 3 chunks) and prefill (panels split): every split gives
+    the same bits, and they agree with the quantized stage's kernels. (Not bit for bit with
+    those: compiled into another function, LLVM may order a row's fastmath additions
+    differently, so the comparison allows float rounding.)"""
+    from common import quants as Q
+    rng = np.random.default_rng(int(ggml_type))
+    K = n_cols_for(ggml_type)
+    raw = random_blocks(rng, ggml_type, 2 * PREFILL_ROWS + 5, K)
+    w = QuantizedBackend().prepare_matrix(tensor_from_raw(raw, ggml_type, raw.shape[:1] + (K,)))
+    w64 = Q.dequantize(raw, ggml_type, w.shape).astype(np.float64)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    serial = MATVEC.get(w.kind, None)
+    want = serial(x[0], w.data, F16_TO_F32) if serial else matvec_rows(x[0], w.data, w.kind, F16_TO_F32)
+    got = [matvec_parallel(x[0], w.data, w.kind, F16_TO_F32, chunks) for chunks in (1, 2, 3)]
+    assert all(np.array_equal(g, got[0]) for g in got)
+    assert close(got[0][None], want[None], x, w64)
+    xs = rng.standard_normal((7, K)).astype(np.float32)
+    want = QuantizedBackend().matmul(xs, w)
+    got = [prefill_parallel(xs, w.data, w.kind, F16_TO_F32, chunks, PREFILL_ROWS, 4) for chunks in (1, 2, 3)]
+    assert all(np.array_equal(g, got[0]) for g in got)
+    assert close(got[0], want, xs, w64)
+
+
+def attention_numpy(q, k, v, n_head, n_kv, start):
+    m, t = q.shape[0], k.shape[0]
+    hd = q.shape[1] // n_head
+    out = np.empty((m, n_head * hd))
+    for h in range(n_head):
+        kh = h // (n_head // n_kv)
+        sc = q[:, h * hd:(h + 1) * hd].astype(np.float64) @ k[:, kh * hd:(kh + 1) * hd].T / np.sqrt(hd)
+        sc += np.triu(np.full((m, t), -np.inf), k=start + 1)
+        p = np.exp(sc - sc.max(axis=1, keepdims=True))
+        out[:, h * hd:(h + 1) * hd] = (p / p.sum(axis=1, keepdims=True)) @ v[:, kh * hd:(kh + 1) * hd]
+    return out
+
+
+@pytest.mark.parametrize("n_head,n_kv,hd,m,start", [(9, 3, 64, 1, 40), (9, 3, 64, 17, 0), (4, 4, 16, 5, 3),
+                                                    (32, 4, 64, 3, 100)])
+def test_fused_attention_against_numpy(n_head, n_kv, hd, m, start):
+    """Decode (one row, a long cache), prefill (many rows from position 0), no grouping, and
+    TinyLlama's 32 heads on 4 KV heads; 1 thread and all."""
+    rng = np.random.default_rng(n_head * 1000 + m)
+    t = start + m
+    q = rng.standard_normal((m, n_head * hd)).astype(np.float32)
+    k = rng.standard_normal((t, n_kv * hd)).astype(np.float32)
+    v = rng.standard_normal((t, n_kv * hd)).astype(np.float32)
+    want = attention_numpy(q, k, v, n_head, n_kv, start)
+    scale = np.float32(1.0 / np.sqrt(hd))
+    results = []
+    for threads in sorted({1, POOL}):
+        numba.set_num_threads(threads)
+        results.append(attention_parallel(q, k, v, n_head, n_kv, start, scale))
+        np.testing.assert_allclose(results[-1], want, rtol=1e-4, atol=1e-5)
+    assert all(np.array_equal(r, results[0]) for r in results)
+
+
+def test_thread_count_is_the_backends():
+    """--threads N reaches the backend, numba's pool follows it, the run record states it,
+    and the default is the machine's physical cores (at most numba's pool)."""
+    from common.machine import physical_cores
+    assert default_threads() == max(1, min(physical_cores(), POOL))
+    assert ThreadsBackend().threads == default_threads()
+    assert ThreadsBackend(threads=1).threads == 1
+    assert ThreadsBackend(threads=10 * POOL).threads == POOL          # no more than numba's pool
+    for n in sorted({1, POOL}):
+        b = ThreadsBackend(threads=n)
+        numba.set_num_threads(1 if n > 1 else POOL)                     # someone else's setting
+        b.attention(np.ones((1, 8), np.float32), np.ones((2, 8), np.float32), np.ones((2, 8), np.float32),
+                    2, 2, 1)
+        assert numba.get_num_threads() == n
+
+
+@pytest.fixture(scope="module")
+def engines(default_model_path):
+    return {n: load("threads", default_model_path, threads=n) for n in sorted({1, POOL})}
+
+
+def test_one_thread_and_all_give_the_same_logits(engines):
+    """Prefill, then decode steps: bit-identical logits on 1 thread and on all of them."""
+    tokens = [1, 504, 3287, 282, 1790, 314, 253, 2730, 30]
+    runs = []
+    for n, engine in engines.items():
+        engine.reset()
+        rows = [engine.forward(tokens[:6], 0)] + [engine.forward(tokens[i:i + 1], i) for i in range(6, len(tokens))]
+        engine.reset()
+        runs.append(np.concatenate(rows))
+    assert np.isfinite(runs[0]).all()
+    assert all(np.array_equal(r, runs[0]) for r in runs[1:])
+
+
+def test_run_record_states_the_threads(engines):
+    from common.generate import generate
+    from common.run_cli import run_record
+    for n, engine in engines.items():
+        gen = generate(engine, [1, 504, 3287], 2, ignore_eos=True)
+        assert run_record(engine, "threads", gen, "", 0.0)["threads"] == n
+
+
+def test_types_are_the_quantized_stages():
+    """The stage adds no format of its own: the kernel table is the quantized stage's."""
+    assert set(TYPES) >= {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K}
