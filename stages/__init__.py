@@ -64,7 +64,33 @@ def runnable_stages() -> list[str]:
 
 
 def fastest_stage() -> str:
-    return runnable_stages()[-1]
+    """The stage `make run` uses: cuda where it can run; else the CPU stage with the best
+    decode time recorded on this machine by `make report`; else threads (measured, not
+    assumed: a later stage is not always a faster one)."""
+    runnable = runnable_stages()
+    if "cuda" in runnable:
+        return "cuda"
+    recorded = _recorded_decode_ms()
+    measured = [s for s in runnable if s in recorded]
+    if measured:
+        return min(measured, key=recorded.get)
+    return "threads" if "threads" in runnable else runnable[-1]
+
+
+def _recorded_decode_ms() -> dict:
+    """{stage: decode ms/token} from this machine's report records for the default model."""
+    import json
+    from common.bench import results_dir
+    from common.models import DEFAULT_MODEL
+    out = {}
+    for path in results_dir(DEFAULT_MODEL.filename).glob("*.json"):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if rec.get("kind") == "stage" and isinstance(rec.get("decode_ms"), float) and rec["decode_ms"] == rec["decode_ms"]:
+            out[rec["stage"]] = rec["decode_ms"]
+    return out
 
 
 def load(stage: str, model_path, n_ctx: int | None = None, threads: int | None = None,
