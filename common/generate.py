@@ -20,14 +20,14 @@ class ContextError(ValueError):
     """The prompt plus the tokens asked for do not fit in the context window."""
 
 
-def check_fits(engine, n_prompt: int, n_predict: int):
+def check_fits(n_prompt: int, n_predict: int, n_ctx: int, n_ctx_train: int):
     """Raise ContextError, before any work is done, if the tokens cannot fit the context."""
     need = n_prompt + n_predict
-    if need > engine.n_ctx:
+    if need > n_ctx:
         raise ContextError(
             f"{n_prompt} prompt tokens + {n_predict} to generate = {need} exceeds the context window "
-            f"of {engine.n_ctx} tokens; use a shorter prompt or a smaller -n, or a larger --ctx-size "
-            f"(the model was trained on {engine.config.n_ctx_train})")
+            f"of {n_ctx} tokens; use a shorter prompt or a smaller -n, or a larger --ctx-size "
+            f"(the model was trained on {n_ctx_train})")
 
 
 @dataclass
@@ -148,7 +148,8 @@ class Session:
         new_tokens = list(new_tokens)
         if not new_tokens and not self.tokens:
             raise ValueError("nothing to generate from: the prompt is empty")
-        check_fits(self.engine, len(self.tokens) + len(new_tokens), n_predict)
+        check_fits(len(self.tokens) + len(new_tokens), n_predict, self.engine.n_ctx,
+                   self.engine.config.n_ctx_train)
         gen = Generation(prompt_tokens=list(self.tokens) + new_tokens)
         self.tokens += new_tokens
         stop_ids = set() if ignore_eos else set(stop_ids)

@@ -95,6 +95,12 @@ class LlamaConfig:
         )
 
 
+def context_size(cfg: LlamaConfig, requested: int | None = None) -> int:
+    """Positions the KV cache and RoPE tables hold: as asked, else min(trained, 2048);
+    never more than the model was trained on."""
+    return min(requested or min(cfg.n_ctx_train, 2048), cfg.n_ctx_train)
+
+
 # The per-layer tensors the graph reads (blk.N.<name>.weight).
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
@@ -135,7 +141,7 @@ class LlamaModel:
         self.gguf = gguf
         self.backend = backend
         self.config = cfg = LlamaConfig.from_gguf(gguf)
-        self.n_ctx = min(n_ctx or min(cfg.n_ctx_train, 2048), cfg.n_ctx_train)
+        self.n_ctx = context_size(cfg, n_ctx)
         self.weight_names = {}     # id(prepared weight) -> tensor name, for per-op profiles
         self._load_weights(progress)
         freq_factors = None

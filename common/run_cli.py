@@ -105,17 +105,33 @@ def stop_profile(engine, profiler) -> list[dict]:
     return profiler.rows()
 
 
+def check_prompt_fits(args, stage: str) -> tuple[list, int]:
+    """Tokenize the prompt and check it fits the context before the weights are loaded:
+    (prompt ids, n_predict), or ContextError."""
+    from common.generate import check_fits
+    from common.gguf import GGUFFile
+    from common.model import LlamaConfig, context_size
+    from common.models import resolve
+    from common.tokenizer import Tokenizer
+    with GGUFFile(resolve(args.model)) as g:
+        cfg = LlamaConfig.from_gguf(g)
+        prompt = Tokenizer.from_gguf(g).encode(args.prompt)
+    n_predict = args.n_predict if args.n_predict is not None else \
+        DEFAULT_N_PREDICT.get(stage, DEFAULT_N_PREDICT_CACHED)
+    check_fits(len(prompt), n_predict, context_size(cfg, args.ctx_size), cfg.n_ctx_train)
+    return prompt, n_predict
+
+
 def cmd_run(args):
-    from common.generate import Sampler, Session, check_fits
+    from common.generate import Sampler, Session
+    from stages import fastest_stage
+    if not args.chat:
+        prompt, n_predict = check_prompt_fits(args, fastest_stage() if args.stage == "fastest" else args.stage)
     engine, stage = load_engine(args)
     tok = engine.tokenizer
     if args.chat:
         from common.chat import chat_loop
         return chat_loop(engine, stage, args)
-    prompt = tok.encode(args.prompt)
-    n_predict = args.n_predict if args.n_predict is not None else \
-        DEFAULT_N_PREDICT.get(stage, DEFAULT_N_PREDICT_CACHED)
-    check_fits(engine, len(prompt), n_predict)        # before any work is done
     session = Session(engine)
     jit_s = engine.warmup()
     stream = tok.stream_decoder()
