@@ -32,13 +32,18 @@ def _finite(x) -> bool:
 class Results:
     folder: Path
     stages: list = field(default_factory=list)          # records in stage order
-    baseline: dict | None = None
+    baselines: list = field(default_factory=list)       # llama.cpp records, by thread count
     machine: dict | None = None                          # roofline measurements
     problems: list = field(default_factory=list)         # sentences for the reader
 
     @property
     def names(self):
         return [r["stage"] for r in self.stages]
+
+    @property
+    def baseline(self) -> dict | None:
+        """The single-threaded llama.cpp record (the article's setting), else the first."""
+        return next((b for b in self.baselines if b.get("threads") == 1), self.baselines[0] if self.baselines else None)
 
 
 def load_results(folder, expected=None) -> Results:
@@ -53,7 +58,10 @@ def load_results(folder, expected=None) -> Results:
             res.problems.append(f"{path.name}: unreadable ({e})")
             continue
         if rec.get("kind") == "baseline":
-            res.baseline = rec
+            if _finite(rec.get("decode_ms")) and _finite(rec.get("ttft_ms")):
+                res.baselines.append(rec)
+            else:
+                res.problems.append(f"{path.name}: llama.cpp figures missing or NaN; left out")
         elif "stage" in rec:
             recs[rec["stage"]] = rec
     machine = folder.parent / "machine.json"
@@ -96,7 +104,8 @@ def speedup_chart(res: Results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = list(res.stages) + ([res.baseline] if res.baseline and _finite(res.baseline.get("decode_ms")) else [])
+    res.baselines.sort(key=lambda b: b.get("threads") or 1)
+    rows = list(res.stages) + [dict(b, stage=f"llama.cpp\n{b.get('threads', 1)} thread(s)") for b in res.baselines]
     if not rows:
         raise ValueError(f"no measurable records in {res.folder}")
     names = [r["stage"] for r in rows]
@@ -127,9 +136,9 @@ def speedup_chart(res: Results, path):
         s = r.get("settings") or {}
         if s:
             notes.append(f"{r['stage']}: {s.get('prompt_tokens')} prompt / {s.get('n_predict')} generated")
-    if res.baseline and res.baseline in rows:
-        notes.append(f"llama.cpp {res.baseline.get('llama_cpp_version', '')}, "
-                     f"{res.baseline.get('threads')} thread(s), same prompt ids")
+    if res.baselines:
+        notes.append(f"llama.cpp {res.baselines[0].get('llama_cpp_version', '')} (llama-cpp-python), "
+                     f"same file and prompt ids")
     fig.suptitle(f"The journey: {_title(res)}", fontsize=12)
     fig.text(0.5, 0.005, " | ".join(notes), ha="center", fontsize=7, wrap=True)
     fig.tight_layout(rect=(0, 0.05, 1, 0.95))
@@ -283,9 +292,9 @@ def results_table(res: Results) -> str:
                      f"| {_fmt(vs_naive) + 'x' if vs_naive else '-'} | {_fmt(vs_prev, 2) + 'x' if vs_prev else '-'} "
                      f"| {_fmt(r.get('peak_rss_mb'), 0)} | {s.get('prompt_tokens', r['n_prompt'])} / "
                      f"{s.get('n_predict', r['n_generated'])} |")
-    b = res.baseline
-    if b and _finite(b.get("decode_ms")):
-        lines.append(f"| llama.cpp ({b.get('threads')} thread) | {_fmt(b['ttft_ms'])} | {_fmt(b['decode_ms'])} "
+    for b in sorted(res.baselines, key=lambda b: b.get("threads") or 1):
+        t = b.get("threads") or 1
+        lines.append(f"| llama.cpp ({t} thread{'s' if t > 1 else ''}) | {_fmt(b['ttft_ms'])} | {_fmt(b['decode_ms'])} "
                      f"| {_fmt(b['tokens_per_s'])} | - | - | {_fmt(b.get('peak_rss_mb'), 0)} "
                      f"| {b['n_prompt']} / {b['n_generated']} |")
     for p in res.problems:

@@ -121,10 +121,12 @@ def run(model=None, stages=None, draw_only=False, baseline=True, remeasure_machi
                        f"({time.perf_counter() - t0:.0f} s)")
         if baseline:
             from common.baseline import llama_cpp_version
+            from common.machine import physical_cores
             if llama_cpp_version():
-                rec = measure_baseline(model, folder)
-                print(f"{'llama.cpp':>10}: TTFT {rec['ttft_ms']:9.1f} ms, decode {rec['decode_ms']:8.1f} ms/token",
-                      file=sys.stderr)
+                for threads in sorted({1, physical_cores()}):     # the article's 1 thread; all cores
+                    rec = measure_baseline(model, folder, threads)
+                    print(f"{'llama.cpp':>10}: TTFT {rec['ttft_ms']:9.1f} ms, decode {rec['decode_ms']:8.1f} "
+                          f"ms/token ({threads} thread{'s' if threads > 1 else ''})", file=sys.stderr)
             else:
                 print("llama.cpp row: llama-cpp-python not installed (`make baseline` adds it)", file=sys.stderr)
     for path in draw(folder, charts_dir, update_readme_table=is_default):

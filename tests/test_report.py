@@ -1,5 +1,5 @@
 """The report's charts and README table, drawn from a committed fixture (tests/fixtures/report):
-four stage records (tiling's decode figure is NaN), a llama.cpp record and machine.json;
+four stage records (tiling's decode figure is NaN), llama.cpp at 1 and 2 threads, and machine.json;
 'quantized' is expected but has no record."""
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def test_nan_and_missing_records_are_reported_not_plotted(res):
     assert res.names == ["naive", "simd", "kv_cache"]          # tiling (NaN) left out, in stage order
     assert any(p.startswith("tiling:") and "NaN" in p for p in res.problems)
     assert any(p.startswith("quantized:") and "no record" in p for p in res.problems)
-    assert res.baseline["stage"] == "llama.cpp"
+    assert res.baseline["stage"] == "llama.cpp" and res.baseline["threads"] == 1   # the article's setting
+    assert sorted(b["threads"] for b in res.baselines) == [1, 2]
 
 
 def test_every_chart_is_written(res, tmp_path):
@@ -46,7 +47,8 @@ def test_readme_table_holds_the_fixture_numbers(res):
     table = charts.results_table(res)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in table.splitlines() if line.startswith("| ") and not line.startswith("| stage")}
-    assert set(rows) == {"naive", "simd", "kv_cache", "llama.cpp (1 thread)"}
+    assert set(rows) == {"naive", "simd", "kv_cache", "llama.cpp (1 thread)", "llama.cpp (2 threads)"}
+    assert rows["llama.cpp (2 threads)"][1] == "5.0"
     for stage in ("naive", "simd", "kv_cache"):
         rec = fixture_record(stage)
         ttft, decode, tps = (float(c.replace(",", "")) for c in rows[stage][:3])
