@@ -124,9 +124,13 @@ def check_prompt_fits(args, stage: str) -> tuple[list, int]:
 
 def cmd_run(args):
     from common.generate import Sampler, Session
-    from stages import fastest_stage
+    from stages import StageError, fastest_stage, unavailable_reason
+    stage_name = fastest_stage() if args.stage == "fastest" else args.stage
+    reason = unavailable_reason(stage_name)
+    if reason:                                  # say so before touching the model file
+        raise StageError(f"stage '{stage_name}' cannot run here: {reason}")
     if not args.chat:
-        prompt, n_predict = check_prompt_fits(args, fastest_stage() if args.stage == "fastest" else args.stage)
+        prompt, n_predict = check_prompt_fits(args, stage_name)
     engine, stage = load_engine(args)
     tok = engine.tokenizer
     if args.chat:

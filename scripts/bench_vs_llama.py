@@ -63,13 +63,18 @@ OUT_DIR = ROOT / "profiles" / "bench"
 # (prompt tokens, tokens generated) for the decode@64 measurement, per model kind.
 SETTINGS = {
     "small": {"simd": (64, 6), "kv_cache": (64, 24), "quantized": (64, 32), "threads": (64, 32), "int8": (64, 32),
+              "int8-auto": (64, 32),
               "llama.cpp": (64, 32)},
     "large": {"simd": (64, 3), "kv_cache": (64, 5), "quantized": (64, 16), "threads": (64, 16), "int8": (64, 16),
+              "int8-auto": (64, 16),
               "llama.cpp": (64, 16)},
 }
 ENGINES = ("simd", "kv_cache", "quantized", "threads", "int8", "llama.cpp")
-MULTI_THREADED = ("threads", "int8", "llama.cpp")      # measured at every --threads count
-WITH_TTFT = ("quantized", "threads", "int8", "llama.cpp")
+# Not in the default set: the int8 stage with its auto-vectorized decode loops instead of the
+# named-instruction kernels (stages/int8_kernels.py), to measure the two side by side.
+EXTRA_ENGINES = ("int8-auto",)
+MULTI_THREADED = ("threads", "int8", "int8-auto", "llama.cpp")      # measured at every --threads count
+WITH_TTFT = ("quantized", "threads", "int8", "int8-auto", "llama.cpp")
 ROOFLINE_SLACK = 1.1                                   # decode within 10% of file bytes / bandwidth
 TTFT_TOKENS = 128
 TTFT_REPS = {"small": 3, "large": 2}
@@ -87,7 +92,11 @@ def child_stage(args) -> dict:
     from common.machine import rusage
     from stages import load
     t0 = time.perf_counter()
-    engine = load(args.stage, args.model_path, n_ctx=N_CTX, threads=args.threads)
+    engine = load("int8" if args.stage == "int8-auto" else args.stage, args.model_path, n_ctx=N_CTX,
+                  threads=args.threads)
+    if args.stage == "int8-auto":
+        from stages.int8_kernels import matvec_int8_auto
+        engine.backend.matvec = matvec_int8_auto
     load_s = time.perf_counter() - t0
     jit_s = engine.warmup()
     rec = {"engine": args.stage, "threads": engine.backend.threads, "load_s": load_s, "jit_s": jit_s,
@@ -247,7 +256,7 @@ def bench_model(name: str, rounds: int, with_llama: bool, log, engines=ENGINES, 
             reps = TTFT_REPS[kind] if e in WITH_TTFT else 0
             ttft = f", TTFT@{TTFT_TOKENS} x{reps}" if reps else ""
             log(f"  round {r + 1}/{rounds}: {row} (prompt {p}, {n} tokens{ttft})")
-            profile = r == 0 and (e == "quantized" or (e in ("threads", "int8") and t == max(thread_counts)))
+            profile = r == 0 and (e == "quantized" or (e in ("threads", "int8", "int8-auto") and t == max(thread_counts)))
             rec = run_child(e, path, p, n, reps, profile=profile, threads=t)
             runs[row].append(rec)
             log(f"    decode {rec['decode_ms']:.1f} ms/token"
@@ -280,13 +289,13 @@ def bench_model(name: str, rounds: int, with_llama: bool, log, engines=ENGINES, 
             ratios["quantized_ttft128_over_llama_cpp"] = \
                 figures["quantized"]["ttft128_ms"] / figures["llama.cpp@1"]["ttft128_ms"]
     for row, e, t in rows:
-        if e in ("threads", "int8") and with_llama:
+        if e in ("threads", "int8", "int8-auto") and with_llama:
             base = figures[f"llama.cpp@{t}"]
             ratios[f"{row}_decode_over_llama_cpp@{t}"] = figures[row]["decode_ms"] / base["decode_ms"]
             ratios[f"{row}_ttft128_over_llama_cpp@{t}"] = figures[row]["ttft128_ms"] / base["ttft128_ms"]
             targets[f"{row}_decode_over_llama_cpp@{t}"] = ("<=", 1.0)
             targets[f"{row}_ttft128_over_llama_cpp@{t}"] = ("<=", 1.0)
-        if e in ("threads", "int8", "llama.cpp") and t in floor_ms:
+        if e in MULTI_THREADED and t in floor_ms:
             ratios[f"{row}_decode_over_bandwidth_floor"] = figures[row]["decode_ms"] / floor_ms[t]
             targets[f"{row}_decode_over_bandwidth_floor"] = ("<=", ROOFLINE_SLACK)
     verdicts = {}
@@ -367,8 +376,12 @@ def bench_kernels(names, log):
     from common.gguf import GGUFFile
     from common.models import resolve
     from stages.int8 import Int8Backend
+    from stages.int8_kernels import matvec_int8, matvec_int8_auto
     from stages.quantized import QuantizedBackend
     backends = {"quantized": QuantizedBackend(), "int8": Int8Backend(threads=1)}
+    if matvec_int8 is not matvec_int8_auto:                 # named instructions: the loops too
+        backends["int8-auto"] = Int8Backend(threads=1)
+        backends["int8-auto"].matvec = matvec_int8_auto
     out = {}
     for name in names:
         g = GGUFFile(resolve(name))
@@ -452,9 +465,9 @@ def main(argv=None):
     thread_counts = tuple(int(t) for t in args.threads.split(",")) if args.threads else \
         tuple(sorted({1, physical_cores()}))
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = set(engines) - set(ENGINES)
+    unknown = set(engines) - set(ENGINES) - set(EXTRA_ENGINES)
     if unknown:
-        p.error(f"unknown engines {sorted(unknown)}; the engines are {', '.join(ENGINES)}")
+        p.error(f"unknown engines {sorted(unknown)}; the engines are {', '.join(ENGINES + EXTRA_ENGINES)}")
     for name in names:
         log(f"{name}:")
         res = bench_model(name, args.rounds, with_llama, log, engines=engines, thread_counts=thread_counts)

@@ -5,39 +5,54 @@ matrix multiply it rounds the activation row to blocks of 8-bit integers with on
 block (Q8_0/Q8_1: 32 values, a float16 scale; Q8_K: 256 values, a float32 scale and the sums of
 every 16, for the K-quants), so that a block's dot product is a sum of small integer products
 and the scales are applied once per block. This stage does the same (stages/int8_kernels.py,
-ggml's quantize_row_q8_0/_q8_1/_q8_K_ref and vec_dot formulas) and writes the sums as plain
-integer loops for LLVM to vectorize. Two findings, measured:
+ggml's quantize_row_q8_0/_q8_1/_q8_K_ref and vec_dot formulas). Two findings, measured:
 
-* The instructions are there. LLVM recognizes a loop of 16-bit products summed into 32 bits
-  and emits vpmaddwd, and on this VNNI CPU vpdpwssd (tests/test_int8.py reads the assembly).
-  But not in the form llama.cpp uses: its hand-written AVX2 code multiplies 32 unsigned x
-  signed bytes per vpmaddubsw and keeps each block's 8 lanes to convert and scale in float.
-  The auto-vectorizer forms these instructions only inside a reduction (X86PartialReduction),
-  with 32-bit accumulators it sizes at 8 lanes, so each does 8 products: vpmaddwd on 128-bit
-  registers of 16-bit values (Q4_K), or vpdpwssd on 256-bit ones holding bytes widened to 32
-  bits (Q4_1); and every block ends in a horizontal add. Nothing here yields vpdpbusd.
-* So the integer kernels are not reliably faster than the float ones here. Decode kernels,
-  one core, int8 / quantized in weights per second, two runs of `python
-  scripts/bench_vs_llama.py --kernels` (this shared VM moves such figures by 30%): Q4_1
-  0.73x and 1.21x, Q8_0 0.85x and 1.20x, Q4_K 1.05x and 0.65x, Q6_K 1.11x and 1.01x. In
-  the whole decode, measured side by side in two runs, int8 ran 1.2x slower than threads on
-  SmolLM2 (35.0-35.4 vs 28.9-29.6 ms/token, 1 thread; on 2 threads 1.03-1.29x) and 1.5-2.4x
-  slower on TinyLlama's geometry (its runs spread widely, 238-451 ms on one thread). Prefill:
-  an integer GEMM LLVM builds from such loops ran at 36 GOP/s here, below the float panels'
-  60+ GFLOP/s (a register-blocked tile shares each operand between products, and the pass
-  that forms vpmaddwd accepts single-use operands only), so prefill multiplies the rounded
-  activations, d * q, with the threads stage's float panels: llama.cpp's numbers, float
-  arithmetic.
+* The compiler will not find llama.cpp's instruction. Written as plain integer loops, the
+  sums vectorize: LLVM recognizes a loop of 16-bit products summed into 32 bits and emits
+  vpmaddwd, on this VNNI CPU vpdpwssd, 8 products per instruction (on 128-bit registers, or
+  on 256-bit ones holding bytes widened to 32 bits), each block ending in a horizontal add.
+  llama.cpp's hand-written code multiplies 32 unsigned x signed bytes per instruction:
+  vpmaddubsw (AVX2), vpdpbusd (VNNI: 4 products summed into each int32 lane). No rewriting of
+  the loops yields it (X86PartialReduction sizes the reduction by its 32-bit accumulator),
+  and so written the integer kernels were no faster than the float ones: int8 ran 1.2x
+  slower than threads on SmolLM2 and 1.5-2.4x slower on TinyLlama's geometry.
+* So name it. numba's `intrinsic` lets a jitted function emit LLVM IR, which can call an x86
+  instruction's intrinsic by name: four small helpers (dot_nibbles_16, dot_nibbles_64,
+  dot_q6_128, dot_q8_32) load 32 weight and 32 activation bytes as vectors, unpack the
+  weights to unsigned bytes as ggml does, and multiply with vpdpbusd (Q4_0/Q4_1/Q8_0) or
+  vpmaddubsw + vpmaddwd carrying the sub-block scales (Q4_K/Q6_K); the float16 scales are
+  converted by F16C instead of a table. The kernels around them are the loops with the sum
+  replaced, the integer sums the same to the bit (tests/test_int8.py also reads the
+  instructions back from the assembly). Where a CPU lacks AVX2 + F16C the loops run;
+  without VNNI the helpers use vpmaddubsw. Decode kernels, one core, weights per second in
+  two runs of `python scripts/bench_vs_llama.py --kernels` (this shared VM moves such figures
+  by 30%): against the float kernels of the quantized stage Q4_1 1.17x and 1.18x, Q8_0 1.19x
+  and 1.10x, Q4_K 1.49x and 1.40x, Q6_K 1.39x and 1.58x; against the loops Q4_1 1.45x and
+  1.40x, Q8_0 0.97x and 1.21x, Q4_K 1.91x and 1.81x, Q6_K 1.20x and 1.34x.
+
+In the whole decode int8 is now faster than threads: in 20 of 24 rounds of two runs of
+`--engines threads,int8,int8-auto,llama.cpp --threads 1,2 --rounds 3` (int8-auto: this stage
+with the loops), the per-round ratio int8/threads having medians 0.89 (SmolLM2, 1 thread),
+0.87 (2 threads), 0.81 (TinyLlama*, 1 thread) and 0.85 (2 threads); the loops took 1.1-1.9x
+the named kernels' time on SmolLM2 and 1.3-3.1x on TinyLlama. Still slower than llama.cpp
+(1.0-1.6x per round): each helper ends in a horizontal add, per 32 values for the 32-value
+formats, where llama.cpp converts a block's 8 lanes to float and keeps them in a vector
+accumulator. Prefill: an integer GEMM LLVM builds from such loops ran at 36 GOP/s here,
+below the float panels' 60+ GFLOP/s (a register-blocked tile shares each operand between
+products, and the pass that forms vpmaddwd accepts single-use operands only), so prefill
+multiplies the rounded activations, d * q, with the threads stage's float panels: llama.cpp's
+numbers, float arithmetic (and the rounding costs TTFT, left as it is).
 
                           decode ms/token              TTFT of 128 tokens, ms
                           threads  int8  llama.cpp     threads  int8  llama.cpp
-    SmolLM2-135M  1 thr    28.9    35.0    20.5           472    589     913
-                  2 thr    24.2    24.9    13.4           370    469     593
-    TinyLlama*    1 thr   160.9   381.2   117.0          3987   4212    2246
-                  2 thr    99.7   181.6    60.0          2632   3057    1204
-    (medians of 3 alternating rounds, `python scripts/bench_vs_llama.py --rounds 3`,
-    profiles/bench/vs_llama_<model>.json; * synthetic. Against llama.cpp at the same thread
-    count: decode 1.71x, 1.85x, 3.26x, 3.02x; TTFT 0.65x, 0.79x, 1.88x, 2.54x.)
+    SmolLM2-135M  1 thr    45.4    27.7    25.6           652    616     949
+                  2 thr    20.8    16.7    14.0           326    583     617
+    TinyLlama*    1 thr   204.4   141.8   129.7          4802   4312    3144
+                  2 thr   109.7    92.6    70.0          2777   3495    1593
+    (medians of 3 alternating rounds, `python scripts/bench_vs_llama.py --engines
+    threads,int8,int8-auto,llama.cpp --threads 1,2 --rounds 3`, profiles/bench/vs_llama_<model>.json;
+    * synthetic. The rounds spread: threads@1 on SmolLM2 28.5-45.9 ms. Against llama.cpp at the
+    same thread count: decode 1.08x, 1.19x, 1.09x, 1.32x; TTFT 0.65x, 0.94x, 1.37x, 2.19x.)
 
 What the stage does buy is llama.cpp's numerics. Rounding an activation to 8 bits with one
 scale per block moves each value by up to half a step of its block's largest value / 127;
@@ -72,6 +87,7 @@ LOGIT_TOLERANCE = 2.0           # logits, max |int8 - float64 reference| per pos
 
 class Int8Backend(ThreadsBackend):
     name = "int8"
+    matvec = staticmethod(matvec_int8)   # the named-instruction kernels where the CPU has them
 
     def __init__(self, threads: int | None = None):
         super().__init__(threads)
@@ -95,5 +111,5 @@ class Int8Backend(ThreadsBackend):
         q, d, s, sums = self.quantize_activations(x, qk)
         if x.shape[0] == 1:                                   # decode: integer dot products
             self._pool()
-            return matvec_int8(q[0], d[0], s[0], sums[0], w.data, w.kind, F16_TO_F32, self.threads)[None, :]
+            return self.matvec(q[0], d[0], s[0], sums[0], w.data, w.kind, F16_TO_F32, self.threads)[None, :]
         return super().matmul(dequantize_q8(q, d, qk), w)     # prefill: the float panels, on d * q

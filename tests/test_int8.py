@@ -19,12 +19,16 @@ from common import reference
 from common.gguf import GGMLType, GGUFFile
 from stages import load
 from stages.int8 import LOGIT_TOLERANCE
-from stages.int8_kernels import ACTIVATION_BLOCK, dequantize_q8, f16_round, matvec_int8, quantize_q8
+from stages import int8_kernels
+from stages.int8_kernels import (ACTIVATION_BLOCK, ISA, dequantize_q8, f16_round, matvec_int8, matvec_int8_auto,
+                                 quantize_q8)
 from stages.quant_kernels import F16_TO_F32
 from tests.test_quantized import MIXED_TYPES, n_cols_for, random_blocks, stage_logits, write_tiny_llama
 
 F32 = np.float32
 INT_TYPES = [GGMLType(t) for t in ACTIVATION_BLOCK]
+NAMED_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K]     # the named kernels
+NO_NAMED = "this CPU (or numba's target) has no AVX2: the int8 stage runs its auto-vectorized loops only"
 GOLDEN = Path(__file__).parent / "golden" / "llama_cpp_logits.npz"
 
 
@@ -122,6 +126,105 @@ def test_integer_kernels_on_random_blocks(ggml_type):
             assert y.dtype == F32 and np.isfinite(y).all()
             err = np.abs(y - want[0]) / np.maximum(scale[0], 1e-30)
             assert err.max() < 2e-6, f"{ggml_type.name}: max relative error {err.max():.2e}"
+
+
+def _random_case(ggml_type, n_rows, seed):
+    """(matvec arguments before the type, float64 size of each product sum |x| @ |w|)."""
+    rng = np.random.default_rng(seed)
+    K = 2 * n_cols_for(ggml_type)
+    raw = random_blocks(rng, ggml_type, n_rows, K)
+    raw.flags.writeable = False
+    q, d, s, sums = quantize_q8(activations(rng, 1, K), ACTIVATION_BLOCK[int(ggml_type)])
+    _, scale = expected(q, d, s, raw, ggml_type, (n_rows, K))
+    return (q[0], d[0], s[0], sums[0], raw), scale[0]
+
+
+def _same_sums(got, want, scale):
+    """The integer sums are exact, and the scaling is written the same way; only LLVM's choice
+    of where to fuse a multiply-add may differ (bit for bit equal with LLVM 22 here)."""
+    return np.array_equal(got, want) or (np.abs(got - want) / np.maximum(scale, 1e-30)).max() < 1e-6
+
+
+@pytest.mark.skipif(ISA is None, reason=NO_NAMED)
+@pytest.mark.parametrize("ggml_type", INT_TYPES, ids=lambda t: t.name)
+def test_named_kernels_equal_the_loops(ggml_type):
+    """The named-instruction kernels (vpdpbusd / vpmaddubsw) compute the same integer sums as the
+    auto-vectorized loops and scale them in the same order: the same float32 results."""
+    assert matvec_int8 is int8_kernels.matvec_int8_named
+    args, scale = _random_case(ggml_type, 11, 20 + int(ggml_type))
+    for chunks in (1, 2):
+        want = matvec_int8_auto(*args, int(ggml_type), F16_TO_F32, chunks)
+        got = matvec_int8(*args, int(ggml_type), F16_TO_F32, chunks)
+        assert _same_sums(got, want, scale)
+
+
+def _named_rows(ggml_type):
+    """matvec_int8_named's loop without prange, for one type (compiles in a few seconds), as a
+    fresh dispatcher (compiled with int8_kernels.ISA as it is when first called)."""
+    from numba import njit
+
+    from stages.int8_kernels import _dot_q4_k_named, _dot_q4_x_named, _dot_q6_k_named, _dot_q8_0_named
+
+    def q4_0(row, a, da, sa, sums, f16):
+        return _dot_q4_x_named(row, a, da, sa, sums, f16, 18, 8)
+
+    def q4_1(row, a, da, sa, sums, f16):
+        return _dot_q4_x_named(row, a, da, sa, sums, f16, 20, 0)
+
+    def q8_0(row, a, da, sa, sums, f16):
+        return _dot_q8_0_named(row, a, da, f16)
+
+    def q4_k(row, a, da, sa, sums, f16):
+        return _dot_q4_k_named(row, a, da, sums, f16)
+
+    def q6_k(row, a, da, sa, sums, f16):
+        return _dot_q6_k_named(row, a, da, sums, f16)
+
+    dot = njit(inline="always")({GGMLType.Q4_0: q4_0, GGMLType.Q4_1: q4_1, GGMLType.Q8_0: q8_0,
+                                 GGMLType.Q4_K: q4_k, GGMLType.Q6_K: q6_k}[ggml_type])
+
+    @njit
+    def rows(a, da, sa, sums, w, f16):
+        y = np.empty(w.shape[0], dtype=np.float32)
+        for n in range(w.shape[0]):
+            y[n] = dot(w[n], a, da, sa, sums, f16)
+        return y
+
+    return rows
+
+
+@pytest.mark.skipif(ISA is None, reason=NO_NAMED)
+@pytest.mark.parametrize("ggml_type", NAMED_TYPES, ids=lambda t: t.name)
+def test_named_instructions_in_the_assembly(ggml_type):
+    """The instruction asked for by name is the one in the machine code: on a VNNI CPU
+    vpdpbusd (32 byte products, 4 summed per int32 lane) in Q4_0/Q4_1/Q8_0, vpmaddubsw + vpmaddwd
+    (or vpdpwssd, LLVM folding the add in) in Q4_K/Q6_K, where the sub-block scales ride on the
+    16-bit step; on AVX2 without VNNI vpmaddubsw everywhere."""
+    from common.notebook import kernel_asm
+    args, _ = _random_case(ggml_type, 3, 5)
+    asm = kernel_asm(_named_rows(ggml_type), *args, F16_TO_F32)
+    found = set(INT_DOT.findall(asm))
+    byte_forms = {"vpdpbusd", "vpdpbusds"} if ISA == "vnni" and ggml_type in (
+        GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0) else {"vpmaddubsw"}
+    names = {f[0] for f in found}
+    assert names & byte_forms, f"{ggml_type.name}: expected {sorted(byte_forms)}, found {sorted(names)}"
+    assert ("vpmaddubsw", "y") in found or ("vpdpbusd", "y") in found, "expected 256-bit (ymm) forms"
+
+
+@pytest.mark.skipif(ISA != "vnni", reason="the AVX2 form is checked against the VNNI one here; this CPU "
+                    + ("has no AVX2" if ISA is None else "runs the AVX2 form itself (the tests above)"))
+def test_the_avx2_form_on_a_vnni_cpu(monkeypatch):
+    """CPUs with AVX2 but no VNNI get vpmaddubsw + vpmaddwd instead of vpdpbusd (the helpers read
+    int8_kernels.ISA as they are compiled): compiled here in that form too, the same results
+    and no vpdpbusd."""
+    monkeypatch.setattr(int8_kernels, "ISA", "avx2")
+    for ggml_type in NAMED_TYPES:
+        args, scale = _random_case(ggml_type, 9, 30 + int(ggml_type))
+        rows = _named_rows(ggml_type)
+        got = rows(*args, F16_TO_F32)                         # compiled now, in the AVX2 form
+        names = {f[0] for f in INT_DOT.findall("\n".join(rows.inspect_asm().values()))}
+        assert "vpmaddubsw" in names and not names & {"vpdpbusd", "vpdpbusds"}, sorted(names)
+        assert _same_sums(got, matvec_int8_auto(*args, int(ggml_type), F16_TO_F32, 1), scale), ggml_type.name
 
 
 def test_backend_quantizes_each_input_once_and_keeps_float_weights_float():

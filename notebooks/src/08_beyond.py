@@ -188,7 +188,7 @@ if not missing["int8"]:
     from stages.quant_kernels import F16_TO_F32
 
     @njit
-    def rows_q4_1(a, da, sa, sm, w, f16):                     # matvec_int8's loop, one type, no prange
+    def rows_q4_1(a, da, sa, sm, w, f16):                     # matvec_int8_auto's loop, one type, no prange
         y = np.empty(w.shape[0], dtype=np.float32)
         for n in range(w.shape[0]):
             y[n] = _dot_q4_x(w[n], a, da, sa, sm, f16, 20, 0)
@@ -219,6 +219,38 @@ if not missing["int8"]:
                 seen.append(f"{name.split()[0]}: {op} {reg}mm x{n}")
         nb.show_table(["kernel", "instruction", "register", "count"], table)
         findings["int8 instructions"] = "; ".join(seen) or "no integer multiply-add found (see the CPU's flags)"
+
+# %% [markdown]
+# ## When the compiler will not find the instruction, name it
+#
+# No rewriting of those loops makes LLVM emit `vpdpbusd` (VNNI: 32 unsigned x signed byte
+# products, 4 summed into each 32-bit lane) or `vpmaddubsw`. numba's `intrinsic` lets a jitted
+# function write LLVM IR itself, and LLVM IR can call an x86 instruction's intrinsic by name.
+# The helper below loads a Q4_0/Q4_1 block's 16 bytes and the activation's 32, unpacks the
+# nibbles into 32 unsigned bytes and multiplies them with one instruction; the kernel around it
+# is the loop above with the sum replaced. The stage uses these kernels where the CPU has AVX2
+# (`vpmaddubsw` + `vpmaddwd`) or VNNI (`vpdpbusd`), the loops elsewhere.
+
+# %%
+if not missing["int8"]:
+    if ik.ISA is None:
+        nb.md("_This CPU (or numba's target) has no AVX2: the int8 stage runs the loops above._")
+    else:
+        nb.show_source(ik.dot_nibbles_16._defn, ik._dot_q4_x_named,
+                       note=f"The instructions this CPU gets: `{ik.ISA}`.")
+        from common.gguf import GGMLType
+        from tests.test_quantized import random_blocks
+        rng = np.random.default_rng(2)
+        w = random_blocks(rng, GGMLType.Q4_1, 1536, 576)     # SmolLM2's FFN geometry
+        qa, da_, sa, sm = ik.quantize_q8(rng.standard_normal((1, 576)).astype(np.float32), 32)
+        run = {name: (lambda f=f: f(qa[0], da_[0], sa[0], sm[0], w, int(GGMLType.Q4_1), F16_TO_F32, 1))
+               for name, f in (("loops (auto-vectorized)", ik.matvec_int8_auto), ("named instructions", ik.matvec_int8_named))}
+        same = np.array_equal(run["loops (auto-vectorized)"](), run["named instructions"]())
+        times = {k_: nb.best_seconds(f, cfg.timing_reps) for k_, f in run.items()}
+        nb.bar_chart({k_: 1536 * 576 / t / 1e9 for k_, t in times.items()}, "Gweights / s",
+                     "Q4_1 1536 x 576, one thread")
+        ratio = times["loops (auto-vectorized)"] / times["named instructions"]
+        findings["named instructions"] = f"{ik.ISA}: {ratio:.2f}x the loops on Q4_1, results {'identical' if same else 'DIFFERENT'}"
 
 # %% [markdown]
 # ## int8 against threads: numbers, and speed
