@@ -99,17 +99,44 @@ def _title(res: Results) -> str:
     return f"{r['model']} on {cpu}" if cpu else r["model"]
 
 
+def _ratio(x: float) -> str:
+    return f"{x:.2f}" if x < 1 else f"{x:.1f}" if x < 100 else f"{x:,.0f}"
+
+
+def _bar_name(r: dict) -> str:
+    threads = (r.get("settings") or {}).get("threads") or r.get("threads") or 1
+    return f"{r['stage']}\n{threads} thread{'s' if threads > 1 else ''}"
+
+
+def _settings_note(res: Results, rows: list[dict]) -> str:
+    """One line saying what each bar measured: the prompt length, and who generated how many
+    tokens (the stages without a KV cache generate fewer: each token costs a whole prompt)."""
+    prompts, by_n = set(), {}
+    for r in rows:
+        s = r.get("settings") or {}
+        if s:
+            prompts.add(s.get("prompt_tokens"))
+            by_n.setdefault(s.get("n_predict"), []).append(r["stage"])
+    parts = [f"prompt {', '.join(str(p) for p in sorted(prompts, key=str))} tokens"] if prompts else []
+    parts += [f"{', '.join(dict.fromkeys(names))}: {n} generated" for n, names in by_n.items()]
+    if res.baselines:
+        parts.append(f"llama.cpp {res.baselines[0].get('llama_cpp_version', '')} via llama-cpp-python, "
+                     f"same file and prompt ids, greedy")
+    return " | ".join(parts[:-1]) + "\n" + parts[-1] if len(parts) > 2 else " | ".join(parts)
+
+
 def speedup_chart(res: Results, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     res.baselines.sort(key=lambda b: b.get("threads") or 1)
-    rows = list(res.stages) + [dict(b, stage=f"llama.cpp\n{b.get('threads', 1)} thread(s)") for b in res.baselines]
+    rows = list(res.stages) + [dict(b, stage="llama.cpp") for b in res.baselines]
     if not rows:
         raise ValueError(f"no measurable records in {res.folder}")
-    names = [r["stage"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    names = [_bar_name(r) for r in rows]
+    # One panel above the other: each bar gets the width its three-line label needs.
+    fig, axes = plt.subplots(2, 1, figsize=(11, 9.5))
     for ax, key, label in ((axes[0], "ttft_ms", "time to first token (ms)"),
                            (axes[1], "decode_ms", "decode (ms per token, median)")):
         values = [r[key] for r in rows]
@@ -118,30 +145,22 @@ def speedup_chart(res: Results, path):
         for b in bars[len(res.stages):]:
             b.set_hatch("//")
         ax.set_yscale("log")
-        ax.set_xticks(range(len(rows)), names, rotation=20)
+        ax.set_xticks(range(len(rows)), names)
         ax.set_ylabel(label)
         ax.grid(axis="y", which="both", alpha=0.25)
         ups = _speedups(res, key) + [(None, None)] * (len(rows) - len(res.stages))
         for i, (b, (vs_naive, vs_prev)) in enumerate(zip(bars, ups)):
             text = f"{values[i]:,.0f}" if values[i] >= 10 else f"{values[i]:.1f}"
             if vs_naive:
-                text += f"\n{vs_naive:,.1f}x naive"
+                text += f"\n{_ratio(vs_naive)}x naive"
             if vs_prev:
-                text += f"\n{vs_prev:,.2g}x prev"
+                text += f"\n{_ratio(vs_prev)}x prev"
             ax.annotate(text, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
                         fontsize=7.5, xytext=(0, 2), textcoords="offset points")
         ax.set_ylim(min(values) / 3, max(values) * 8)
-    notes = []
-    for r in rows:
-        s = r.get("settings") or {}
-        if s:
-            notes.append(f"{r['stage']}: {s.get('prompt_tokens')} prompt / {s.get('n_predict')} generated")
-    if res.baselines:
-        notes.append(f"llama.cpp {res.baselines[0].get('llama_cpp_version', '')} (llama-cpp-python), "
-                     f"same file and prompt ids")
     fig.suptitle(f"The journey: {_title(res)}", fontsize=12)
-    fig.text(0.5, 0.005, " | ".join(notes), ha="center", fontsize=7, wrap=True)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.95))
+    fig.text(0.5, 0.005, _settings_note(res, rows), ha="center", fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

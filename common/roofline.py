@@ -90,7 +90,7 @@ def measure(threads: int | None = None, size_mib: int = 512) -> dict:
     def peak1():
         for _ in range(reps):
             matmul_panels(A, W)
-    best, med = _best(peak1, 3)
+    best, med = _best(peak1, 5)
     out["peak_gflops"]["1"], out["peak_gflops_median"]["1"] = flops_one * reps / best / 1e9, \
         flops_one * reps / med / 1e9
     if threads > 1:
@@ -100,7 +100,7 @@ def measure(threads: int | None = None, size_mib: int = 512) -> dict:
             best, med = _best(lambda: _sum_parallel(a, threads * 8))
             out["bandwidth_gbs"][str(threads)] = a.nbytes / best / 1e9
             out["bandwidth_gbs_median"][str(threads)] = a.nbytes / med / 1e9
-            best, med = _best(lambda: _peak_parallel(A, W, reps, threads), 3)
+            best, med = _best(lambda: _peak_parallel(A, W, reps, threads), 5)
             out["peak_gflops"][str(threads)] = flops_one * reps * threads / best / 1e9
             out["peak_gflops_median"][str(threads)] = flops_one * reps * threads / med / 1e9
         finally:

@@ -50,7 +50,8 @@ numbers, float arithmetic (and the rounding costs TTFT, left as it is).
     TinyLlama*    1 thr   204.4   141.8   129.7          4802   4312    3144
                   2 thr   109.7    92.6    70.0          2777   3495    1593
     (medians of 3 alternating rounds, `python scripts/bench_vs_llama.py --engines
-    threads,int8,int8-auto,llama.cpp --threads 1,2 --rounds 3`, profiles/bench/vs_llama_<model>.json;
+    threads,int8,int8-auto,llama.cpp --threads 1,2 --rounds 3 --out-dir profiles/bench/int8_named`,
+    records in profiles/bench/int8_named/vs_llama_<model>.json;
     * synthetic. The rounds spread: threads@1 on SmolLM2 28.5-45.9 ms. Against llama.cpp at the
     same thread count: decode 1.08x, 1.19x, 1.09x, 1.32x; TTFT 0.65x, 0.94x, 1.37x, 2.19x.)
 

@@ -41,19 +41,20 @@ figures, settings and per-op profiles in profiles/bench/vs_llama_*.json):
 
                            decode ms/token, 64-token prompt     TTFT 128 tokens     peak RSS MiB
                            simd  kv_cache quantized llama.cpp  quantized llama.cpp  quantized llama.cpp
-    SmolLM2-135M Q4_1       372     53.6     32.1     19.8        837 ms    969 ms     411      250
-    TinyLlama geometry*    2548    308      210      104         5.8 s     2.4 s      945     1230
-    * synthetic random weights; the eager stages ran 3-5 tokens there (4.4 GB of float32)
+    SmolLM2-135M Q4_1       391     51.9     40.2     25.4       1087 ms   1023 ms     411      251
+    TinyLlama geometry*    2502    326      212      109         5.4 s     2.2 s      944     1230
+    * synthetic random weights; the eager stages ran 3-6 tokens there (4.4 GB of float32)
 
-So: 1.7x (SmolLM2) and 1.5x (TinyLlama) faster decode than kv_cache, in less than half its
-memory (411 vs 918 MiB, most of it the runtime) and a fifth of it on TinyLlama (945 vs 5130
-MiB); 1.6-2.0x llama.cpp's decode time. What
+So: 1.3x (SmolLM2; 1.7x in an earlier run, 53.6 -> 32.1 ms: the rounds of one run spread by
+up to 1.5x on this shared VM) and 1.5x (TinyLlama) faster decode than kv_cache, in less than
+half its memory (411 vs 918 MiB, most of it the runtime) and a fifth of it on TinyLlama (944
+vs 5130 MiB); 1.6-1.9x llama.cpp's decode time. What
 separates us from llama.cpp: it multiplies int8 activations by the 4-bit weights with
 integer dot-product instructions (64 multiply-adds per instruction), so it is bound by memory
 (~6 GB/s here) where these float kernels are bound by the unpacking (~3 GB/s of blocks);
 for a 128-token prompt the float32 multiply-adds (near this core's 256-bit FMA peak) and
 the inherited per-head attention loop (a quarter of TinyLlama's prompt time) make the gap
-2.4x. Of the 411 MiB on SmolLM2, 196 are the interpreter, numpy and numba before any model
+2.5x. Of the 411 MiB on SmolLM2, 196 are the interpreter, numpy and numba before any model
 (`--child runtime`); the rest is the mapped file (94) and the KV arena (90, resident at
 once: numpy asks for 2 MiB pages). Cold JIT of this stage's kernels: ~5 s (cached after).
 

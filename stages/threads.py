@@ -31,31 +31,31 @@ What changes, and nothing else:
 
 Measured here (2-core Xeon VM, shared, AVX-512/VNNI; medians of 3 alternating rounds of
 `python scripts/bench_vs_llama.py --rounds 3`, records in profiles/bench/vs_llama_<model>.json;
-in brackets the ratios of an earlier run with `--engines quantized,threads,int8,llama.cpp`:
-on this machine figures move by up to 1.6x from run to run, ratios measured side by side less):
+in brackets the ratios of an earlier run of the same command: on this machine figures move
+by up to 1.6x from run to run, ratios measured side by side less):
 
                           decode ms/token, 64-token prompt       TTFT of 128 tokens, ms
                           quantized  threads  llama.cpp          quantized  threads  llama.cpp
-    SmolLM2-135M  1 thr      31.4      28.9      20.5                769       472       913
-                  2 thr        -       24.2      13.4                 -        370       593
-    TinyLlama*    1 thr     207.2     160.9     117.0               5184      3987      2246
-                  2 thr        -       99.7      60.0                 -       2632      1204
+    SmolLM2-135M  1 thr      40.2      28.7      25.4               1087       483      1023
+                  2 thr        -       21.7      13.1                 -        332       600
+    TinyLlama*    1 thr     211.8     160.6     109.0               5421      4149      2152
+                  2 thr        -      102.4      57.5                 -       2470      1308
     * synthetic: TinyLlama 1.1B's geometry and Q4_K/Q6_K mix, random weights
 
-So against llama.cpp at the same thread count: decode 1.41x [1.24x] (1 thread) and 1.80x
-[1.79x] (2) on SmolLM2, 1.37x [1.36x] and 1.66x [1.43x] on TinyLlama; TTFT 0.52x [0.52x]
-and 0.62x [0.51x] on SmolLM2 (ahead: llama.cpp's Q4_1 prompt path is its slow one), 1.77x
-[2.19x] and 2.19x [1.70x] on TinyLlama. Scaling 1 -> 2 threads: 1.19x [1.39x] (SmolLM2),
-1.61x [1.58x] (TinyLlama); llama.cpp's 1.53x [2.0x] and 1.95x [1.66x]. Against the
-bandwidth floor (637 MiB / the read bandwidth measured in the same run): TinyLlama on 2
-threads 1.19x [1.59x] of it; the floor itself moved from 65 to 84 ms between the runs (10.2
-and 7.9 GB/s), and llama.cpp ran below it once (0.71x): this VM's 300 MiB L3 keeps part of
-the weights between tokens, so the floor is approximate. What is left:
+So against llama.cpp at the same thread count: decode 1.13x [1.41x] (1 thread) and 1.66x
+[1.80x] (2) on SmolLM2, 1.47x [1.37x] and 1.78x [1.66x] on TinyLlama; TTFT 0.47x [0.52x]
+and 0.55x [0.62x] on SmolLM2 (ahead: llama.cpp's Q4_1 prompt path is its slow one), 1.93x
+[1.77x] and 1.89x [2.19x] on TinyLlama. Scaling 1 -> 2 threads: 1.32x [1.19x] (SmolLM2),
+1.57x [1.61x] (TinyLlama); llama.cpp's 1.94x and 1.90x. Against the bandwidth floor (637
+MiB / the read bandwidth measured in the same run, 10.8 GB/s: 62 ms): TinyLlama on 2
+threads 1.65x [1.19x] of it; the floor itself moved from 62 to 84 ms between runs, and
+llama.cpp ran below it (0.93x; 0.71x once): this VM's 300 MiB L3 keeps part of the
+weights between tokens, so the floor is approximate. What is left:
 
 * the kernels: per core, llama.cpp's hand-written AVX2/AVX-512 kernels multiply 8-bit
   activations by the 4-bit weights with vpmaddubsw, 32 products per instruction; ours convert
-  each nibble to float (about 5 instructions per 8 weights). That is the unpacking bound, and
-  the int8 stage shows what LLVM makes of integer activations.
+  each nibble to float (about 5 instructions per 8 weights). That is the unpacking bound; the
+  int8 stage takes llama.cpp's road (8-bit activations, vpdpbusd) and measures what it buys.
 * SmolLM2's matrices are small (0.2-0.6 MiB) and its file fits this machine's L3: per token
   there are ~210 parallel regions of a few tens of microseconds, each with a fork/join of
   3-5 us, and ~1.5 ms of Python between them; that is why it scales less than TinyLlama.
