@@ -35,6 +35,7 @@ class Results:
     baselines: list = field(default_factory=list)       # llama.cpp records, by thread count
     machine: dict | None = None                          # roofline measurements
     problems: list = field(default_factory=list)         # sentences for the reader
+    missing: dict = field(default_factory=dict)          # expected stage -> why it has no record
 
     @property
     def names(self):
@@ -46,8 +47,9 @@ class Results:
         return next((b for b in self.baselines if b.get("threads") == 1), self.baselines[0] if self.baselines else None)
 
 
-def load_results(folder, expected=None) -> Results:
-    """Read every record in folder (one model on one machine) and its machine.json."""
+def load_results(folder, expected=None, why_missing=None) -> Results:
+    """Read every record in folder (one model on one machine) and its machine.json;
+    why_missing: {stage: reason} for the notes on expected stages without a record."""
     folder = Path(folder)
     res = Results(folder)
     recs = {}
@@ -76,7 +78,9 @@ def load_results(folder, expected=None) -> Results:
         res.stages.append(rec)
     for name in expected or []:
         if name not in recs:
-            res.problems.append(f"{name}: no record (not measured on this machine); left out")
+            reason = (why_missing or {}).get(name) or "not measured on this machine"
+            res.missing[name] = reason
+            res.problems.append(f"{name}: no record ({reason}); left out")
     return res
 
 
@@ -122,7 +126,13 @@ def _settings_note(res: Results, rows: list[dict]) -> str:
     if res.baselines:
         parts.append(f"llama.cpp {res.baselines[0].get('llama_cpp_version', '')} via llama-cpp-python, "
                      f"same file and prompt ids, greedy")
-    return " | ".join(parts[:-1]) + "\n" + parts[-1] if len(parts) > 2 else " | ".join(parts)
+    text = " | ".join(parts[:-1]) + "\n" + parts[-1] if len(parts) > 2 else " | ".join(parts)
+    by_reason = {}
+    for name, reason in res.missing.items():
+        by_reason.setdefault(reason.split(";")[0], []).append(name)
+    if by_reason:
+        text += "\nno bar: " + "; ".join(f"{', '.join(n)} ({r})" for r, n in by_reason.items())
+    return text
 
 
 def speedup_chart(res: Results, path):
@@ -160,7 +170,7 @@ def speedup_chart(res: Results, path):
         ax.set_ylim(min(values) / 3, max(values) * 8)
     fig.suptitle(f"The journey: {_title(res)}", fontsize=12)
     fig.text(0.5, 0.005, _settings_note(res, rows), ha="center", fontsize=8)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    fig.tight_layout(rect=(0, 0.065, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -4,14 +4,19 @@ README table from the JSON records.
     python -m common report [-m MODEL] [--stages naive,simd] [--draw-only] [--no-baseline]
 
 Each stage is measured in its own process (clean peak RSS, its own JIT warm-up) by
-`python -m common bench --profile`, with the settings in REPORT_SETTINGS: the same prompt
-length for every stage so TTFT compares like with like, and fewer generated tokens for the
-stages that recompute the whole text per token (the chart says so). The machine's
-bandwidth and peak FLOP/s are measured once (profiles/results/<machine>/machine.json) for
-the roofline. llama.cpp's row is measured when llama-cpp-python is installed (`make baseline`).
+`python -m common bench --profile`, with the settings of PROMPT_TOKENS and REPORT_N_PREDICT
+in common/report.py: the same prompt length for every stage so TTFT compares like with like,
+and fewer generated tokens for the stages that recompute the whole text per token (the chart
+says so). The machine's bandwidth and peak FLOP/s are measured once
+(profiles/results/<machine>/machine.json) for the roofline. llama.cpp's row is measured when
+llama-cpp-python is installed (`make baseline`).
 
-The whole report took 1 min 40 s on 2 cores with numba's cache warm (a minute or two more
-the first time, compiling), most of it in naive and tiling.
+`-m tinyllama-synthetic` (or any GGUF file) writes its charts and a results.md under
+profiles/<model>/. On models above 500M parameters naive and tiling are left out unless
+named in --stages (they would take ~40 minutes there).
+
+The whole report on the default model took 1 min 40 s on 2 cores with numba's cache warm (a
+minute or two more the first time, compiling), most of it in naive and tiling.
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ REPORT_N_PREDICT = {"naive": 4, "tiling": 4, "simd": 16}
 REPORT_N_PREDICT_DEFAULT = 64
 PROFILE_N_PREDICT = {"naive": 2, "tiling": 2, "simd": 8}
 PROFILE_N_PREDICT_DEFAULT = 32
+# naive and tiling recompute the whole text for every token at 0.4-2 GFLOP/s: on TinyLlama's
+# 1.1B parameters a 32-token forward pass is ~70 GFLOP, about 3 minutes for naive (measured:
+# 1.9 s for one 32 x 2048 x 5632 matmul), so their rows alone would take ~40 minutes. Above
+# this size they are measured only when asked for by name (--stages naive,tiling,...).
+RECOMPUTE_STAGES = ("naive", "tiling")
+LARGE_MODEL_PARAMS = 500e6
 
 
 def _python() -> str:
@@ -50,6 +61,13 @@ def measure_stage(stage: str, model: Path, out_dir: Path, threads=None) -> dict:
         tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
         raise RuntimeError(f"stage {stage} failed (exit {proc.returncode}):\n{tail}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _model_params(model: Path) -> int:
+    from common.gguf import GGUFFile
+    from common.model import LlamaConfig, n_params
+    with GGUFFile(model) as g:
+        return n_params(LlamaConfig.from_gguf(g))
 
 
 def measure_machine(folder: Path, force: bool = False) -> dict:
@@ -75,18 +93,27 @@ def measure_baseline(model: Path, out_dir: Path, threads: int = 1) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def draw(folder: Path, charts_dir: Path, update_readme_table: bool) -> list:
+def _shown(path: Path) -> str:
+    """A path as the README shows it: relative to the repository when inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def draw(folder: Path, charts_dir: Path, update_readme_table: bool, why_missing=None) -> list:
     from common import charts
     from stages import STAGES
-    res = charts.load_results(folder, expected=STAGES)
+    res = charts.load_results(folder, expected=STAGES, why_missing=why_missing)
     written = charts.draw_all(res, charts_dir)
+    caption = (f"Measured by `make report` on {res.stages[0]['machine']['cpu']} "
+               f"({res.stages[0]['machine']['physical_cores']} cores), "
+               f"{res.stages[0]['model']}, greedy, 1 thread unless stated. "
+               f"Records: `{_shown(folder)}/`.\n\n") if res.stages else ""
     if update_readme_table:
-        caption = (f"Measured by `make report` on {res.stages[0]['machine']['cpu']} "
-                   f"({res.stages[0]['machine']['physical_cores']} cores), "
-                   f"{res.stages[0]['model']}, greedy, 1 thread unless stated. "
-                   f"Records: `{folder.relative_to(ROOT)}/`.\n\n") if res.stages else ""
         if charts.update_readme(ROOT / "README.md", charts.results_table(res), caption):
             written.append(ROOT / "README.md")
+    elif res.stages:                       # another model: its table beside its charts
+        path = charts_dir / "results.md"
+        path.write_text(caption + charts.results_table(res) + "\n")
+        written.append(path)
     for p in res.problems:
         print(f"note: {p}", file=sys.stderr)
     return written
@@ -107,6 +134,13 @@ def run(model=None, stages=None, draw_only=False, baseline=True, remeasure_machi
         for s in STAGES:
             if s not in todo and not stages:
                 print(f"skipping {s}: {unavailable_reason(s)}", file=sys.stderr)
+        params = _model_params(model)
+        if not stages and params > LARGE_MODEL_PARAMS:
+            for s in RECOMPUTE_STAGES:
+                print(f"skipping {s}: a {params / 1e9:.1f}B-parameter model takes minutes per token there "
+                      f"(~40 min for both rows on 2 cores); --stages {','.join(RECOMPUTE_STAGES)},... "
+                      f"measures it anyway", file=sys.stderr)
+            todo = [s for s in todo if s not in RECOMPUTE_STAGES]
         print("measuring the machine's bandwidth and peak FLOP/s ...", file=sys.stderr)
         measure_machine(folder.parent, force=remeasure_machine)
         bar = tqdm(todo, desc="stages", unit="stage")
@@ -130,7 +164,10 @@ def run(model=None, stages=None, draw_only=False, baseline=True, remeasure_machi
                           f"ms/token ({threads} thread{'s' if threads > 1 else ''})", file=sys.stderr)
             else:
                 print("llama.cpp row: llama-cpp-python not installed (`make baseline` adds it)", file=sys.stderr)
-    for path in draw(folder, charts_dir, update_readme_table=is_default):
+    why_missing = {}
+    if _model_params(model) > LARGE_MODEL_PARAMS:
+        why_missing = {s: "too slow on a model this size; --stages names it to measure it" for s in RECOMPUTE_STAGES}
+    for path in draw(folder, charts_dir, update_readme_table=is_default, why_missing=why_missing):
         print(f"wrote {os.path.relpath(path, ROOT)}", file=sys.stderr)
 
 

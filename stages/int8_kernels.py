@@ -58,7 +58,7 @@ read with `fn.inspect_asm()`; tests/test_int8.py checks the instructions):
   horizontal add: per 32 values (Q4_0/Q4_1/Q8_0), 64 (Q4_K) or 128 (Q6_K). The float16
   scale fields are converted by F16C (f16_at) instead of the 256 KiB table (13% on Q4_1).
   The integer sums are the loops' sums exactly (tests/test_int8.py: the same float32
-  results, bit for bit here). Measured, one core (`--kernels`): 1.6-2.4x the loops on Q4_1
+  results, bit for bit here). Measured, one core (`--kernels`): 1.4-1.9x the loops on Q4_1
   and Q4_K (stages/int8.py has the figures). numba's cache key holds the CPU's features, so
   a cache never carries these kernels to a CPU without them.
 * Only the activation quantizers are compiled without fastmath: roundf(x * id) must round

@@ -90,3 +90,33 @@ def test_roofline_points_place_decode_below_prefill():
     """Decode with a cache reads every weight for one row: lower intensity than prefill."""
     pts = dict((k, (x, y)) for k, x, y in charts.roofline_points(fixture_record("kv_cache")))
     assert pts["decode"][0] < pts["prefill"][0]
+
+
+@pytest.mark.parametrize("params, measured", [(135e6, ["naive", "tiling", "simd"]), (1.1e9, ["simd"])])
+def test_report_leaves_the_recompute_stages_out_on_large_models(monkeypatch, tmp_path, capsys, params, measured):
+    """Above LARGE_MODEL_PARAMS naive and tiling would take ~40 minutes: left out, and said so;
+    the rest measured, and another model's table written beside its charts."""
+    from common import bench, report
+    import stages
+    calls = []
+    rec = dict(fixture_record("simd"), stage="simd")
+
+    def fake_measure(stage, model, folder, threads=None):
+        calls.append(stage)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{stage}.json").write_text(json.dumps(dict(rec, stage=stage)))
+        return rec
+
+    monkeypatch.setattr(report, "_model_params", lambda model: params)
+    monkeypatch.setattr(report, "measure_stage", fake_measure)
+    monkeypatch.setattr(report, "measure_machine", lambda folder, force=False: {})
+    monkeypatch.setattr(report, "PROFILES", tmp_path / "profiles")
+    monkeypatch.setattr(bench, "results_dir", lambda name: tmp_path / "results" / "m" / Path(name).stem)
+    monkeypatch.setattr(stages, "runnable_stages", lambda: ["naive", "tiling", "simd"])
+    model = tmp_path / "big.gguf"
+    model.write_bytes(b"not read: _model_params is stubbed")
+    report.run(model=str(model), baseline=False)
+    assert calls == measured
+    err = capsys.readouterr().err
+    assert ("skipping naive: a 1.1B-parameter model" in err) == (params > report.LARGE_MODEL_PARAMS)
+    assert (tmp_path / "profiles" / "big" / "results.md").read_text().count("| simd |") == 1
