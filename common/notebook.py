@@ -546,6 +546,16 @@ def ops_chart(profiles: dict, title: str = "Where the time goes, per op"):
     show(fig)
 
 
+def ops_chart_with_records(stage: str, rows: list[dict], rec, compare: tuple = ()):
+    """ops_chart of this chapter's live profile next to the recorded profiles (`make report`)
+    of `compare` stages and of this one, where the records hold them."""
+    profiles = {f"{stage} (live)": rows}
+    for s in (*compare, stage):
+        if (rec.get(s) or {}).get("profile"):
+            profiles[f"{s} (recorded)"] = rec.get(s)["profile"]
+    ops_chart(profiles, f"{stage}: where the time goes")
+
+
 def matmul_share(rows: list[dict]) -> float:
     """Fraction of a profiled run spent in the weight matmuls."""
     total = sum(r["total_ms"] for r in rows) or 1.0

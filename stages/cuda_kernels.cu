@@ -241,6 +241,21 @@ __host__ __device__ __forceinline__ void k4_scale_min(const u8* sc, int k, u32* 
     }
 }
 
+// Q4_K/Q5_K: the scale and the offset of chunk c's two sub-blocks, 2c (low nibbles) and
+// 2c + 1 (high nibbles): value = dl * q - ml.
+__host__ __device__ inline void k4_chunk_scales(const u8* b, int c, float* dl0, float* ml0,
+                                                float* dl1, float* ml1)
+{
+    const float d = f16_to_f32(ld16(b)), dmin = f16_to_f32(ld16(b + 2));
+    u32 sc, m;
+    k4_scale_min(b + 4, 2 * c, &sc, &m);
+    *dl0 = d * (float)sc;
+    *ml0 = dmin * (float)m;
+    k4_scale_min(b + 4, 2 * c + 1, &sc, &m);
+    *dl1 = d * (float)sc;
+    *ml1 = dmin * (float)m;
+}
+
 // Q4_K: 64-value chunk c uses qs[32c .. 32c+31]: low nibbles are sub-block 2c (values
 // 64c + l), high nibbles sub-block 2c + 1 (values 64c + 32 + l). Chunk s: c = s / 4,
 // l0 = 8 (s % 4); runs at column offsets 0, 4 (low nibbles), 32, 36 (high nibbles).
@@ -251,12 +266,8 @@ struct BlockQ4_K {   // d:f16, dmin:f16, scales[12], qs[128]: value = d*sc*q - d
     __host__ __device__ static void decode(const u8* b, int s, float* v)
     {
         const int c = s >> 2, l0 = 8 * (s & 3);
-        const float d = f16_to_f32(ld16(b)), dmin = f16_to_f32(ld16(b + 2));
-        u32 sc, m;
-        k4_scale_min(b + 4, 2 * c, &sc, &m);
-        const float dl0 = d * (float)sc, ml0 = dmin * (float)m;
-        k4_scale_min(b + 4, 2 * c + 1, &sc, &m);
-        const float dl1 = d * (float)sc, ml1 = dmin * (float)m;
+        float dl0, ml0, dl1, ml1;
+        k4_chunk_scales(b, c, &dl0, &ml0, &dl1, &ml1);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {              // i = l - l0: run i / 4, position i % 4
             const u32 q = b[16 + 32 * c + l0 + i];
@@ -268,17 +279,13 @@ struct BlockQ4_K {   // d:f16, dmin:f16, scales[12], qs[128]: value = d*sc*q - d
 
 struct BlockQ5_K {   // d:f16, dmin:f16, scales[12], qh[32], qs[128]: Q4_K plus a 5th bit
     enum { QK = 256, BYTES = 176, VPC = 16, CPB = 16 };
-    __host__ __device__ static int base(int s) { return 64 * (s >> 2) + 8 * (s & 3); }
-    __host__ __device__ static int run(int r) { return (r & 1) * 4 + (r >> 1) * 32; }
+    __host__ __device__ static int base(int s) { return BlockQ4_K::base(s); }   // Q4_K's layout
+    __host__ __device__ static int run(int r) { return BlockQ4_K::run(r); }
     __host__ __device__ static void decode(const u8* b, int s, float* v)
     {
         const int c = s >> 2, l0 = 8 * (s & 3);
-        const float d = f16_to_f32(ld16(b)), dmin = f16_to_f32(ld16(b + 2));
-        u32 sc, m;
-        k4_scale_min(b + 4, 2 * c, &sc, &m);
-        const float dl0 = d * (float)sc, ml0 = dmin * (float)m;
-        k4_scale_min(b + 4, 2 * c + 1, &sc, &m);
-        const float dl1 = d * (float)sc, ml1 = dmin * (float)m;
+        float dl0, ml0, dl1, ml1;
+        k4_chunk_scales(b, c, &dl0, &ml0, &dl1, &ml1);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             const int l = l0 + i;

@@ -37,9 +37,7 @@ import numpy as np
 from numba import njit, prange
 
 from stages import quant_kernels as qk
-from stages.quant_kernels import (BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
-                                  dequantize_rows, matvec_q4_0, matvec_q4_1, matvec_q4_k, matvec_q5_0,
-                                  matvec_q5_1, matvec_q5_k, matvec_q6_k, matvec_q8_0, matvec_rows)
+from stages.quant_kernels import BF16, F16, F32, dequantize_rows, matvec_any
 from stages.simd import PANEL, matmul_panels
 
 FASTMATH = {"reassoc", "contract", "nsz"}           # as in stages/simd.py
@@ -63,25 +61,7 @@ def matvec_parallel(x, w, kind, f16, n_chunks):
         r0 = c * per
         r1 = min(N, r0 + per)
         if r0 < r1:
-            part = w[r0:r1]
-            if kind == Q4_K:
-                y[r0:r1] = matvec_q4_k(x, part, f16)
-            elif kind == Q6_K:
-                y[r0:r1] = matvec_q6_k(x, part, f16)
-            elif kind == Q4_1:
-                y[r0:r1] = matvec_q4_1(x, part, f16)
-            elif kind == Q8_0:
-                y[r0:r1] = matvec_q8_0(x, part, f16)
-            elif kind == Q4_0:
-                y[r0:r1] = matvec_q4_0(x, part, f16)
-            elif kind == Q5_0:
-                y[r0:r1] = matvec_q5_0(x, part, f16)
-            elif kind == Q5_1:
-                y[r0:r1] = matvec_q5_1(x, part, f16)
-            elif kind == Q5_K:
-                y[r0:r1] = matvec_q5_k(x, part, f16)
-            else:
-                y[r0:r1] = matvec_rows(x, part, kind, f16)
+            y[r0:r1] = matvec_any(x, w[r0:r1], kind, f16)
     return y
 
 

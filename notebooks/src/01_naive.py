@@ -92,10 +92,7 @@ findings["naive, live"] = (f"TTFT {live['ttft_ms']:.0f} ms, decode {live['decode
 rows = nb.profile(engine, cfg)
 nb.print_profile(rows, "per-op profile, naive (live)")
 rec = nb.recorded()
-profiles = {"naive (live)": rows}
-if rec.get("naive") and rec.get("naive").get("profile"):
-    profiles["naive (recorded)"] = rec.get("naive")["profile"]
-nb.ops_chart(profiles, "naive: where the time goes")
+nb.ops_chart_with_records("naive", rows, rec)
 findings["matmul share"] = f"{nb.matmul_share(rows):.0%} of the profiled run is spent in the weight matmuls"
 
 # %% [markdown]

@@ -204,11 +204,7 @@ findings["tiling, live"] = (f"TTFT {live[1]['ttft_ms']:.0f} ms ({live[0]['ttft_m
 # %%
 nb.print_profile(rows, "per-op profile, tiling (live)")
 rec = nb.recorded()
-profiles = {"tiling (live)": rows}
-for s in ("naive", "tiling"):
-    if rec.get(s) and rec.get(s).get("profile"):
-        profiles[f"{s} (recorded)"] = rec.get(s)["profile"]
-nb.ops_chart(profiles, "tiling: where the time goes")
+nb.ops_chart_with_records("tiling", rows, rec, compare=("naive",))
 
 # %%
 nb.md(rec.note)

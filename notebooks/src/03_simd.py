@@ -158,11 +158,7 @@ findings["simd, live"] = (f"TTFT {s['ttft_ms']:.0f} ms ({t['ttft_ms'] / s['ttft_
 # %%
 nb.print_profile(rows, "per-op profile, simd (live)")
 rec = nb.recorded()
-profiles = {"simd (live)": rows}
-for st in ("tiling", "simd"):
-    if rec.get(st) and rec.get(st).get("profile"):
-        profiles[f"{st} (recorded)"] = rec.get(st)["profile"]
-nb.ops_chart(profiles, "simd: where the time goes")
+nb.ops_chart_with_records("simd", rows, rec, compare=("tiling",))
 
 # %%
 points = [(f"{r['stage']} {kind} (live)", x, y) for r in live for kind, x, y in roofline_points(r)]

@@ -107,11 +107,7 @@ findings["kv_cache, live"] = (f"decode {live[1]['decode_ms']:.1f} ms/token again
 
 # %%
 rec = nb.recorded()
-profiles = {"kv_cache (live)": rows}
-for st in ("simd", "kv_cache"):
-    if rec.get(st) and rec.get(st).get("profile"):
-        profiles[f"{st} (recorded)"] = rec.get(st)["profile"]
-nb.ops_chart(profiles, "kv_cache: where the time goes")
+nb.ops_chart_with_records("kv_cache", rows, rec, compare=("simd",))
 nb.md(rec.note)
 nb.stage_chart(live, rec, ["naive", "tiling", "simd", "kv_cache"], "naive -> ... -> kv_cache")
 
