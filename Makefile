@@ -1,6 +1,6 @@
-# LLM inference, stage by stage: naive -> tiling -> simd -> kv_cache -> quantized -> cuda.
-# `make help` lists the targets. Every target sets itself up (virtual environment, packages,
-# the default model) and re-running one does no repeated work.
+# LLM inference, stage by stage (the stages: stages/registry.py; `make help` lists them and
+# the targets). Every target sets itself up (virtual environment, packages, the default model)
+# and re-running one does no repeated work.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -22,10 +22,13 @@ args   ?=
 .DEFAULT_GOAL := help
 .PHONY: help setup model vocab test test-all run bench report baseline llama-cpp notebooks setup-cuda clean
 
-help:  ## list the targets
+help:  ## list the targets and the stages
 	@echo "usage: make TARGET [stage=NAME prompt=TEXT n=N model=PATH name=MODEL]"
 	@echo
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  %-12s %s\n", $$1, $$2}'
+	@echo
+	@echo "stages (stage=NAME):"
+	@$(PYTHON) stages/registry.py
 
 $(STAMP): requirements.txt requirements-test.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { echo "error: '$(PYTHON) -m venv' failed; install Python 3.10+ with venv (Debian: apt-get install python3-venv)"; exit 1; }
@@ -46,10 +49,12 @@ model: $(STAMP)  ## fetch a model: name=smollm2 (default) | tinyllama-synthetic 
 
 vocab: $(VOCAB_STAMP)  ## fetch llama.cpp's vocab-only GGUF files (tokenizer tests)
 
-test: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## run the test suite (fast tests; GPU tests skip without a GPU)
+test: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## lint, then the test suite (fast tests; GPU tests skip, saying why)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests $(args)
 
 test-all: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## the test suite including the slow tests
+	$(VENV)/bin/ruff check .
 	LLM_SLOW_TESTS=1 $(PY) -m pytest -q tests $(args)
 
 run: $(STAMP) $(MODEL_FILE)  ## run one stage: make stage=tiling run [prompt=... n=... model=...]
@@ -58,7 +63,7 @@ run: $(STAMP) $(MODEL_FILE)  ## run one stage: make stage=tiling run [prompt=...
 bench: $(STAMP) $(MODEL_FILE)  ## measure one stage into profiles/: make stage=simd bench
 	$(PY) -m common bench --stage $(stage) -m $(model) $(args)
 
-report: $(STAMP) $(MODEL_FILE)  ## re-measure every stage, redraw profiles/*.png and the README table
+report: $(STAMP) $(MODEL_FILE)  ## re-measure every stage, redraw profiles/ (charts, pages) and the README tables
 	$(PY) -m common report -m $(model) $(args)
 
 # llama.cpp is compiled for this CPU (GGML_NATIVE) but without AMX tiles: some virtual machines

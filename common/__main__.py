@@ -1,3 +1,3 @@
-from common.cli import main
+from common.app.cli import main
 
 raise SystemExit(main())

@@ -20,8 +20,11 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from tqdm import tqdm
 
 from common.gguf import GGUFError, GGUFFile
+from common.quants import dequantize_tensor
+from common.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -146,7 +149,6 @@ class LlamaModel:
         self._load_weights(progress)
         freq_factors = None
         if "rope_freqs.weight" in gguf.tensors:
-            from common.quants import dequantize_tensor
             freq_factors = dequantize_tensor(gguf.tensors["rope_freqs.weight"])
         angles = rope_angles(cfg, np.arange(self.n_ctx), freq_factors)
         self.rope_cos = backend.prepare_table(np.cos(angles).astype(np.float32))   # [n_ctx, hd/2]
@@ -157,7 +159,6 @@ class LlamaModel:
     @property
     def tokenizer(self):
         if getattr(self, "_tokenizer", None) is None:
-            from common.tokenizer import Tokenizer
             self._tokenizer = Tokenizer.from_gguf(self.gguf)
         return self._tokenizer
 
@@ -182,7 +183,6 @@ class LlamaModel:
 
         bar = None
         if progress:
-            from tqdm import tqdm
             bar = tqdm(total=cfg.n_layer + 2, desc=f"loading ({b.name})", unit="layer", leave=False)
 
         def load(kind, name):

@@ -12,7 +12,7 @@ import numpy as np
 
 from common.gguf import GGUFFile
 from common.model import LlamaConfig, rope_angles
-from common.quants import dequantize_tensor
+from common.quants import dequantize_rows, dequantize_tensor
 
 
 def _w(g: GGUFFile, name: str) -> np.ndarray:
@@ -42,7 +42,6 @@ def forward(g: GGUFFile, tokens) -> np.ndarray:
     angles = rope_angles(cfg, np.arange(m),
                          _w(g, "rope_freqs.weight") if "rope_freqs.weight" in g.tensors else None)
     emb = g.tensors["token_embd.weight"]
-    from common.quants import dequantize_rows
     h = dequantize_rows(emb, tokens).astype(np.float64)                  # [M, D]
     causal = np.triu(np.full((m, m), -np.inf), k=1)                      # row i sees 0..i
     group = cfg.n_head // cfg.n_head_kv

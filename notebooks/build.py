@@ -6,7 +6,7 @@
 Edit the source, not the .ipynb: a source is plain Python, so it diffs, greps and lints like the
 rest of the repository. In a source, `# %%` starts a code cell and `# %% [markdown]` a Markdown
 cell whose lines are written as comments (`# ` is stripped). Every notebook gets the same first
-cell, SETUP below, which finds the repository root so that `common` and `stages` import.
+cell, SETUP below, which finds the repository root so that `common`, `stages` and `notebooks.nb` import.
 
 The notebooks are committed without outputs (tests/test_notebooks.py checks this): every figure
 in them is measured on the reader's own machine when they run it.
@@ -24,12 +24,13 @@ HERE = Path(__file__).resolve().parent
 SRC = HERE / "src"
 
 SETUP = """\
-# The repository root (where `common/` and `stages/` live) on the import path, wherever Jupyter started.
+# The repository root (where `common/`, `stages/` and `notebooks/` live) on the import path,
+# wherever Jupyter started.
 import sys
 from pathlib import Path
-ROOT = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "common" / "notebook.py").exists())
+ROOT = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "notebooks" / "nb" / "__init__.py").exists())
 sys.path.insert(0, str(ROOT))
-from common import notebook as nb
+from notebooks import nb
 cfg = nb.settings()
 print(cfg.describe())"""
 

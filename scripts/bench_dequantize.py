@@ -25,8 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+from common.app.models import DEFAULT_MODEL, resolve  # noqa: E402
+from common.app.provenance import provenance  # noqa: E402
 from common.gguf import GGUFFile  # noqa: E402
-from common.models import DEFAULT_MODEL, resolve  # noqa: E402
 from common.quants import dequantize_tensor  # noqa: E402
 
 
@@ -147,6 +148,7 @@ def main(argv=None) -> int:
         "gguf_py": reference,
         "machine": machine(),
         "versions": versions(),
+        "provenance": provenance(),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

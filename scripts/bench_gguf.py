@@ -37,9 +37,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.gguf import GGUFFile                   # noqa: E402
-from common.machine import machine_info, versions  # noqa: E402
-from common.models import DEFAULT_MODEL            # noqa: E402
+from common.app.machine import machine_info, versions  # noqa: E402
+from common.app.models import DEFAULT_MODEL  # noqa: E402
+from common.app.provenance import provenance  # noqa: E402
+from common.gguf import GGUFFile  # noqa: E402
 
 PAGE = 4096
 
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
                  "metadata_keys": len(g.metadata), "tensors": len(g.tensors),
                  "tensor_bytes": sum(t.nbytes for t in g.tensors.values())}
 
-    result = {"benchmark": "gguf_open", "model": model, "machine": machine_info(),
+    result = {"benchmark": "gguf_open", "model": model, "machine": machine_info(), "provenance": provenance(),
               "versions": versions("numpy", "gguf"), "page_size": PAGE, "ours": ours}
     if args.gguf_py_runs > 0:
         theirs = series(gguf_py_open, gguf_py_views, args.model, args.gguf_py_runs)

@@ -1,4 +1,4 @@
-"""How fast does common/tokenizer.py encode ~100 KB of English text? (target: under 1 s)
+"""How fast does common/tokenizer/ encode ~100 KB of English text? (target: under 1 s)
 
     .venv/bin/python scripts/bench_tokenizer.py [-m MODEL.gguf] [--file TEXT] [--kb 100] [--repeat 5]
 
@@ -75,7 +75,8 @@ def main(argv=None) -> int:
     if args.file:
         text, source = Path(args.file).read_text(encoding="utf-8"), args.file
     else:
-        text, source = stdlib_docstrings(int(args.kb * 1000)), f"standard-library docstrings, Python {sys.version.split()[0]}"
+        text = stdlib_docstrings(int(args.kb * 1000))
+        source = f"standard-library docstrings, Python {sys.version.split()[0]}"
     n_bytes = len(text.encode("utf-8"))
 
     t0 = time.perf_counter()

@@ -31,9 +31,10 @@ def per_unit(d: dict, n: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from common.bench import bench_prompt, model_summary, results_dir
-    from common.machine import machine_info, versions
-    from common.models import resolve
+    from common.app.bench import bench_prompt, model_summary, results_dir
+    from common.app.machine import machine_info, versions
+    from common.app.models import resolve
+    from common.app.provenance import provenance
     from stages import StageError, load
     from stages.cuda import format_profile_table
 
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("-c", "--ctx-size", type=int, default=None)
     p.add_argument("--out", default=None, help="folder for the JSON (default: next to the bench records)")
     p.add_argument("--emulator", action="store_true",
-                   help="run the kernels on the CPU emulator of tests/cuda_emulator.py (slow; checks this script "
+                   help="run the kernels on the CPU emulator of scripts/cuda_emulator.py (slow; checks this script "
                         "without a GPU)")
     args = p.parse_args(argv)
 
@@ -53,8 +54,8 @@ def main(argv=None) -> int:
         if args.emulator:
             from common.gguf import GGUFFile
             from common.model import LlamaModel
+            from scripts.cuda_emulator import EmulatedDevice
             from stages.cuda import CudaBackend
-            from tests.cuda_emulator import EmulatedDevice
             engine = LlamaModel(GGUFFile(path), CudaBackend(device=EmulatedDevice()), n_ctx=args.ctx_size)
         else:
             engine = load("cuda", path, n_ctx=args.ctx_size)
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
         "decode": {"copies": decode_copies, "copies_per_token": per_unit(decode_copies, n), "kernels": decode_rows},
         "device_allocs_while_generating": allocs_while_generating,
         "memory": b.memory_summary(), "weights_bytes": engine.weight_bytes(), "kv_cache_bytes": engine.kv_bytes(),
-        "tokens": tokens, "machine": machine_info(), "versions": versions(),
+        "tokens": tokens, "machine": machine_info(), "versions": versions(), "provenance": provenance(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     folder = results_dir(path.name, args.out)

@@ -43,7 +43,7 @@ run_step() {                               # name, timeout, command...: logs to 
 }
 
 step "machine"
-MACHINE=$($PY -c "from common.machine import machine_id; print(machine_id())" 2>/dev/null || echo unknown)
+MACHINE=$($PY -c "from common.app.machine import machine_id; print(machine_id())" 2>/dev/null || echo unknown)
 RESULTS=profiles/results/$MACHINE
 LOGS=$RESULTS/tmp/gpu_check                # profiles/results/*/tmp/ is git-ignored
 mkdir -p "$LOGS"
@@ -59,7 +59,7 @@ else
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 READY=0
-if $PY -c "import stages.cuda as c, sys; r = c.probe(); print(r or 'cuda stage: ready'); sys.exit(1 if r else 0)" \
+if $PY -c "import stages.kernels.cuda_runtime as c, sys; r = c.probe(); print(r or 'cuda stage: ready'); sys.exit(1 if r else 0)" \
         2>&1 | tee "$LOGS/probe.log"; then
     READY=1
 fi

@@ -33,7 +33,7 @@ SUBSET = 1024
 
 
 def main():
-    from common.models import DEFAULT_MODEL
+    from common.app.models import DEFAULT_MODEL
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=str(DEFAULT_MODEL.path))
     ap.add_argument("--out", default=str(ROOT / "tests" / "golden" / "llama_cpp_logits.npz"))

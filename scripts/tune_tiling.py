@@ -23,11 +23,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
+from common.app.machine import machine_info  # noqa: E402
+from common.app.models import DEFAULT_MODEL  # noqa: E402
+from common.app.provenance import provenance  # noqa: E402
 from common.gguf import GGUFFile  # noqa: E402
 from common.model import LlamaConfig  # noqa: E402
-from common.models import DEFAULT_MODEL  # noqa: E402
-from common.machine import machine_info  # noqa: E402
 from stages.naive import matmul_textbook  # noqa: E402
 from stages.tiling import make_tiled_matmul  # noqa: E402
 
@@ -71,7 +73,6 @@ def main():
     naive_s = time_forward_matmuls(matmul_textbook, shapes, args.reps)
     print(f"naive: {naive_s * 1e3:.0f} ms of matmuls per forward pass ({args.rows} rows)")
     results = []
-    from tqdm import tqdm
     for ti, tj, tk in tqdm(list(itertools.product(grid_i, grid_j, grid_k)), desc="tile sizes"):
         s = time_forward_matmuls(make_tiled_matmul(ti, tj, tk, cache=False), shapes, args.reps)
         results.append({"tile_i": ti, "tile_j": tj, "tile_k": tk, "seconds": s, "speedup_vs_naive": naive_s / s})
@@ -82,7 +83,8 @@ def main():
     out = ROOT / "profiles" / "bench" / "tiling_sweep.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": args.rows, "shapes": shapes, "naive_seconds": naive_s,
-                               "sweep": results, "machine": machine_info()}, indent=1))
+                               "sweep": results, "machine": machine_info(), "provenance": provenance(),
+                               "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
     print(f"wrote {out.relative_to(ROOT)}")
 
 

@@ -1,83 +1,48 @@
 """Stage 6, cuda: the whole forward pass on the GPU, with nothing crossing the bus that need not.
 
-The lesson: a GPU is fast only while it has the data and the work. Everything the earlier
-stages learned still holds (keep the weights in their quantized blocks, keep K and V, never
-compute a token twice); what is new is the *distance*. The weights, the KV cache and every
-intermediate live in GPU memory; per token the host sends one token id and gets one token id
-back. What remains on the CPU is Python launching kernels: 16 launches per layer per
-token, each costing microseconds of Python, against weights that an H200 reads in tens of
-microseconds for SmolLM2 (the profile below shows which one wins on your machine).
+The lesson: a GPU is fast only while it has the data and the work. Everything the CPU stages
+learned still holds (keep the weights in their quantized blocks, keep K and V, never compute a
+token twice); what is new is the *distance*. The weights, the KV cache and every intermediate
+live in GPU memory; per token the host sends one token id and gets one token id back. What
+remains on the CPU is Python launching kernels, 16 per layer per token, each costing
+microseconds, against weights a modern GPU reads in tens of microseconds for SmolLM2: the
+kernel table (`--profile`) shows which wins.
 
-The article's Optimization 5 moved the kernels to the GPU and made two mistakes that this
-stage does not repeat:
+The article's GPU chapter made two mistakes, both of which cost time to first token, and this
+stage repeats neither:
 
-1. A cudaMalloc and a cudaFree around every op. Allocation synchronizes and goes through the
-   driver; the article's profile shows cudaFree at 95.9% of all CUDA API time. Here device
-   memory is allocated only while the model loads: each weight once, the KV cache, and one
-   scratch arena. Every intermediate (a matmul's output, a norm's, ...) is carved out of the
-   arena by a bump allocator that starts again at the top of every forward pass, because
-   nothing of the previous pass is needed any more (K and V live in the cache, not in the
-   arena). `device_allocs` counts every cuMemAlloc; tests check that it does not move while
-   tokens are generated.
-2. Copying all n_vocab logits back to the host every token (128 KB for TinyLlama's 32000)
-   to take their argmax there. Here a one-block argmax kernel reduces them on the device and
-   4 bytes come back. Sampling with a temperature needs the whole distribution, so that path
-   still copies the logits (forward(..., all_logits=False)); greedy decoding never does.
+1. A cudaMalloc and a cudaFree around every op (the article's profile: cudaFree was 95.9% of
+   all CUDA API time). Here device memory is allocated only while the model loads: each weight
+   once, the KV cache, and one scratch arena from which a bump allocator hands out every
+   intermediate, starting again at the top of each forward pass. `device_allocs` counts every
+   allocation; the tests check that it does not move while tokens are generated.
+2. The embedding lookup on the host. Here it runs on the device (dequantizing the row there):
+   the only host-to-device copy of a token is its id.
 
-The kernels (stages/cuda_kernels.cu, compiled at first use by PyCUDA's SourceModule for the
-GPU's own architecture):
-* fused dequantize-matmul for every ggml type common/quants.py decodes (F32 F16 BF16 Q4_0 Q4_1
-  Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K): the weight row is read once, in its ggml blocks,
-  and dequantized in registers. Decode (one activation row): one warp per output row, lanes
-  walking the row's blocks side by side, a warp-shuffle sum at the end. Prefill: the same warp
-  multiplies each decoded chunk into 8 activation rows, so a weight byte fetched once serves 8
-  tokens.
-* attention fused into one kernel with an online softmax: each (query row, head) keeps a
-  running maximum, a running sum and a running weighted sum of V over the cached positions, so
-  the scores are never stored; grouped KV heads (head h reads KV head h // (H/Hkv)).
-* embedding lookup (dequantizing the row on the device), rms_norm, RoPE ('NORM' mode), the
-  KV-cache store, silu(gate)*up in one pass, add, argmax.
+The article copied the logits back to pick the token on the host, a sound design (128 KB per
+token for TinyLlama); this stage goes one step further: a one-block argmax kernel reduces them
+on the device and 4 bytes come back (sampling with a temperature still copies them).
 
-The KV cache is float32 [n_layer, n_ctx, Hkv*hd] for K and for V, like the CPU stages' (f16
-would halve the bytes attention reads; on a 2048-token context that read is small next to the
-weights). No --use_fast_math: the kernels wait on memory, not on arithmetic, so approximate
-exp and division would buy nothing and cost agreement with the CPU stages.
+The kernels (stages/kernels/cuda.cu, compiled at first use by PyCUDA's SourceModule for the
+GPU's own architecture): a fused dequantize-matmul per ggml type (decode: one warp per output
+row, a warp-shuffle sum; prefill: each decoded chunk multiplied into 8 activation rows, so a
+weight byte serves 8 tokens); attention fused into one kernel with an online softmax (running
+maximum, sum and weighted sum of V: the scores are never stored); embedding, rms_norm, RoPE,
+the KV store, silu(gate)*up in one pass, add, argmax. No --use_fast_math: the kernels wait on
+memory, not arithmetic, so approximate exp would cost agreement with the CPU stages for nothing.
 
-Why CudaBackend inherits from common.backend.Backend, not from the quantized stage: it
-overrides every op the graph calls, and an op it forgot must fail loudly instead of handing
-device pointers to a numba kernel. The quantized stage's lesson (blocks stay blocks, fused
-dequantize-matmul) is carried over in the kernels, not in the class hierarchy.
-
-Arrays flowing through the graph are DeviceArray handles (a pointer and a shape). A handle
-from the arena is valid until the next forward pass starts; using it later raises an error
-instead of reading whatever the arena holds by then.
-
-Prefill longer than `max_batch` rows (64; LLM_CUDA_MAX_BATCH) is fed to the model in pieces
-(LlamaModel splits it), so the arena is sized for max_batch rows, not for n_ctx.
-
-Everything CudaBackend asks of the GPU goes through one small object (PyCudaDevice: allocate,
-copy, compile, launch, time). The tests put a CPU emulator with the same methods in its place
-(tests/cuda_emulator.py), which runs this very kernel source, so the stage is checked end to
-end on machines without a GPU; the GPU tests repeat those checks through PyCUDA.
-
-Profile (CUDA events around every launch, off by default because events cost time):
-    LLM_CUDA_PROFILE=1 python -m common run --stage cuda        # table printed at exit
-    engine.backend.start_profile(); ...; print(engine.backend.profile_table())
-    python scripts/cuda_profile.py -m MODEL                     # table + JSON with copies per token
-An event pair brackets each launch, so a kernel's time includes any wait for Python to launch
-it: small kernels read as upper bounds.
+CudaBackend inherits from common.backend.Backend, not from the quantized stage: it overrides
+every op the graph calls, and an op it forgot must fail loudly instead of handing device
+pointers to a numba kernel. Arrays in the graph are DeviceArray handles; one from the arena
+is valid until the next forward pass, and using it later raises instead of reading garbage.
+Prompts longer than `max_batch` rows (64; LLM_CUDA_MAX_BATCH) are fed in pieces by LlamaModel.
+Per-kernel times come from CUDA events (`--profile`, LLM_CUDA_PROFILE=1, scripts/cuda_profile.py).
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
-import functools
-import importlib.util
 import os
-import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -86,14 +51,15 @@ import numpy as np
 from common.backend import Backend
 from common.gguf import BLOCK_SIZES, GGMLType
 from common.quants import UnsupportedTypeError, dequantize_tensor
+from stages.kernels.cuda_runtime import PyCudaDevice, probe_once
 
-KERNEL_SOURCE = Path(__file__).with_name("cuda_kernels.cu")
-# The CPU stages' tolerance. Measured: 3.5e-5 on the default model through the CPU emulator of
-# these kernels (tests/cuda_emulator.py: the same code and summation order; a GPU adds fused
-# multiply-adds); scripts/gpu_check.sh prints the GPU's own figure.
+KERNEL_SOURCE = Path(__file__).parent / "kernels" / "cuda.cu"
+# The CPU stages' tolerance. The CPU emulator of these kernels (scripts/cuda_emulator.py: the same
+# code and summation order) stays far inside it; a GPU adds fused multiply-adds, and
+# scripts/gpu_check.sh records its own figure.
 LOGIT_TOLERANCE = 5e-3
 
-# Launch constants; they must match the #defines at the top of cuda_kernels.cu.
+# Launch constants; they must match the #defines at the top of kernels/cuda.cu.
 MM_WARPS = 4
 MM_THREADS = 32 * MM_WARPS
 MT_PREFILL = 8
@@ -106,10 +72,9 @@ ARGMAX_THREADS = 1024
 ALIGN = 256                  # every buffer in the arena starts on this boundary
 
 DEFAULT_MAX_BATCH = 64
-NVCC_OPTIONS = ["-O3", "-lineinfo"]
 
 # ggml type -> the suffix of its kernels (matmul_<suffix>_m1, _m8, embed_<suffix>)
-KERNEL_TYPES = {
+CUDA_KERNEL_SUFFIX = {
     GGMLType.F32: "f32", GGMLType.F16: "f16", GGMLType.BF16: "bf16",
     GGMLType.Q4_0: "q4_0", GGMLType.Q4_1: "q4_1", GGMLType.Q5_0: "q5_0", GGMLType.Q5_1: "q5_1",
     GGMLType.Q8_0: "q8_0", GGMLType.Q2_K: "q2_k", GGMLType.Q3_K: "q3_k", GGMLType.Q4_K: "q4_k",
@@ -117,16 +82,16 @@ KERNEL_TYPES = {
 }
 
 # Argument types of every kernel (PyCUDA's prepared calls: P pointer, i int32, f float32,
-# d float64), in the order of the parameters in cuda_kernels.cu.
+# d float64), in the order of the parameters in kernels/cuda.cu.
 KERNEL_ARGS = {"matmul": "PPPiiii", "embed": "PPPii", "rms_norm": "PPPid", "rope": "PPPPiiii",
                "kv_store": "PPPPi", "attention": "PPPPiiiif", "swiglu": "PPPi", "silu": "PPi",
                "add": "PPPi", "mul": "PPPi", "scale": "PPif", "argmax": "PiP"}
 
 
 def kernel_names() -> list[str]:
-    """Every entry point of cuda_kernels.cu."""
+    """Every entry point of kernels/cuda.cu."""
     names = [n for n in KERNEL_ARGS if n not in ("matmul", "embed")]
-    for suffix in KERNEL_TYPES.values():
+    for suffix in CUDA_KERNEL_SUFFIX.values():
         names += [f"matmul_{suffix}_m1", f"matmul_{suffix}_m{MT_PREFILL}", f"embed_{suffix}"]
     return names
 
@@ -137,109 +102,6 @@ def arg_types(name: str) -> str:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-# ---- can this machine run the stage? ---------------------------------------------------------
-
-CUDA_ERROR_NO_DEVICE = 100
-CUDA_ERROR_INSUFFICIENT_DRIVER = 35
-CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
-CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
-
-
-def find_nvcc() -> str | None:
-    """nvcc on PATH, else under $CUDA_HOME / $CUDA_PATH / /usr/local/cuda."""
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root and os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
-            return os.path.join(root, "bin", "nvcc")
-    return None
-
-
-def load_libcuda():
-    """The NVIDIA driver's user-space library (ctypes), or OSError."""
-    name = {"win32": "nvcuda.dll", "darwin": "libcuda.dylib"}.get(sys.platform, "libcuda.so.1")
-    return ctypes.CDLL(name)
-
-
-@functools.lru_cache(maxsize=None)
-def nvcc_archs(nvcc: str) -> tuple[str, ...]:
-    """The sm_XY targets this nvcc compiles for (`nvcc --list-gpu-code`); () if it cannot say."""
-    try:
-        out = subprocess.run([nvcc, "--list-gpu-code"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ()
-    return tuple(a for a in out.split() if re.fullmatch(r"sm_\d+[a-z]?", a))
-
-
-def choose_arch(capability: tuple[int, int], archs) -> str | None:
-    """The target to compile for on a GPU of this compute capability: its own sm_XY when nvcc
-    has it, else the newest sm_XZ of the same major below it (cubins run on later minors of
-    their major); None when nvcc has nothing this GPU can run."""
-    major, minor = capability
-    plain = {}
-    for a in archs:
-        m = re.fullmatch(r"sm_(\d+)", a)
-        if m:
-            v = int(m.group(1))
-            plain[(v // 10, v % 10)] = a
-    if (major, minor) in plain:
-        return plain[(major, minor)]
-    lower = [cc for cc in plain if cc[0] == major and cc[1] < minor]
-    return plain[max(lower)] if lower else None
-
-
-def probe(find_spec=importlib.util.find_spec, load_driver=load_libcuda, which_nvcc=find_nvcc,
-          list_archs=nvcc_archs, import_driver=None) -> str | None:
-    """None if the cuda stage can run here, else one sentence: what is missing, how to get it.
-    Checked in order: PyCUDA installed, the NVIDIA driver loads and initializes, a GPU is
-    present, nvcc is there (SourceModule compiles with it) and can target that GPU, PyCUDA
-    loads. Nothing here creates a CUDA context."""
-    if find_spec("pycuda") is None:
-        return ("PyCUDA is not installed: run `make setup-cuda` (needs an NVIDIA GPU with its driver "
-                "and the CUDA toolkit's nvcc)")
-    try:
-        drv = load_driver()
-    except OSError as e:
-        return (f"no NVIDIA driver: libcuda cannot be loaded ({e}); install the NVIDIA driver for "
-                f"your GPU (`nvidia-smi` should then list it)")
-    rc = drv.cuInit(0)
-    if rc == CUDA_ERROR_NO_DEVICE:
-        return ("no NVIDIA GPU: the driver is installed but finds no device; check `nvidia-smi` "
-                "and CUDA_VISIBLE_DEVICES")
-    if rc == CUDA_ERROR_INSUFFICIENT_DRIVER:
-        return "the NVIDIA driver is older than this CUDA needs: update the driver (`nvidia-smi` shows its version)"
-    if rc != 0:
-        return f"the NVIDIA driver failed to initialize (cuInit returned error {rc}); check `nvidia-smi`"
-    count = ctypes.c_int(0)
-    if drv.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value == 0:
-        return "no NVIDIA GPU: the driver finds no device; check `nvidia-smi` and CUDA_VISIBLE_DEVICES"
-    nvcc = which_nvcc()
-    if nvcc is None:
-        return ("nvcc not found: the cuda stage compiles its kernels with the CUDA toolkit's nvcc when "
-                "it starts; install the CUDA toolkit and put its bin/ on PATH (or set CUDA_HOME)")
-    device = int(os.environ.get("LLM_CUDA_DEVICE", "0"))
-    major, minor = ctypes.c_int(0), ctypes.c_int(0)
-    dev = ctypes.c_int(0)
-    if (device < count.value and drv.cuDeviceGet(ctypes.byref(dev), device) == 0
-            and drv.cuDeviceGetAttribute(ctypes.byref(major), CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev) == 0
-            and drv.cuDeviceGetAttribute(ctypes.byref(minor), CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev) == 0):
-        archs = list_archs(nvcc)
-        if archs and choose_arch((major.value, minor.value), archs) is None:
-            return (f"this GPU is sm_{major.value}{minor.value} but {nvcc} compiles only for "
-                    f"{archs[0]}..{archs[-1]}: install a CUDA toolkit that supports this GPU")
-    try:
-        (import_driver or (lambda: importlib.import_module("pycuda.driver")))()
-    except ImportError as e:
-        return f"PyCUDA is installed but does not load ({e}); reinstall it: `make setup-cuda`"
-    return None
-
-
-@functools.lru_cache(maxsize=1)
-def _probe_once() -> str | None:
-    return probe()
 
 
 # ---- device memory ---------------------------------------------------------------------------
@@ -327,7 +189,7 @@ class DeviceMatrix:
     def __init__(self, ptr, ggml_type, n_out, n_in, row_bytes, name=""):
         self.ptr, self.ggml_type, self.n_out, self.n_in = int(ptr), GGMLType(ggml_type), int(n_out), int(n_in)
         self.row_bytes, self.nbytes, self.name = int(row_bytes), int(row_bytes) * int(n_out), name
-        self.suffix = KERNEL_TYPES[self.ggml_type]
+        self.suffix = CUDA_KERNEL_SUFFIX[self.ggml_type]
 
     @property
     def shape(self):
@@ -399,91 +261,6 @@ def profile_rows(totals: dict) -> list[dict]:
             for k, (c, t) in sorted(totals.items(), key=lambda kv: -kv[1][1])]
 
 
-# ---- PyCUDA ----------------------------------------------------------------------------------
-
-_CONTEXT = None
-
-
-def _release_context():
-    global _CONTEXT
-    if _CONTEXT is not None:
-        _CONTEXT.pop()
-        _CONTEXT = None
-        from pycuda.tools import clear_context_caches
-        clear_context_caches()
-
-
-def _context():
-    """The primary context of GPU LLM_CUDA_DEVICE (0), made current once per process."""
-    global _CONTEXT
-    if _CONTEXT is None:
-        import pycuda.driver as cuda
-        cuda.init()
-        ctx = cuda.Device(int(os.environ.get("LLM_CUDA_DEVICE", "0"))).retain_primary_context()
-        ctx.push()
-        _CONTEXT = ctx
-        atexit.register(_release_context)
-    return _CONTEXT
-
-
-class PyCudaDevice:
-    """Everything CudaBackend asks of a GPU, through PyCUDA. (The tests put a CPU emulator with
-    the same methods in its place: tests/cuda_emulator.py.)"""
-
-    def __init__(self):
-        import pycuda.driver as cuda
-        self.cuda = cuda
-        dev = _context().get_device()
-        self.name = dev.name()
-        self.compute_capability = dev.compute_capability()
-        self.total_memory = dev.total_memory()
-        self.nvcc = find_nvcc()
-        self.arch = choose_arch(self.compute_capability, nvcc_archs(self.nvcc)) if self.nvcc else None
-        self.module = self._source = None
-
-    def alloc(self, nbytes: int):
-        """(owner, device address); the memory is freed when the owner is garbage."""
-        a = self.cuda.mem_alloc(max(1, int(nbytes)))
-        return a, int(a)
-
-    def htod(self, ptr: int, host: np.ndarray):
-        self.cuda.memcpy_htod(ptr, host)
-
-    def dtoh(self, host: np.ndarray, ptr: int):
-        self.cuda.memcpy_dtoh(host, ptr)
-
-    def pinned(self, n: int, dtype) -> np.ndarray:
-        return self.cuda.pagelocked_empty(n, dtype)
-
-    def compile(self, source: str):
-        """Compile (PyCUDA caches the cubin on disk, so later processes only load it); once per
-        device object, however many backends share it."""
-        if self.module is None or self._source != source:
-            from pycuda.compiler import SourceModule
-            self.module = SourceModule(source, nvcc=self.nvcc or "nvcc", options=NVCC_OPTIONS, no_extern_c=True,
-                                       arch=self.arch)
-            self._source = source
-
-    def function(self, name: str, argtypes: str):
-        """A launcher: f(grid, block, *args)."""
-        f = self.module.get_function(name)
-        f.prepare(argtypes)
-        return f.prepared_call
-
-    def event(self):
-        return self.cuda.Event()
-
-    def record(self, event):
-        event.record()
-
-    def elapsed_ms(self, start, end) -> float:
-        end.synchronize()
-        return start.time_till(end)
-
-    def synchronize(self):
-        self.cuda.Context.synchronize()
-
-
 # ---- the backend -----------------------------------------------------------------------------
 
 class CudaBackend(Backend):
@@ -491,7 +268,7 @@ class CudaBackend(Backend):
 
     @staticmethod
     def unavailable_reason() -> str | None:
-        return _probe_once()
+        return probe_once()
 
     def __init__(self, threads: int | None = None, *, device=None, max_batch: int | None = None,
                  scratch_bytes: int | None = None, profile: bool | None = None):
@@ -590,9 +367,9 @@ class CudaBackend(Backend):
 
     def _matrix(self, tensor) -> DeviceMatrix:
         t = GGMLType(tensor.ggml_type)
-        if t not in KERNEL_TYPES:
+        if t not in CUDA_KERNEL_SUFFIX:
             raise UnsupportedTypeError(f"cuda stage: no kernel for ggml type {t.name} (tensor '{tensor.name}'); "
-                                       f"supported: {', '.join(x.name for x in KERNEL_TYPES)}")
+                                       f"supported: {', '.join(x.name for x in CUDA_KERNEL_SUFFIX)}")
         if len(tensor.shape) != 2:
             raise ValueError(f"cuda stage: '{tensor.name}' has shape {tensor.shape}, expected [out, in]")
         n_out, n_in = (int(s) for s in tensor.shape)
@@ -774,7 +551,7 @@ class CudaBackend(Backend):
         return out
 
     def attention(self, q, k, v, n_head, n_head_kv, start_pos):
-        """Fused causal attention with online softmax (see cuda_kernels.cu): one launch per layer,
+        """Fused causal attention with online softmax (see kernels/cuda.cu): one launch per layer,
         no score matrix in memory."""
         q, k, v = self._device(q), self._device(k), self._device(v)
         m, q_dim = q.shape
@@ -858,7 +635,7 @@ class CudaBackend(Backend):
 
 
 def _chunks_per_block(ggml_type) -> int:
-    """Chunks of a block as the kernels split it (the CPB of cuda_kernels.cu's Block* structs)."""
+    """Chunks of a block as the kernels split it (the CPB of kernels/cuda.cu's Block* structs)."""
     return 4 if BLOCK_SIZES[GGMLType(ggml_type)][0] == 32 else 16
 
 

@@ -3,8 +3,8 @@
 The lesson: the simplest correct engine, and what it costs.
 
 * Every weight matrix is dequantized to float32 when the model loads and stored the way a
-  textbook writes y = x B: B is [in, out], row-major. A 94 MB Q4_1 file becomes ~0.6 GB of
-  float32 (the RAM balloon; `python -m common run` prints the figure).
+  textbook writes y = x B: B is [in, out], row-major. SmolLM2's 94 MB Q4_1 file becomes
+  135M weights x 4 bytes of float32 (the RAM balloon; `python -m common run` prints it).
 * matmul is the triple loop C[i][j] = sum_k A[i][k] * B[k][j]. The inner loop walks down a
   column of B: consecutive k are `out` floats apart in memory, so almost every load touches a
   new cache line and only 4 of its 64 bytes are used before the line is needed again.
@@ -13,7 +13,7 @@ The lesson: the simplest correct engine, and what it costs.
 
 Every other primitive (norms, RoPE, softmax, ...) is written here once as a simple numba
 loop; the later CPU stages inherit them and change only what their lesson is about.
-Single-threaded, as in the article. Speed measured here: see README's results table.
+Single-threaded, as in the article. What it costs on your machine: `make report`'s table.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from numba import njit
 
 from common.backend import Backend
 from common.quants import dequantize_tensor
-
 
 # ---- the lesson: the textbook matmul --------------------------------------------------------
 

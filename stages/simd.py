@@ -24,10 +24,10 @@ import numpy as np
 from numba import njit
 
 from common.quants import dequantize_tensor
+from stages.kernels.toolkit import FASTMATH  # {"reassoc", "contract", "nsz"}: the liberties above
 from stages.tiling import TilingBackend
 
 PANEL = 4                                   # output rows per panel (= register block width)
-FASTMATH = {"reassoc", "contract", "nsz"}   # what vectorizing a sum needs, nothing more
 
 
 @njit(cache=True, fastmath=FASTMATH)

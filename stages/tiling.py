@@ -8,16 +8,14 @@ bytes of each line it loads instead of 4.
 
 What it cannot fix: the inner loop is still one long chain of dependent float additions
 (acc += a * b), which the compiler may not reorder without changing the result, so the core
-waits ~4 cycles for each add. Tiling buys what the cache can give (measured here: 1.76x
-over the naive loop on one forward pass's matmuls, 1.73 s against 3.05 s for 16 prompt rows);
-the next stage attacks the chain.
+waits a floating-point add's latency for each one. Tiling buys what the cache can give; the
+next stage attacks the chain.
 
-Tile sizes were chosen by measurement, not by formula: scripts/tune_tiling.py sweeps them
-on the model's own matrix shapes and records profiles/bench/tiling_sweep.json. On a 2-core
-AVX-512 Xeon VM (48 KiB L1d, 2 MiB L2 per core) 8 x 64 x 64 came first of 64 sizes, the next
-seven within 5% of it (8 x 256 x 32, 16 x 8 x 32, ...: the curve is flat near the top, and
-noise on a shared machine reorders it). It is the size the reasoning above predicts: a 16 KiB
-B tile plus 8 rows of A's 64-wide slice fit in L1 together.
+Tile sizes were chosen by measurement, not by formula: scripts/tune_tiling.py sweeps them on
+the model's own matrix shapes and records profiles/bench/tiling_sweep.json (the sizes ranked,
+each against the naive loop). The top of the ranking is flat and its order moves with noise on
+a shared machine; 8 x 64 x 64 is the size the reasoning above predicts: a 16 KiB B tile plus 8
+rows of A's 64-wide slice fit in a 32-48 KiB L1 together.
 """
 
 from __future__ import annotations

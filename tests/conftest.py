@@ -8,20 +8,11 @@ Markers:
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# `pytest` run without `python -m` does not put the repository root on sys.path.
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: long-running; runs only with LLM_SLOW_TESTS=1")
-    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU and PyCUDA; skipped without one")
 
 
 def _gpu_missing_reason() -> str | None:
@@ -52,7 +43,7 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The default model file (SmolLM2-135M-Instruct Q4_1); fails, not skips, if it is missing."""
-    from common.models import DEFAULT_MODEL
+    from common.app.models import DEFAULT_MODEL
     path = DEFAULT_MODEL.path
     if not path.exists():
         pytest.fail(f"default model missing at {path}: run `make model`", pytrace=False)

@@ -2,9 +2,9 @@
 
     everywhere      host logic: the arena, launch geometry, the profile table, choosing the
                     architecture, the "what is missing" messages, the CLI's one-line error
-    nvcc present    stages/cuda_kernels.cu compiles for every architecture nvcc lists from sm_75
+    nvcc present    stages/kernels/cuda.cu compiles for every architecture nvcc lists from sm_75
                     up, warnings as errors (the GPU compiles the same file at run time)
-    g++ present     the kernels themselves on the CPU emulator (tests/cuda_emulator.*): every
+    g++ present     the kernels themselves on the CPU emulator (scripts/cuda_emulator.*): every
                     block decoder bit-exact with common.quants, every op against numpy, the whole
                     graph on a tiny synthetic model against the float64 reference and the CPU
                     stages, the arena reused with no allocation per token, 4 bytes each way per
@@ -28,23 +28,24 @@ import pytest
 from common.gguf import BLOCK_SIZES, GGMLType, GGUFFile, GGUFWriter, ValueType
 from common.quants import QUANTIZE_TYPES, UnsupportedTypeError, dequantize, dequantize_rows, quantize
 from stages import cuda as cs
+from stages.kernels import cuda_runtime as rt
 from tests.util import tensor_from_raw
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNELS = ROOT / "stages" / "cuda_kernels.cu"
-ALL_TYPES = list(cs.KERNEL_TYPES)
+KERNELS = ROOT / "stages" / "kernels" / "cuda.cu"
+ALL_TYPES = list(cs.CUDA_KERNEL_SUFFIX)
 QUANT_TYPES = [t for t in ALL_TYPES if t not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16)]
 
 
 def _gpu_reason() -> str | None:
-    return cs.probe()
+    return rt.probe()
 
 
 # ---- devices: the CPU emulator everywhere g++ is, the GPU where there is one ------------------
 
 @pytest.fixture(scope="session")
 def emulator():
-    from tests import cuda_emulator
+    from scripts import cuda_emulator
     if cuda_emulator.compiler() is None:
         pytest.skip("no g++ to build the CUDA emulator")
     return cuda_emulator.EmulatedDevice(cuda_emulator.build())
@@ -55,7 +56,7 @@ def gpu():
     reason = _gpu_reason()
     if reason:
         pytest.skip(f"gpu test: {reason}")
-    return cs.PyCudaDevice()
+    return rt.PyCudaDevice()
 
 
 DEVICES = ["emulator", pytest.param("gpu", marks=pytest.mark.gpu)]
@@ -178,6 +179,7 @@ def fake_gguf(n_layer, n_embd, n_ff, n_head, n_head_kv, n_vocab, ggml_type, tied
     """A GGUFFile look-alike with a llama's metadata and tensors of the right sizes whose bytes
     are all one zero (a broadcast view: no memory)."""
     from types import SimpleNamespace
+
     from common.gguf import TensorInfo, type_nbytes
     kv = n_head_kv * (n_embd // n_head)
     md = {"general.architecture": "llama", "llama.context_length": 2048, "llama.embedding_length": n_embd,
@@ -231,11 +233,11 @@ def test_launch_geometry():
 
 def test_choose_arch():
     archs = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
-    assert cs.choose_arch((9, 0), archs) == "sm_90"
-    assert cs.choose_arch((8, 9), archs) == "sm_86"               # a later minor runs an earlier cubin
-    assert cs.choose_arch((5, 0), archs) is None                  # the article's GTX 750 Ti
-    assert cs.choose_arch((12, 1), archs) == "sm_120"
-    assert cs.choose_arch((10, 3), ("sm_90a", "sm_100")) == "sm_100"
+    assert rt.choose_arch((9, 0), archs) == "sm_90"
+    assert rt.choose_arch((8, 9), archs) == "sm_86"               # a later minor runs an earlier cubin
+    assert rt.choose_arch((5, 0), archs) is None                  # the article's GTX 750 Ti
+    assert rt.choose_arch((12, 1), archs) == "sm_120"
+    assert rt.choose_arch((10, 3), ("sm_90a", "sm_100")) == "sm_100"
 
 
 def test_profile_table_is_nvprof_style():
@@ -269,7 +271,7 @@ def test_every_kernel_exists_with_the_argument_count_python_passes():
              re.finditer(r'extern "C" __global__ void __launch_bounds__\(\w+\)\s+(\w+)\(([^)]*)\)', src)}
     macro_args = {m.group(1): m.group(2) for m in re.finditer(r"#define (MATMUL|EMBED)_ARGS (.*)", src)}
     types = re.findall(r"X\((\w+), \w+\)", src)
-    assert sorted(types) == sorted(cs.KERNEL_TYPES.values())
+    assert sorted(types) == sorted(cs.CUDA_KERNEL_SUFFIX.values())
     for name in cs.kernel_names():
         if name.startswith(("matmul_", "embed_")):
             args = macro_args["MATMUL" if name.startswith("matmul_") else "EMBED"]
@@ -295,7 +297,7 @@ class _FakeDriver:
         return 0
 
     def cuDeviceGetAttribute(self, ref, attr, dev):
-        ref._obj.value = self.cc[0] if attr == cs.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR else self.cc[1]
+        ref._obj.value = self.cc[0] if attr == rt.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR else self.cc[1]
         return 0
 
 
@@ -303,7 +305,7 @@ def _probe(**kw):
     args = dict(find_spec=lambda name: object(), load_driver=_FakeDriver, which_nvcc=lambda: "/x/nvcc",
                 list_archs=lambda nvcc: ("sm_75", "sm_90"), import_driver=lambda: None)
     args.update(kw)
-    return cs.probe(**args)
+    return rt.probe(**args)
 
 
 def test_probe_says_what_is_missing_and_how_to_get_it():
@@ -315,9 +317,9 @@ def test_probe_says_what_is_missing_and_how_to_get_it():
         raise OSError("libcuda.so.1: cannot open shared object file")
     assert _probe(load_driver=no_driver).startswith("no NVIDIA driver")
     assert "install the NVIDIA driver" in _probe(load_driver=no_driver)
-    assert _probe(load_driver=lambda: _FakeDriver(init=cs.CUDA_ERROR_NO_DEVICE)).startswith("no NVIDIA GPU")
+    assert _probe(load_driver=lambda: _FakeDriver(init=rt.CUDA_ERROR_NO_DEVICE)).startswith("no NVIDIA GPU")
     assert _probe(load_driver=lambda: _FakeDriver(count=0)).startswith("no NVIDIA GPU")
-    assert "update the driver" in _probe(load_driver=lambda: _FakeDriver(init=cs.CUDA_ERROR_INSUFFICIENT_DRIVER))
+    assert "update the driver" in _probe(load_driver=lambda: _FakeDriver(init=rt.CUDA_ERROR_INSUFFICIENT_DRIVER))
     assert "error 999" in _probe(load_driver=lambda: _FakeDriver(init=999))
     assert _probe(which_nvcc=lambda: None).startswith("nvcc not found")
     assert "sm_50" in _probe(load_driver=lambda: _FakeDriver(cc=(5, 0)))
@@ -353,10 +355,10 @@ def test_cli_prints_one_line_and_no_traceback(tmp_path):
 # ---- nvcc: the kernel source compiles for every GPU architecture ------------------------------
 
 def test_kernels_compile_for_every_architecture(tmp_path):
-    nvcc = cs.find_nvcc()
+    nvcc = rt.find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found (the CUDA toolkit is not installed)")
-    archs = [a for a in cs.nvcc_archs(nvcc) if re.fullmatch(r"sm_\d+", a) and int(a[3:]) >= 75]
+    archs = [a for a in rt.nvcc_archs(nvcc) if re.fullmatch(r"sm_\d+", a) and int(a[3:]) >= 75]
     assert archs, f"{nvcc} --list-gpu-code lists no sm_75 or later"
     gencode = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in archs]
     cmd = [nvcc, "--fatbin", *gencode, "--threads", "0", "-O3", "--Werror", "all-warnings,missing-launch-bounds",
@@ -381,7 +383,7 @@ def test_block_decoders_are_bit_exact(emulator, ggml_type):
     raw = rng.integers(0, 256, n_blocks * nb, dtype=np.uint8)
     with np.errstate(all="ignore"):
         want = dequantize(raw, ggml_type, (n_blocks * qk,))
-    got = emulator.dequantize(cs.KERNEL_TYPES[ggml_type], raw, n_blocks * qk)
+    got = emulator.dequantize(cs.CUDA_KERNEL_SUFFIX[ggml_type], raw, n_blocks * qk)
     same = (want.view(np.uint32) == got.view(np.uint32)) | (np.isnan(want) & np.isnan(got))
     assert same.all(), f"{(~same).sum()} values differ, first at {np.flatnonzero(~same)[:5]}"
 
@@ -746,7 +748,7 @@ def test_default_model_on_the_emulator(emulator):
 # ---- the default model, on a GPU --------------------------------------------------------------
 
 def _default_model():
-    from common.models import DEFAULT_MODEL
+    from common.app.models import DEFAULT_MODEL
     if not DEFAULT_MODEL.path.exists():
         pytest.skip(f"the default model is not at {DEFAULT_MODEL.path} (`make model`)")
     return DEFAULT_MODEL.path

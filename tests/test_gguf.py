@@ -21,12 +21,22 @@ import time
 import tracemalloc
 from pathlib import Path
 
-import gguf as gguf_py    # the oracle; pinned in requirements-test.txt, so missing it is an error, not a skip
+import gguf as gguf_py  # the oracle; pinned in requirements-test.txt, so missing it is an error, not a skip
 import numpy as np
 import pytest
 
-from common.gguf import (BLOCK_SIZES, MAX_ARRAY_NESTING, SCALAR_DTYPES, GGMLType, GGUFError, GGUFFile,
-                         GGUFWriter, ValueType, align_up, type_nbytes)
+from common.gguf import (
+    BLOCK_SIZES,
+    MAX_ARRAY_NESTING,
+    SCALAR_DTYPES,
+    GGMLType,
+    GGUFError,
+    GGUFFile,
+    GGUFWriter,
+    ValueType,
+    align_up,
+    type_nbytes,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 # Allocation slack for one open beyond the file's own size: the parser's dicts, a few numpy
@@ -120,7 +130,7 @@ def model_pair(request):
     if request.param == "smollm2":
         path = request.getfixturevalue("default_model_path")
     else:
-        from common.models import fetch   # writes the synthetic model on first use
+        from common.app.models import fetch  # writes the synthetic model on first use
         path = fetch(request.param)
     ours = GGUFFile(path)
     theirs = gguf_py.GGUFReader(path)

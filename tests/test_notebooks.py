@@ -55,20 +55,22 @@ def test_build_parses_percent_format():
 
 
 def test_settings_follow_the_environment(monkeypatch):
-    from common import notebook, report
+    from notebooks import nb as notebook
+    from stages import info
+    from stages.registry import REPORT_PROMPT_TOKENS
     monkeypatch.setenv(notebook.QUICK_ENV, "1")
     quick = notebook.settings()
     monkeypatch.setenv(notebook.QUICK_ENV, "0")
     full = notebook.settings()
     assert quick.quick and not full.quick
-    assert quick.prompt_tokens < full.prompt_tokens == report.PROMPT_TOKENS
-    assert full.n_for("naive") == report.REPORT_N_PREDICT["naive"]
-    assert full.n_for("quantized") == report.REPORT_N_PREDICT_DEFAULT
+    assert quick.prompt_tokens < full.prompt_tokens == REPORT_PROMPT_TOKENS
+    assert full.n_for("naive") == info("naive").tokens.report
+    assert full.n_for("quantized") == info("quantized").tokens.report
     assert all(quick.n_for(s) <= full.n_for(s) for s in ("naive", "tiling", "simd", "kv_cache"))
 
 
 def test_missing_records_are_a_sentence_not_an_error(tmp_path):
-    from common import notebook
+    from notebooks import nb as notebook
     rec = notebook.recorded(results_root=tmp_path)
     assert rec.results is None and "make report" in rec.note
     assert rec.get("simd") is None
@@ -76,7 +78,7 @@ def test_missing_records_are_a_sentence_not_an_error(tmp_path):
 
 
 def test_fma_counts_and_hot_loop():
-    from common import notebook
+    from notebooks import nb as notebook
     asm = ("f:\n\tmovq %rdi, %rax\n.LBB0_1:\n\tvfmadd231ps %ymm1, %ymm2, %ymm3\n\tvfmadd231ps %zmm1, %zmm2, %zmm3\n"
            "\tvfmadd213ss %xmm1, %xmm2, %xmm3\n\tvmulss %xmm1, %xmm2, %xmm2\n\tjne .LBB0_1\n.LBB0_2:\n\tretq\n")
     counts = notebook.fma_counts(asm)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from stages import backend_class
-from tests.util import cpu_stages, tensor_from_f32
+from tests.util import attention_numpy, cpu_stages, tensor_from_f32
 
 STAGES = cpu_stages()
 rng = np.random.default_rng(1234)
@@ -96,11 +96,5 @@ def test_attention_matches_numpy(backend):
     t = start + m
     q, k, v = rand(m, n_head * hd), rand(t, n_kv * hd), rand(t, n_kv * hd)
     got = backend.attention(q, k, v, n_head, n_kv, start)
-    want = np.empty((m, n_head * hd))
-    for h in range(n_head):
-        kh = h // (n_head // n_kv)
-        sc = q[:, h * hd:(h + 1) * hd].astype(np.float64) @ k[:, kh * hd:(kh + 1) * hd].T / np.sqrt(hd)
-        sc += np.triu(np.full((m, t), -np.inf), k=start + 1)
-        p = np.exp(sc - sc.max(axis=1, keepdims=True))
-        want[:, h * hd:(h + 1) * hd] = (p / p.sum(axis=1, keepdims=True)) @ v[:, kh * hd:(kh + 1) * hd]
+    want = attention_numpy(q, k, v, n_head, n_kv, start)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -18,11 +18,12 @@ from common import quants as Q
 from common import reference
 from common.gguf import BLOCK_SIZES, GGMLType, GGUFFile, GGUFWriter, ValueType
 from stages import load
-from stages.quant_kernels import F16_TO_F32, KERNEL_TYPES, MATVEC, matvec_rows
+from stages.kernels.quantized import CPU_KERNEL_TYPES, MATVEC, matvec_rows
+from stages.kernels.toolkit import F16_TO_F32
 from stages.quantized import QuantizedBackend, QuantMatrix
 from tests.util import tensor_from_raw
 
-TYPES = list(KERNEL_TYPES)
+TYPES = list(CPU_KERNEL_TYPES)
 ACTIVATION_ROWS = (1, 3, 5, 17)          # decode (1), prefill with 4x4 blocks and leftovers
 
 
@@ -121,7 +122,7 @@ def test_weights_stay_in_the_mapped_file(default_model_path):
 def test_decode_kernels_are_vectorized():
     """The fused Q4_K and Q4_1 decode kernels hold packed FMAs and int->float conversions on
     256/512-bit registers (what makes the unpacking cost a few instructions per 8 values)."""
-    from common.machine import simd_features
+    from common.app.machine import simd_features
     if not {"avx2", "fma"} <= set(simd_features()):
         pytest.skip("this CPU has no AVX2+FMA")
     rng = np.random.default_rng(0)
@@ -238,7 +239,7 @@ def test_type_without_kernel_fails_at_load_naming_tensor_and_type(tmp_path):
 
 @pytest.fixture(scope="module")
 def tinyllama_synthetic_path():
-    from common.models import MODELS
+    from common.app.models import MODELS
     path = MODELS["tinyllama-synthetic"].path
     if not path.exists():
         pytest.skip(f"{path} is not there: `python -m common model tinyllama-synthetic` writes it")

@@ -3,9 +3,9 @@ quantizers through llama-cpp-python's shared library (Q4_K, Q6_K); plus the synt
 
 from __future__ import annotations
 
+import filecmp
 import hashlib
 import json
-import filecmp
 import os
 from collections import Counter
 from pathlib import Path
@@ -15,6 +15,8 @@ import pytest
 
 from common import quants as Q
 from common.gguf import BLOCK_SIZES, GGMLType, GGUFError, GGUFFile, type_nbytes
+from scripts.ggml_ref import GGMLUnavailable, ggml_quantizer
+from scripts.make_kquant_golden import GOLDEN_K, K_TYPES, k_quant_cases, sha256_rows, tricky_rows
 
 gguf = pytest.importorskip("gguf", reason="gguf-py (requirements-test.txt) is the dequantization oracle")
 from gguf import quants as gguf_quants  # noqa: E402
@@ -24,7 +26,6 @@ MODELS = Path(os.environ.get("LLM_MODELS_DIR", ROOT / "models"))
 DEFAULT_MODEL = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
 LLAMA_SPM_VOCAB = MODELS / "vocab" / "ggml-vocab-llama-spm.gguf"
 
-K_TYPES = (GGMLType.Q4_K, GGMLType.Q6_K)
 LEGACY_TYPES = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1)
 
 
@@ -36,29 +37,6 @@ def gguf_dequantize(raw, ggml_type, shape):
 def gguf_quantize(x, ggml_type):
     out = gguf_quants.quantize(x, gguf.GGMLQuantizationType(int(ggml_type)))
     return np.ascontiguousarray(out).view(np.uint8).reshape(x.shape[:-1] + (-1,))
-
-
-def tricky_rows(rng, n_per_row: int) -> np.ndarray:
-    """Rows that exercise the corner cases of every quantizer: zeros, ties, constants, tiny and
-    huge magnitudes, one-sided values, outliers, heavy tails, zero sub-blocks in a live row."""
-    n = n_per_row
-    rows = [
-        np.zeros(n),                                                # all zero
-        np.full(n, 0.5), np.full(n, -3.0),                          # constant rows
-        np.round(rng.normal(0, 1, n) * 4) / 4,                      # many exact ties
-        (np.arange(n) % 32 - 16) / 8.0,                             # ties at .5 after scaling
-        (np.arange(n) % 3 - 1) * 63.5,                              # three levels
-        rng.normal(0, 1, n) * 1e-30,                                # tiny (subnormal f16 scales)
-        rng.normal(0, 1, n) * 1e-6,
-        rng.normal(0, 1, n) * 1e3,                                  # large (still finite in f16)
-        np.abs(rng.normal(0, 1, n)), -np.abs(rng.normal(0, 1, n)),  # one-sided
-        rng.standard_t(2, n) * 0.01,                                # heavy tails
-        np.where(np.arange(n) % 37 == 0, 40.0, 1.0) * rng.normal(0, 0.02, n),   # outliers
-        np.where((np.arange(n) // 16) % 3 == 0, 0.0, rng.normal(0, 1, n)),       # zero sub-blocks
-        np.where(np.arange(n) < n // 2, 0.0, rng.normal(0, 1, n)),              # zero blocks
-        rng.uniform(-1, 1, n),
-    ]
-    return np.stack(rows).astype(np.float32)
 
 
 def test_block_dtypes_match_ggml_block_sizes():
@@ -133,7 +111,8 @@ def test_block_fields_decode_by_hand_as_documented():
     b = raw.view(Q.BLOCK_DTYPES[GGMLType.Q4_K])[0]
     sc, m = Q.k4_scale_min(b["scales"])
     d, dmin = np.float32(b["d"]), np.float32(b["dmin"])
-    by_hand = [d * np.float32(sc[e // 32]) * np.float32((b["qs"][32 * (e // 64) + e % 32] >> (4 * ((e // 32) % 2))) & 15)
+    by_hand = [d * np.float32(sc[e // 32])
+               * np.float32((b["qs"][32 * (e // 64) + e % 32] >> (4 * ((e // 32) % 2))) & 15)
                - dmin * np.float32(m[e // 32]) for e in range(256)]
     assert np.array_equal(np.array(by_hand, np.float32), Q.dequantize(raw, GGMLType.Q4_K, (256,)))
     # Q6_K: value 128n + 32k + l: low nibble from ql (k=0: ql[l] lo, 1: ql[l+32] lo, 2: ql[l] hi,
@@ -181,8 +160,7 @@ def test_quantize_accepts_any_leading_shape():
 
 @pytest.fixture(scope="module")
 def ggml_quantize_chunk():
-    """ggml's own quantizer (from llama-cpp-python's ggml library); see tests/ggml_ref.py."""
-    from tests.ggml_ref import GGMLUnavailable, ggml_quantizer
+    """ggml's own quantizer (from llama-cpp-python's ggml library); see scripts/ggml_ref.py."""
     try:
         return ggml_quantizer()
     except GGMLUnavailable as e:
@@ -191,27 +169,6 @@ def ggml_quantize_chunk():
 
 def mismatched_rows(ours, theirs):
     return np.nonzero((ours != theirs).any(axis=1))[0].tolist()
-
-
-def k_quant_cases(ggml_type: GGMLType) -> dict:
-    """The float tensors the K-quant tests quantize (seeded, so scripts/make_kquant_golden.py
-    can record ggml's output for exactly these)."""
-    rng = np.random.default_rng(3000 + int(ggml_type))
-    return {
-        "tricky rows": tricky_rows(rng, 1024),
-        "weights N(0, 0.02)": rng.normal(0, 0.02, (96, 2048)).astype(np.float32),
-        "rows of very different scales": (rng.normal(0, 1, (64, 512))
-                                          * 10.0 ** rng.uniform(-4, 3, (64, 1))).astype(np.float32),
-        "outlier columns": (rng.normal(0, 0.02, (32, 1024))
-                            * np.where(rng.random(1024) < 0.01, 30.0, 1.0)).astype(np.float32),
-    }
-
-
-def sha256_rows(a: np.ndarray) -> list[str]:
-    return [hashlib.sha256(np.ascontiguousarray(r).tobytes()).hexdigest() for r in a]
-
-
-GOLDEN_K = Path(__file__).parent / "golden" / "ggml_k_quants.json"
 
 
 @pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
@@ -331,7 +288,7 @@ Q6K_LAYERS = {0, 1, 4, 7, 10, 13, 16, 19, 20, 21}   # llama.cpp's use_more_bits 
 def synthetic(tmp_path_factory):
     if not LLAMA_SPM_VOCAB.exists():
         pytest.skip(f"{LLAMA_SPM_VOCAB} not fetched (make vocab)")
-    from common.synthetic import write_tinyllama_synthetic
+    from common.app.synthetic import write_tinyllama_synthetic
     path = tmp_path_factory.mktemp("synthetic") / "tinyllama-synthetic.gguf"
     write_tinyllama_synthetic(path, LLAMA_SPM_VOCAB, progress=False)
     yield path
@@ -402,7 +359,7 @@ def test_synthetic_opens_with_gguf_py_and_weights_have_the_intended_scale(synthe
 
 
 def test_synthetic_is_deterministic(synthetic, tmp_path):
-    from common.synthetic import write_tinyllama_synthetic
+    from common.app.synthetic import write_tinyllama_synthetic
     again = write_tinyllama_synthetic(tmp_path / "again.gguf", LLAMA_SPM_VOCAB, progress=False)
     try:
         assert filecmp.cmp(synthetic, again, shallow=False)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from common import charts
+from common.app import charts
 
 FIXTURE = Path(__file__).parent / "fixtures" / "report" / "test-machine-2c" / "tiny-model"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -94,10 +94,11 @@ def test_roofline_points_place_decode_below_prefill():
 
 @pytest.mark.parametrize("params, measured", [(135e6, ["naive", "tiling", "simd"]), (1.1e9, ["simd"])])
 def test_report_leaves_the_recompute_stages_out_on_large_models(monkeypatch, tmp_path, capsys, params, measured):
-    """Above LARGE_MODEL_PARAMS naive and tiling would take ~40 minutes: left out, and said so;
-    the rest measured, and another model's table written beside its charts."""
-    from common import bench, report
-    import stages
+    """Above a stage's max_params (naive and tiling: LARGE_MODEL_PARAMS) the stage would take tens
+    of minutes: left out, and said so; the rest measured, and another model's table written
+    beside its charts."""
+    from common.app import report
+    from stages.registry import LARGE_MODEL_PARAMS
     calls = []
     rec = dict(fixture_record("simd"), stage="simd")
 
@@ -107,16 +108,16 @@ def test_report_leaves_the_recompute_stages_out_on_large_models(monkeypatch, tmp
         (folder / f"{stage}.json").write_text(json.dumps(dict(rec, stage=stage)))
         return rec
 
-    monkeypatch.setattr(report, "_model_params", lambda model: params)
+    monkeypatch.setattr(report, "model_params", lambda model: params)
     monkeypatch.setattr(report, "measure_stage", fake_measure)
     monkeypatch.setattr(report, "measure_machine", lambda folder, force=False: {})
     monkeypatch.setattr(report, "PROFILES", tmp_path / "profiles")
-    monkeypatch.setattr(bench, "results_dir", lambda name: tmp_path / "results" / "m" / Path(name).stem)
-    monkeypatch.setattr(stages, "runnable_stages", lambda: ["naive", "tiling", "simd"])
+    monkeypatch.setattr(report, "results_dir", lambda name: tmp_path / "results" / "m" / Path(name).stem)
+    monkeypatch.setattr(report, "runnable_stages", lambda: ["naive", "tiling", "simd"])
     model = tmp_path / "big.gguf"
-    model.write_bytes(b"not read: _model_params is stubbed")
+    model.write_bytes(b"not read: model_params is stubbed")
     report.run(model=str(model), baseline=False)
     assert calls == measured
     err = capsys.readouterr().err
-    assert ("skipping naive: a 1.1B-parameter model" in err) == (params > report.LARGE_MODEL_PARAMS)
+    assert ("skipping naive: a 1.1B-parameter model" in err) == (params > LARGE_MODEL_PARAMS)
     assert (tmp_path / "profiles" / "big" / "results.md").read_text().count("| simd |") == 1

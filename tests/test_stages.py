@@ -177,7 +177,7 @@ def test_eager_stages_balloon_to_float32(engines):
 
 
 def _cpu_has(*flags) -> bool:
-    from common.machine import simd_features
+    from common.app.machine import simd_features
     return all(f in simd_features() for f in flags)
 
 
@@ -186,7 +186,7 @@ def _cpu_has(*flags) -> bool:
 def test_simd_matmul_is_vectorized():
     """numba's assembly for the simd stage's matmul holds packed FMAs on 256/512-bit registers,
     while the naive textbook loop holds none."""
-    from common.notebook import kernel_asm
+    from notebooks.nb import kernel_asm
     from stages.naive import matmul_textbook
     from stages.simd import matmul_panels
     a = np.ones((5, 33), np.float32)

@@ -17,15 +17,16 @@ import pytest
 
 from common.gguf import GGMLType
 from stages import load
-from stages.quant_kernels import F16_TO_F32, KERNEL_TYPES, MATVEC, matvec_rows
+from stages.kernels.quantized import CPU_KERNEL_TYPES, MATVEC, matvec_rows
+from stages.kernels.threads import attention_parallel, matvec_parallel, prefill_parallel
+from stages.kernels.toolkit import F16_TO_F32
 from stages.quantized import PREFILL_ROWS, QuantizedBackend
-from stages.thread_kernels import attention_parallel, matvec_parallel, prefill_parallel
 from stages.threads import ThreadsBackend, default_threads
 from tests.test_quantized import n_cols_for, random_blocks
-from tests.util import tensor_from_raw
+from tests.util import attention_numpy, tensor_from_raw
 
 POOL = numba.config.NUMBA_NUM_THREADS
-TYPES = list(KERNEL_TYPES)
+TYPES = list(CPU_KERNEL_TYPES)
 
 
 def close(got, want, x, w64):
@@ -59,19 +60,6 @@ def test_parallel_kernels_against_the_serial_ones(ggml_type):
     assert close(got[0], want, xs, w64)
 
 
-def attention_numpy(q, k, v, n_head, n_kv, start):
-    m, t = q.shape[0], k.shape[0]
-    hd = q.shape[1] // n_head
-    out = np.empty((m, n_head * hd))
-    for h in range(n_head):
-        kh = h // (n_head // n_kv)
-        sc = q[:, h * hd:(h + 1) * hd].astype(np.float64) @ k[:, kh * hd:(kh + 1) * hd].T / np.sqrt(hd)
-        sc += np.triu(np.full((m, t), -np.inf), k=start + 1)
-        p = np.exp(sc - sc.max(axis=1, keepdims=True))
-        out[:, h * hd:(h + 1) * hd] = (p / p.sum(axis=1, keepdims=True)) @ v[:, kh * hd:(kh + 1) * hd]
-    return out
-
-
 @pytest.mark.parametrize("n_head,n_kv,hd,m,start", [(9, 3, 64, 1, 40), (9, 3, 64, 17, 0), (4, 4, 16, 5, 3),
                                                     (32, 4, 64, 3, 100)])
 def test_fused_attention_against_numpy(n_head, n_kv, hd, m, start):
@@ -95,7 +83,7 @@ def test_fused_attention_against_numpy(n_head, n_kv, hd, m, start):
 def test_thread_count_is_the_backends():
     """--threads N reaches the backend, numba's pool follows it, the run record states it,
     and the default is the machine's physical cores (at most numba's pool)."""
-    from common.machine import physical_cores
+    from common.app.machine import physical_cores
     assert default_threads() == max(1, min(physical_cores(), POOL))
     assert ThreadsBackend().threads == default_threads()
     assert ThreadsBackend(threads=1).threads == 1
@@ -127,8 +115,8 @@ def test_one_thread_and_all_give_the_same_logits(engines):
 
 
 def test_run_record_states_the_threads(engines):
+    from common.app.bench import run_record
     from common.generate import generate
-    from common.run_cli import run_record
     for n, engine in engines.items():
         gen = generate(engine, [1, 504, 3287], 2, ignore_eos=True)
         assert run_record(engine, "threads", gen, "", 0.0)["threads"] == n

@@ -13,7 +13,6 @@ import functools
 import hashlib
 import json
 import random
-import sys
 import warnings
 from pathlib import Path
 
@@ -21,8 +20,8 @@ import numpy as np
 import pytest
 
 from common.gguf import GGUFFile
-from common.tokenizer import (ATTR_NORMAL, Tokenizer, TokenizerError, clean_up_spaces,
-                              unicode_category)
+from common.tokenizer import ATTR_NORMAL, Tokenizer, TokenizerError, clean_up_spaces, unicode_category
+from scripts import make_tokenizer_golden as golden_script  # the corpus lives there
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN_DIR = ROOT / "tests" / "golden" / "tokenizer"
@@ -31,8 +30,6 @@ DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB_DIR = ROOT / "models" / "vocab"
 REGENERATE = "regenerate with `.venv/bin/python scripts/make_tokenizer_golden.py`"
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import make_tokenizer_golden as golden_script  # noqa: E402  (the corpus lives there)
 
 
 def _need(path: Path) -> Path:
@@ -166,7 +163,8 @@ def test_round_trip_wherever_llama_cpp_round_trips(name):
     assert n > len(g["cases"]["plain"]) // 2
 
 
-@pytest.mark.parametrize("name", [n for n in golden_script.VOCABS if n not in ("smollm2", "baichuan", "aquila", "gpt-neox")])
+@pytest.mark.parametrize("name", [n for n in golden_script.VOCABS
+                                  if n not in ("smollm2", "baichuan", "aquila", "gpt-neox")])
 def test_llama_cpp_own_test_pairs(name):
     """llama.cpp's tests/test-tokenizer-0 data shipped beside each vocab file."""
     inp = _need(VOCAB_DIR / f"ggml-vocab-{name}.gguf.inp")
@@ -367,7 +365,8 @@ def test_chat_template_helpers_and_sandbox(smol_meta):
     assert render("{{ bos_token }}|{{ eos_token }}") == "<|im_start|>|<|im_end|>"
     assert render("{{ messages | tojson }}").startswith('[{"role": "user"')
     assert render("{{ strftime_now('%Y') | length }}") == "4"
-    assert render("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% endfor %}") == "user"
+    loop = "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% endfor %}"
+    assert render(loop) == "user"
     assert render("{{ extra }}", extra="tools here") == "tools here"
     with pytest.raises(TokenizerError, match="roles must alternate"):
         render("{{ raise_exception('roles must alternate') }}")

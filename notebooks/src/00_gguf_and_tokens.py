@@ -24,8 +24,8 @@ import struct
 
 import numpy as np
 
+from common.app.inspect_gguf import summary
 from common.gguf import BLOCK_SIZES, GGMLType, GGUFFile
-from common.inspect_gguf import summary
 
 findings = nb.Findings()
 path = nb.model_path()
@@ -169,7 +169,7 @@ findings["Q4_1 block"] = f"decoded by hand from its 20 bytes ({where}); identica
 # (`make model name=tinyllama-synthetic`), else quantize a random row ourselves.
 
 # %%
-from common.models import TINYLLAMA_SYNTHETIC
+from common.app.models import TINYLLAMA_SYNTHETIC
 
 if TINYLLAMA_SYNTHETIC.path.exists():
     tg = GGUFFile(TINYLLAMA_SYNTHETIC.path)

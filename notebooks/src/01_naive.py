@@ -68,7 +68,7 @@ findings["RAM balloon"] = (f"a {nb.human_bytes(file_size)} file became {nb.human
 # %% [markdown]
 # ## Running it
 #
-# One generation by the measurement protocol (`common/bench.py`): fixed prompt ids, greedy,
+# One generation by the measurement protocol (`common/app/bench.py`): fixed prompt ids, greedy,
 # the JIT warmed up first. TTFT is the prompt's forward pass plus the first token; decode is
 # the median time of each token after it.
 
@@ -85,7 +85,7 @@ findings["naive, live"] = (f"TTFT {live['ttft_ms']:.0f} ms, decode {live['decode
 # %% [markdown]
 # ## Where the time goes
 #
-# A per-op profile (`common/profile.py`) wraps every op of the backend in a timer. The matmuls
+# A per-op profile (`common/app/profile.py`) wraps every op of the backend in a timer. The matmuls
 # are split by the weight they multiply.
 
 # %%
@@ -120,7 +120,7 @@ findings["cost vs length"] = (f"one step grows from {step[0]:.0f} ms at {lengths
 # prompt rows per weight read, so it sits further right than a single token would.
 
 # %%
-from common.charts import roofline_points
+from common.app.charts import roofline_points
 
 points = [(f"naive {kind} (live)", x, y) for kind, x, y in roofline_points(live)]
 nb.roofline_chart(ceil, points, "naive on this machine's roofline")

@@ -24,7 +24,7 @@ import platform
 
 import numpy as np
 
-from common.machine import machine_info
+from common.app.machine import machine_info
 
 findings = nb.Findings()
 info = machine_info()
@@ -52,8 +52,8 @@ nb.show_source(stages.simd.matmul_panels, stages.simd.Panels, stages.simd.SimdBa
 
 # %%
 from stages.naive import matmul_textbook
-from stages.tiling import matmul_tiled
 from stages.simd import matmul_panels
+from stages.tiling import matmul_tiled
 
 a = np.ones((5, 33), np.float32)
 asm = {"naive": nb.kernel_asm(matmul_textbook, a, np.ones((33, 8), np.float32)),
@@ -87,7 +87,7 @@ nb.md("**naive** (`matmul_textbook`):\n\n```asm\n" + nb.hot_loop(asm["naive"], 2
 #
 # The three kernels on the model's largest matmul shape, at 16 rows (a prompt) and at 1 row (a
 # decode step with a KV cache), against the peak this machine reaches with this very kernel on
-# data that sits in L1 (`common/roofline.py`).
+# data that sits in L1 (`common/app/roofline.py`).
 
 # %%
 from common.gguf import GGUFFile
@@ -123,7 +123,7 @@ nb.show_table(["kernel, rows", "GFLOP/s", "share of the measured peak"],
               [(k.replace(chr(10), ", "), f"{v:.1f}", f"{v / ceil['peak_gflops']:.0%}") for k, v in results.items()])
 simd16 = results["simd\n16 rows"]
 if simd16 > ceil["peak_gflops"]:
-    print(f"simd beats the recorded 'peak' of {ceil['peak_gflops']:.0f} GFLOP/s: common/roofline.py measures it "
+    print(f"simd beats the recorded 'peak' of {ceil['peak_gflops']:.0f} GFLOP/s: common/app/roofline.py measures it "
           "with a small matmul (8 x 512 operands) called many times, which this larger shape outruns. "
           "Read that peak as a floor, not a ceiling.")
 findings["kernel GFLOP/s"] = (f"16 rows: simd {simd16:.1f}, tiling {results['tiling' + chr(10) + '16 rows']:.1f}, "
@@ -140,7 +140,7 @@ findings["kernel GFLOP/s"] = (f"16 rows: simd {simd16:.1f}, tiling {results['til
 # ## The stage, end to end
 
 # %%
-from common.charts import roofline_points
+from common.app.charts import roofline_points
 
 live = []
 for stage in ("tiling", "simd"):

@@ -136,7 +136,7 @@ else:
 
 # %%
 if not missing:
-    from common.charts import roofline_points
+    from common.app.charts import roofline_points
     points = [(f"{r['stage']} {kind} (live)", x, y) for r in live for kind, x, y in roofline_points(r)]
     nb.roofline_chart(ceil, points, "kv_cache and quantized on this machine's roofline")
     rows = nb.profile(engines["quantized"], cfg)

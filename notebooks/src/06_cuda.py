@@ -31,7 +31,7 @@ missing = nb.missing_stage("cuda")
 print("cuda stage:", missing or "runs on this machine")
 findings["this machine"] = missing or "has a usable GPU: the figures below are live"
 cuda_py = nb.ROOT / "stages" / "cuda.py"
-kernel_files = sorted((nb.ROOT / "stages").glob("*.cu"))
+kernel_files = sorted((nb.ROOT / "stages" / "kernels").glob("*.cu"))
 
 # %% [markdown]
 # ## The design, in the stage's own code
@@ -58,7 +58,7 @@ if not nb.show_class_from_file(cuda_py, "CudaBackend", ["argmax", "matmul"]):
 
 # %%
 if not kernel_files:
-    nb.md("_No `.cu` kernel source in `stages/` yet._")
+    nb.md("_No `.cu` kernel source in `stages/kernels/` yet._")
 for path in kernel_files:
     src = path.read_text()
     names = re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?([\w#]+)\s*\(", src)

@@ -19,8 +19,8 @@
 # %%
 import numpy as np
 
-from common import roofline
-from common.machine import physical_cores
+from common.app import roofline
+from common.app.machine import physical_cores
 
 findings = nb.Findings()
 missing = {s: nb.missing_stage(s) for s in ("threads", "int8")}
@@ -51,7 +51,7 @@ findings["the machine"] = (f"{cores} physical core(s); read bandwidth {bw[1]:.1f
 if missing["threads"]:
     nb.md(f"_Skipped: {missing['threads']}._")
 else:
-    import stages.thread_kernels as tk
+    import stages.kernels.threads as tk
     import stages.threads as st
     nb.show_source(st.ThreadsBackend.matmul, st.ThreadsBackend.attention)
     nb.show_source(tk.matvec_parallel)
@@ -98,7 +98,7 @@ else:
 
 # %%
 if not missing["threads"]:
-    from common.charts import roofline_points
+    from common.app.charts import roofline_points
     for t in (1, max(bw)):
         pts = [(f"threads@{n} {kind}", x, y) for n, r in scaling.items() if n == t
                for kind, x, y in roofline_points(r)]
@@ -152,7 +152,7 @@ if missing["int8"]:
     nb.md(f"_Skipped: {missing['int8']}._")
 else:
     import stages.int8 as si
-    import stages.int8_kernels as ik
+    import stages.kernels.int8 as ik
     nb.show_source(si.Int8Backend.matmul)
     x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
     x[0, 5] = 9.0                                            # one large channel in the first block
@@ -184,8 +184,8 @@ if not missing["int8"]:
     from numba import njit
 
     from common.gguf import GGMLType
-    from stages.int8_kernels import _dot_q4_k, _dot_q4_x
-    from stages.quant_kernels import F16_TO_F32
+    from stages.kernels.int8 import _dot_q4_k, _dot_q4_x
+    from stages.kernels.toolkit import F16_TO_F32
 
     @njit
     def rows_q4_1(a, da, sa, sm, w, f16):                     # matvec_int8_auto's loop, one type, no prange
@@ -239,9 +239,9 @@ if not missing["int8"]:
         nb.show_source(ik.dot_nibbles_16._defn, ik._dot_q4_x_named,
                        note=f"The instructions this CPU gets: `{ik.ISA}`.")
         from common.gguf import GGMLType
-        from tests.test_quantized import random_blocks
+        from common.quants import quantize
         rng = np.random.default_rng(2)
-        w = random_blocks(rng, GGMLType.Q4_1, 1536, 576)     # SmolLM2's FFN geometry
+        w = quantize(rng.normal(0, 0.02, (1536, 576)).astype(np.float32), GGMLType.Q4_1)   # SmolLM2's FFN geometry
         qa, da_, sa, sm = ik.quantize_q8(rng.standard_normal((1, 576)).astype(np.float32), 32)
         run = {name: (lambda f=f: f(qa[0], da_[0], sa[0], sm[0], w, int(GGMLType.Q4_1), F16_TO_F32, 1))
                for name, f in (("loops (auto-vectorized)", ik.matvec_int8_auto), ("named instructions", ik.matvec_int8_named))}
@@ -291,21 +291,28 @@ if not missing["int8"]:
 # ## Against llama.cpp, recorded
 #
 # `scripts/bench_vs_llama.py` measures these stages and llama.cpp side by side, at 1 thread and
-# at all cores, and writes `profiles/bench/vs_llama_<model>.json`. Its ratios, if it has run:
+# at all cores, in alternating rounds, and writes `profiles/bench/vs_llama_<model>.json` with the
+# page drawn from it (`vs_llama_<model>.md`). Its ratios, if it has run:
 
 # %%
 import json
 
+from common.app import compare
+
 recorded_rows = []
 for path in sorted((nb.ROOT / "profiles" / "bench").glob("vs_llama_*.json")):
-    res = json.loads(path.read_text())
-    for k, v in res.get("ratios", {}).items():
-        if k.startswith(("threads", "int8")):
-            recorded_rows.append((res["model"], k, f"{v['value']:.2f}", v["target"], "met" if v["met"] else "missed"))
+    record = json.loads(path.read_text())
+    if record.get("kind") != "comparison":
+        continue
+    for row, f in compare.summary(record).items():
+        if f["engine"] in ("threads", "int8") and "decode_ms_over_llama_cpp" in f:
+            recorded_rows.append((record["model"], row, f"{f['decode_ms_over_llama_cpp']:.2f}",
+                                  f"{f['ttft_ms_over_llama_cpp']:.2f}"))
 if recorded_rows:
-    nb.show_table(["model", "ratio", "value", "target", ""], recorded_rows)
-    met = sum(r[-1] == "met" for r in recorded_rows)
-    findings["recorded ratios"] = f"{met} of {len(recorded_rows)} targets met (profiles/bench/)"
+    nb.show_table(["model", "row", "decode / llama.cpp", "TTFT / llama.cpp"], recorded_rows)
+    behind = sum(float(r[2]) > 1 for r in recorded_rows)
+    findings["recorded ratios"] = (f"decode slower than llama.cpp in {behind} of {len(recorded_rows)} rows "
+                                   f"(profiles/bench/vs_llama_*.md)")
 else:
     nb.md("_No recorded comparison yet: `python scripts/bench_vs_llama.py` writes it._")
 

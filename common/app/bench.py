@@ -1,0 +1,201 @@
+"""The one measurement harness: a stage (or a variant, or llama.cpp) measured by the protocol,
+one JSON record per measurement. `make report`, `python -m common bench`, the notebooks and
+the llama.cpp comparison (scripts/bench_vs_llama.py) all measure through here.
+
+    measure(engine, stage, prompt_tokens, n_predict)    in this process: the record
+    measure_in_child(name, model, ...)                  in a fresh process (its own peak RSS and
+                                                        JIT warm-up): `python -m common bench`
+                                                        or, for llama.cpp, `... baseline`
+
+The protocol: exactly `prompt_tokens` prompt ids (BENCH_TEXT, the same ids for every engine),
+greedy, exactly `n_predict` tokens (EOS ignored), JIT warmed up first and reported apart. A
+record holds the timings (TTFT, decode median/mean/spread), load and JIT time, peak RSS, page
+faults, the settings, the model's type mix, the machine, the package versions and the code
+that ran (common/app/provenance.py). Records of `make report` go to
+profiles/results/<machine>/<model>/<stage>.json; charts and tables are drawn from them only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from common.app.machine import machine_id, machine_info, rusage
+from common.app.models import resolve
+from common.app.profile import OpProfiler
+from common.app.provenance import provenance
+from common.generate import Sampler, generate
+from common.model import LlamaConfig, flops_per_token, n_params
+from stages import info, load
+from stages.registry import REPORT_PROMPT_TOKENS
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS_DIR = ROOT / "profiles" / "results"
+BASELINE = "llama.cpp"
+
+# The benchmark prompt: plain English, long enough for any prompt length asked for (it is
+# repeated if need be); only its token ids matter, and those are recorded.
+BENCH_TEXT = (
+    "A language model reads text as a sequence of tokens and, one token at a time, predicts "
+    "what comes next. Each prediction runs the same stack of layers: a normalization, an "
+    "attention step that looks back over every earlier position, and a feed-forward network. "
+    "Almost all of the arithmetic is matrix multiplication, and almost all of the time goes "
+    "into moving the weights from memory to the processor. Making it fast is therefore less "
+    "about clever mathematics than about caches, vector registers, and not doing work twice. "
+)
+
+
+def bench_prompt(tokenizer, n_tokens: int) -> list[int]:
+    """Exactly n_tokens ids: BOS if the model wants one, then the benchmark text."""
+    ids = tokenizer.encode(BENCH_TEXT * (1 + n_tokens // 60))
+    return ids[:n_tokens]
+
+
+def model_summary(gguf) -> dict:
+    mix = Counter()
+    for t in gguf.tensors.values():
+        mix[t.type_name] += t.nbytes
+    return {"file": os.path.basename(gguf.path), "name": gguf.get("general.name", ""),
+            "file_size": gguf.file_size, "n_params": n_params(LlamaConfig.from_gguf(gguf)),
+            "type_mix_bytes": dict(mix)}
+
+
+def run_record(engine, stage, gen, text, jit_s) -> dict:
+    """The figures every run and benchmark reports (see the measurement protocol)."""
+    rec = {
+        "stage": stage, "model": engine.gguf.path.split("/")[-1],
+        "prompt_tokens": gen.prompt_tokens, "n_prompt": len(gen.prompt_tokens),
+        "tokens": gen.tokens, "n_generated": len(gen.tokens), "text": text,
+        "ttft_ms": gen.ttft_ms, "decode_ms": gen.decode_ms_median, "decode_ms_mean": gen.decode_ms_mean,
+        "decode_ms_all": gen.decode_ms, "tokens_per_s": gen.tokens_per_s,
+        "load_s": engine.load_s, "jit_s": jit_s, "threads": engine.backend.threads,
+        "n_ctx": engine.n_ctx, "uses_kv_cache": engine.uses_kv_cache,
+        "weights_mb": engine.weight_bytes() / 2**20, "kv_cache_mb": engine.kv_bytes() / 2**20,
+        "stop_reason": gen.stop_reason,
+        # for the roofline: what one forward pass computes and reads
+        "flops_per_token": flops_per_token(engine.config, len(gen.prompt_tokens)),
+        "weights_stream_bytes": engine.weight_stream_bytes(),
+        "kv_bytes_per_position": 2 * engine.config.n_layer * engine.config.kv_dim * 4,
+    }
+    rec.update(rusage())
+    return rec
+
+
+def add_context(rec: dict, settings: dict) -> dict:
+    """What every written record carries besides its figures: settings, machine, code, time."""
+    rec.update({"settings": settings, "machine": machine_info(), "provenance": provenance(),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    return rec
+
+
+def settings_for(stage: str, prompt_tokens: int | None, n_predict: int | None) -> tuple[int, int]:
+    """The report's settings unless given: the registry's prompt length and token count."""
+    return prompt_tokens or REPORT_PROMPT_TOKENS, n_predict or info(stage).tokens.report
+
+
+def measure(engine, stage: str, prompt_tokens: int, n_predict: int) -> dict:
+    """Run the protocol on a loaded engine and return its record (not written)."""
+    prompt = bench_prompt(engine.tokenizer, prompt_tokens)
+    jit_s = engine.warmup()
+    gen = generate(engine, prompt, n_predict, Sampler(), ignore_eos=True)
+    rec = run_record(engine, stage, gen, engine.tokenizer.decode(gen.tokens), jit_s)
+    d = np.asarray(gen.decode_ms) if gen.decode_ms else np.asarray([np.nan])
+    rec.update({
+        "kind": "stage",
+        "decode_ms_p10": float(np.percentile(d, 10)), "decode_ms_p90": float(np.percentile(d, 90)),
+        "decode_ms_min": float(d.min()), "decode_ms_max": float(d.max()),
+        "model_info": model_summary(engine.gguf),
+    })
+    return add_context(rec, {"prompt_tokens": prompt_tokens, "n_predict": n_predict, "sampling": "greedy",
+                             "ignore_eos": True, "threads": engine.backend.threads, "n_ctx": engine.n_ctx})
+
+
+def results_dir(model_file: str, out_dir=None) -> Path:
+    if out_dir:
+        return Path(out_dir)
+    return RESULTS_DIR / machine_id() / Path(model_file).stem
+
+
+def record_name(rec: dict) -> str:
+    """A record's file name without .json: the stage, or llama.cpp[-Nt] for the baseline."""
+    if rec.get("kind") == "baseline":
+        return BASELINE if rec.get("threads", 1) == 1 else f"{BASELINE}-{rec['threads']}t"
+    return rec["stage"]
+
+
+def write_record(rec: dict, out_dir=None) -> Path:
+    folder = results_dir(rec["model"], out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{record_name(rec)}.json"
+    tmp = path.with_suffix(".json.part")
+    tmp.write_text(json.dumps(rec, indent=1, default=float))
+    os.replace(tmp, path)
+    return path
+
+
+def start_profile(engine):
+    """A per-op profiler for a run: the backend's own (CUDA events) if it has one."""
+    if hasattr(engine.backend, "start_profile"):
+        engine.backend.start_profile()
+        return engine.backend
+    return OpProfiler(engine).__enter__()
+
+
+def stop_profile(engine, profiler) -> list[dict]:
+    """[{op, calls, total_ms, avg_us, share}]; a GPU stage's rows are its kernels."""
+    if profiler is engine.backend:
+        engine.backend.stop_profile()
+        return [{"op": r["kernel"], **r} for r in engine.backend.profile_rows()]
+    profiler.__exit__(None, None, None)
+    return profiler.rows()
+
+
+def profile_run(engine, stage: str, prompt_tokens: int, n_predict: int) -> list[dict]:
+    """A separate, per-op profiled run (the timers slow it a little; figures come from measure)."""
+    prompt = bench_prompt(engine.tokenizer, prompt_tokens)
+    profiler = start_profile(engine)
+    try:
+        generate(engine, prompt, n_predict, Sampler(), ignore_eos=True)
+    finally:
+        rows = stop_profile(engine, profiler)
+    return rows
+
+
+def bench_stage(stage: str, model, prompt_tokens=None, n_predict=None, threads=None, ctx_size=None,
+                out_dir=None, profile_n: int = 0, write: bool = True):
+    """Load, measure and (unless write=False) record one stage or variant; with profile_n, add a
+    per-op profile of a run of profile_n tokens. Returns (record, path or None)."""
+    prompt_tokens, n_predict = settings_for(stage, prompt_tokens, n_predict)
+    engine = load(stage, resolve(model), n_ctx=ctx_size, threads=threads, progress=True)
+    rec = measure(engine, stage, prompt_tokens, n_predict)
+    if profile_n:
+        rec["profile"] = profile_run(engine, stage, prompt_tokens, profile_n)
+        rec["profile_settings"] = {"prompt_tokens": prompt_tokens, "n_predict": profile_n}
+    return rec, (write_record(rec, out_dir) if write else None)
+
+
+def measure_in_child(name: str, model, prompt_tokens: int, n_predict: int, threads: int | None = None,
+                     out_dir=None, profile_n: int = 0, n_ctx: int | None = None) -> dict:
+    """One measurement in a fresh process, so that its peak RSS, page faults and JIT warm-up are
+    that engine's alone: `python -m common bench` for a stage or variant, `... baseline` for
+    llama.cpp. The record is written to out_dir unless it is None; returned either way."""
+    command = "baseline" if name == BASELINE else "bench"
+    cmd = [sys.executable, "-m", "common", command, "-m", str(model), "--prompt-tokens", str(prompt_tokens),
+           "-n", str(n_predict), "--json"]
+    cmd += ["--stage", name] if command == "bench" else []
+    cmd += ["--threads", str(threads)] if threads else []
+    cmd += ["--ctx-size", str(n_ctx)] if n_ctx else []
+    cmd += ["--out", str(out_dir)] if out_dir else ["--no-write"]
+    cmd += ["--profile-n", str(profile_n)] if profile_n and command == "bench" else []
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

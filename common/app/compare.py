@@ -1,0 +1,171 @@
+"""Stages side by side with llama.cpp, measured in one run: the comparison behind
+profiles/bench/vs_llama_<model>.md (`python scripts/bench_vs_llama.py`).
+
+Every measurement is one record of the one harness (common/app/bench.py: `bench` or `baseline`
+in a fresh process), so a row here and a row of `make report` are the same kind of figure.
+On a shared machine single figures move by tens of percent from run to run, so the engines
+are measured in alternating rounds (forward, then backward, ...) and compared as ratios within
+a round; the page quotes medians over the rounds.
+
+    rows       each engine once (single-threaded stages) or at each --threads count
+               (stages the registry marks `parallel`, and llama.cpp): "int8@2", "llama.cpp@1"
+    per round  prompt of `prompt_tokens` ids (TTFT), then `n_predict` tokens (decode median)
+    ratios     per round: row / llama.cpp at the same thread count, and row / the stage it
+               builds on at the same thread count (where both were measured); median of rounds
+    floor      the decode floor per token: file bytes / the machine's measured read bandwidth
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+
+from common.app import roofline
+from common.app.bench import BASELINE, measure_in_child
+from common.app.machine import machine_info
+from common.app.models import resolve
+from common.app.provenance import describe, provenance
+from common.gguf import GGUFFile
+from common.model import LlamaConfig, n_params
+from stages import info
+from stages.registry import Tokens
+
+PROMPT_TOKENS = 128          # TTFT at a prompt long enough for prefill to be a matrix-matrix product
+N_CTX = 2048                 # our default context, and llama.cpp's for the same cache
+DEFAULT_ENGINES = ("simd", "kv_cache", "quantized", "threads", "int8", BASELINE)
+
+
+def rows_for(engines, thread_counts) -> list[dict]:
+    """[{row, engine, threads}]: single-threaded stages once, the others at every count."""
+    rows = []
+    for e in engines:
+        multi = e == BASELINE or info(e).parallel
+        for t in (thread_counts if multi else (1,)):
+            rows.append({"row": f"{e}@{t}", "engine": e, "threads": t})
+    return rows
+
+
+def n_predict_for(engine: str) -> int:
+    return Tokens().report if engine == BASELINE else info(engine).tokens.report
+
+
+def compare(model, engines=DEFAULT_ENGINES, thread_counts=(1,), rounds: int = 3, prompt_tokens: int = PROMPT_TOKENS,
+            log=print) -> dict:
+    """Measure every row in `rounds` alternating rounds; the comparison record."""
+    path = resolve(model)
+    with GGUFFile(path) as g:
+        params, file_size = n_params(LlamaConfig.from_gguf(g)), g.file_size
+    rows = rows_for(engines, thread_counts)
+    log(f"warming numba's cache (not measured): {', '.join(e for e in engines if e != BASELINE)}")
+    for e in dict.fromkeys(r["engine"] for r in rows if r["engine"] != BASELINE):
+        measure_in_child(e, path, 4, 2, threads=max(thread_counts), n_ctx=N_CTX)
+    log("measuring read bandwidth (common/app/roofline.py) ...")
+    ceilings = roofline.measure(threads=max(thread_counts))
+    runs = {r["row"]: [] for r in rows}
+    for k in range(rounds):
+        for r in rows if k % 2 == 0 else rows[::-1]:
+            n = n_predict_for(r["engine"])
+            log(f"  round {k + 1}/{rounds}: {r['row']} (prompt {prompt_tokens}, {n} tokens)")
+            rec = measure_in_child(r["engine"], path, prompt_tokens, n, threads=r["threads"], n_ctx=N_CTX)
+            runs[r["row"]].append(rec)
+            log(f"    TTFT {rec['ttft_ms']:.0f} ms, decode {rec['decode_ms']:.1f} ms/token, "
+                f"peak RSS {rec['peak_rss_mb']:.0f} MiB")
+    bandwidth = {str(t): v for t, v in ceilings["bandwidth_gbs"].items()}
+    return {
+        "kind": "comparison", "model": path.name, "n_params": params, "file_size": file_size,
+        "synthetic": "synthetic" in path.name.lower(),
+        "settings": {"prompt_tokens": prompt_tokens, "n_predict": {e: n_predict_for(e) for e in engines},
+                     "threads": list(thread_counts), "rounds": rounds, "n_ctx": N_CTX,
+                     "sampling": "greedy, EOS ignored", "order": "alternating (forward, backward, ...)"},
+        "rows": rows, "runs": runs,
+        "bandwidth_gbs": bandwidth,
+        "decode_floor_ms": {t: file_size / (bw * 1e9) * 1e3 for t, bw in bandwidth.items()},
+        "machine": machine_info(), "provenance": provenance(),
+        "command": "python scripts/bench_vs_llama.py " + " ".join(sys.argv[1:]),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _median(xs) -> float:
+    xs = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summary(record: dict) -> dict:
+    """{row: figures} computed from the runs: medians over rounds, and the median of the per-round
+    ratios against llama.cpp and against the stage each row builds on (same thread count)."""
+    runs = record["runs"]
+    out = {}
+    for r in record["rows"]:
+        row, t = r["row"], r["threads"]
+        recs = runs[row]
+        s = {"engine": r["engine"], "threads": t, "rounds": len(recs),
+             "decode_ms": _median(x["decode_ms"] for x in recs), "ttft_ms": _median(x["ttft_ms"] for x in recs),
+             "peak_rss_mb": _median(x["peak_rss_mb"] for x in recs)}
+        for name, other in (("llama_cpp", f"{BASELINE}@{t}"),
+                            ("builds_on", None if r["engine"] == BASELINE else _builds_on_row(record, r))):
+            if other and other in runs and other != row:
+                for key in ("decode_ms", "ttft_ms"):
+                    s[f"{key}_over_{name}"] = _median(a[key] / b[key] for a, b in zip(recs, runs[other]))
+                s[f"{name}_row"] = other
+        floor = record["decode_floor_ms"].get(str(t))
+        if floor:
+            s["decode_over_floor"] = s["decode_ms"] / floor
+        s["same_tokens_as_first_row"] = recs[0]["tokens"] == runs[record["rows"][0]["row"]][0]["tokens"]
+        out[row] = s
+    return out
+
+
+def _builds_on_row(record: dict, r: dict) -> str | None:
+    """The row of the stage this row's stage builds on, at the same thread count (or at 1)."""
+    parent = info(r["engine"]).variant_of or info(r["engine"]).builds_on
+    names = {x["row"] for x in record["rows"]}
+    for t in (r["threads"], 1):
+        if f"{parent}@{t}" in names:
+            return f"{parent}@{t}"
+    return None
+
+
+def _num(x, digits=1) -> str:
+    return f"{x:,.{digits}f}" if isinstance(x, (int, float)) and math.isfinite(x) else "-"
+
+
+def page(record: dict, source: str) -> str:
+    """The markdown page for one comparison record (source: the record's path, as shown)."""
+    s = summary(record)
+    st = record["settings"]
+    m = record["machine"]
+    lines = [
+        f"# {record['model']}: the stages beside llama.cpp",
+        "",
+        f"_Generated from `{source}` by `python -m common report` (or the script that measured it); "
+        f"do not edit. Measured on {m.get('cpu', '?')} ({m.get('physical_cores', '?')} cores) with "
+        f"{describe([{'row': 'all', 'provenance': record.get('provenance')}])}, {record.get('time', '?')}._",
+        "",
+        f"{record['n_params'] / 1e6:,.0f}M parameters"
+        + (" (SYNTHETIC weights: the geometry and type mix of the real model, random values)" if record["synthetic"]
+           else "") + f"; prompt {st['prompt_tokens']} tokens, then "
+        + ", ".join(f"{e} {n}" for e, n in st["n_predict"].items()) + f" tokens generated; {st['sampling']}; "
+        f"{st['rounds']} rounds, {st['order']}. Figures are medians over the rounds; a ratio is the median of "
+        f"the ratios measured within each round. `{record['command']}`",
+        "",
+        "| row | TTFT (ms) | decode (ms/token) | decode / llama.cpp | TTFT / llama.cpp | decode / the stage it "
+        "builds on | decode / bandwidth floor | peak RSS (MiB) | same greedy tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    first = record["rows"][0]["row"]
+    for row, f in s.items():
+        parent = f"{_num(f['decode_ms_over_builds_on'], 2)} ({f['builds_on_row']})" \
+            if "decode_ms_over_builds_on" in f else "-"
+        lines.append(f"| {row} | {_num(f['ttft_ms'])} | {_num(f['decode_ms'])} "
+                     f"| {_num(f.get('decode_ms_over_llama_cpp'), 2)} | {_num(f.get('ttft_ms_over_llama_cpp'), 2)} "
+                     f"| {parent} | {_num(f.get('decode_over_floor'), 2)} | {_num(f['peak_rss_mb'], 0)} "
+                     f"| {'yes' if f['same_tokens_as_first_row'] else 'no'} |")
+    floors = ", ".join(f"{_num(record['decode_floor_ms'][t])} ms at {t} thread(s) "
+                       f"({_num(record['bandwidth_gbs'][t])} GB/s)" for t in record["decode_floor_ms"])
+    lines += ["", f"Bandwidth floor (the file read once per token at the read bandwidth measured in the same "
+                  f"run): {floors}. \"Same greedy tokens\": the row's first round generated the tokens of "
+                  f"{first}'s first round (int8-activation engines may differ at near-ties).", ""]
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""What machine a measurement ran on: every benchmark record carries this."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import resource
+import sys
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+from common.cpu import cpu_model, physical_cores, simd_features
+
+
+def _caches() -> dict:
+    """Per-core cache sizes from sysfs: {'L1d': '48K', 'L2': '2048K', 'L3': ...}."""
+    out = {}
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    for idx in sorted(base.glob("index*")):
+        try:
+            level = (idx / "level").read_text().strip()
+            kind = (idx / "type").read_text().strip()
+            size = (idx / "size").read_text().strip()
+        except OSError:
+            continue
+        name = f"L{level}" + ({"Data": "d", "Instruction": "i"}.get(kind, ""))
+        out[name] = size
+    return out
+
+
+def versions(*names) -> dict:
+    names = names or ("numpy", "numba", "llvmlite", "llama_cpp_python", "pycuda")
+    out = {"python": platform.python_version()}
+    for n in names:
+        try:
+            out[n] = metadata.version(n.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+@lru_cache(maxsize=1)
+def machine_info() -> dict:
+    mem = None
+    try:
+        m = re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text())
+        mem = int(m.group(1)) * 1024 if m else None
+    except OSError:
+        pass
+    return {
+        "cpu": cpu_model(),
+        "arch": platform.machine(),
+        "logical_cpus": os.cpu_count(),
+        "physical_cores": physical_cores(),
+        "caches": _caches(),
+        "simd": simd_features(),
+        "memory_bytes": mem,
+        "os": f"{platform.system()} {platform.release()}",
+        "versions": versions(),
+    }
+
+
+def machine_id() -> str:
+    """A short folder name for this machine's results: cpu model + cores."""
+    cpu = re.sub(r"\(R\)|\(TM\)|CPU|Processor|@.*", "", machine_info()["cpu"])
+    cpu = re.sub(r"[^A-Za-z0-9]+", "-", cpu).strip("-").lower()
+    return f"{cpu}-{machine_info()['physical_cores']}c"
+
+
+def _vm_hwm_bytes() -> int | None:
+    """Linux: this process's own peak RSS. (ru_maxrss survives fork + exec, so a child of a
+    big process would report its parent's peak.)"""
+    try:
+        m = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
+        return int(m.group(1)) * 1024 if m else None
+    except OSError:
+        return None
+
+
+def rusage() -> dict:
+    """Peak RSS and page faults of this process so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    peak = _vm_hwm_bytes()
+    if peak is None:
+        peak = r.ru_maxrss * (1 if sys.platform == "darwin" else 1024)   # bytes on macOS, KiB elsewhere
+    return {"peak_rss_mb": peak / 2**20, "minor_faults": r.ru_minflt, "major_faults": r.ru_majflt}

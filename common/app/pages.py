@@ -1,0 +1,36 @@
+"""The generated pages under profiles/bench/: one markdown page per record that has one
+(a comparison with llama.cpp, the kernel throughput), redrawn from the record alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from common.app import compare, kernel_bench
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = {"comparison": compare.page, "kernels": kernel_bench.page}
+
+
+def page_for(record_path: Path) -> str | None:
+    """The page a record stands behind, or None if it has none."""
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, ValueError):
+        return None
+    make = PAGES.get(record.get("kind")) if isinstance(record, dict) else None
+    if make is None:
+        return None
+    shown = record_path.relative_to(ROOT).as_posix() if record_path.is_relative_to(ROOT) else str(record_path)
+    return make(record, shown)
+
+
+def redraw_pages(folder: Path) -> list[Path]:
+    written = []
+    for path in sorted(Path(folder).glob("*.json")):
+        text = page_for(path)
+        if text is not None:
+            out = path.with_suffix(".md")
+            out.write_text(text)
+            written.append(out)
+    return written

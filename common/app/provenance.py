@@ -1,0 +1,84 @@
+"""What code a measurement ran: every record carries it, every table and chart says it.
+
+    commit      the git commit checked out (None outside a git checkout)
+    dirty       whether the measured code (stages/, common/) had uncommitted changes
+    code_hash   sha256 of the measured code itself: every .py and .cu file of stages/ and of the
+                engine (common/ without common/app/), by path and content. Two records with the
+                same hash measured the same kernels and graph, whatever the commit says.
+
+`make report` compares the records it draws with the code checked out now and says when they
+were measured with other code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MEASURED_CODE = ("stages", "common")       # what a stage's figures depend on
+NOT_MEASURED = ("common/app",)             # the harness around it
+
+
+def measured_files(root: Path = ROOT) -> list[Path]:
+    files = []
+    for top in MEASURED_CODE:
+        for path in sorted((root / top).rglob("*")):
+            rel = path.relative_to(root).as_posix()
+            if path.suffix in (".py", ".cu") and not rel.startswith(NOT_MEASURED) and "__pycache__" not in rel:
+                files.append(path)
+    return files
+
+
+def code_hash(root: Path = ROOT) -> str:
+    """16 hex digits of sha256 over the measured files' paths and contents."""
+    h = hashlib.sha256()
+    for path in measured_files(root):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _git(*args, root: Path = ROOT) -> str | None:
+    try:
+        p = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p.stdout.strip() if p.returncode == 0 else None
+
+
+@lru_cache(maxsize=1)
+def provenance() -> dict:
+    """{'commit', 'dirty', 'code_hash'} of the code checked out now."""
+    commit = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--", *MEASURED_CODE, *(f":(exclude){p}" for p in NOT_MEASURED)) \
+        if commit else None
+    return {"commit": commit, "dirty": bool(status) if status is not None else None, "code_hash": code_hash()}
+
+
+def describe(records: list[dict]) -> str:
+    """One phrase naming the code the records measured: 'commit 1a2b3c4 (code 5d6e...)', with
+    the stages that differ named, and 'uncommitted changes' where a record says so."""
+    groups: dict[tuple, list[str]] = {}
+    for r in records:
+        p = r.get("provenance") or {}
+        key = ((p.get("commit") or "")[:7] or "unknown", p.get("code_hash") or "unknown", bool(p.get("dirty")))
+        groups.setdefault(key, []).append(r.get("row") or r.get("stage", "?"))
+    if not groups:
+        return "no records"
+
+    def one(key):
+        commit, code, dirty = key
+        return f"commit {commit}{' + uncommitted changes' if dirty else ''} (code {code})"
+    if len(groups) == 1:
+        return one(next(iter(groups)))
+    return "; ".join(f"{', '.join(names)}: {one(key)}" for key, names in groups.items())
+
+
+def stale(records: list[dict]) -> list[str]:
+    """The records (by stage or row) whose code differs from the code checked out now."""
+    now = provenance()["code_hash"]
+    return [r.get("row") or r.get("stage", "?") for r in records
+            if (r.get("provenance") or {}).get("code_hash") != now]

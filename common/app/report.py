@@ -1,0 +1,163 @@
+"""`make report`: measure every stage this machine can run, then redraw the charts, the README
+table and the generated pages from the JSON records.
+
+    python -m common report [-m MODEL] [--stages naive,simd] [--draw-only] [--no-baseline]
+
+Each stage is measured in its own process (clean peak RSS, its own JIT warm-up) through the
+one harness (common/app/bench.py), with the registry's settings (stages/registry.py): the same
+prompt length for every stage so TTFT compares like with like, and fewer generated tokens for
+the stages that recompute the whole text per token (the chart says so). The machine's bandwidth
+and peak FLOP/s are measured once (profiles/results/<machine>/machine.json) for the roofline.
+llama.cpp's rows (1 thread, the article's setting, and all cores) are measured when
+llama-cpp-python is installed (`make baseline`).
+
+`-m tinyllama-synthetic` (or any GGUF file) writes its charts and a results.md under
+profiles/<model>/. On a model larger than a stage's `max_params` in the registry (naive and
+tiling: LARGE_MODEL_PARAMS) the stage is left out unless named in --stages.
+
+Every record says which code it measured (common/app/provenance.py); the report warns when the
+records it draws were measured with other code than the code checked out now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from common.app import charts, roofline
+from common.app.baseline import llama_cpp_version
+from common.app.bench import BASELINE, measure_in_child, results_dir
+from common.app.machine import machine_info
+from common.app.models import DEFAULT_MODEL, resolve
+from common.app.pages import redraw_pages
+from common.app.provenance import provenance, stale
+from common.cpu import physical_cores
+from common.gguf import GGUFFile
+from common.model import LlamaConfig, n_params
+from stages import STAGES, info, runnable_stages, unavailable_reason
+from stages.registry import REPORT_PROMPT_TOKENS, Tokens
+
+ROOT = Path(__file__).resolve().parents[2]
+PROFILES = ROOT / "profiles"
+
+
+def measure_stage(stage: str, model: Path, out_dir: Path, threads=None) -> dict:
+    s = info(stage)
+    return measure_in_child(stage, model, REPORT_PROMPT_TOKENS, s.tokens.report, threads=threads,
+                            out_dir=out_dir, profile_n=s.tokens.profile)
+
+
+def measure_baseline(model: Path, out_dir: Path, threads: int = 1) -> dict:
+    """llama.cpp's row, same prompt ids as the stages, as many tokens as the KV-cache stages."""
+    return measure_in_child(BASELINE, model, REPORT_PROMPT_TOKENS, Tokens().report, threads=threads,
+                            out_dir=out_dir)
+
+
+def model_params(model: Path) -> int:
+    with GGUFFile(model) as g:
+        return n_params(LlamaConfig.from_gguf(g))
+
+
+def too_large(params: int) -> list[str]:
+    """The stages left out on a model this size unless named."""
+    return [s for s in STAGES if info(s).max_params is not None and params > info(s).max_params]
+
+
+def measure_machine(folder: Path, force: bool = False) -> dict:
+    path = folder / "machine.json"
+    if path.exists() and not force:
+        return json.loads(path.read_text())
+    rec = {"kind": "machine", "machine": machine_info(), **roofline.measure(), "provenance": provenance(),
+           "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec, indent=1))
+    return rec
+
+
+def _shown(path: Path) -> str:
+    """A path as the README shows it: relative to the repository when inside it."""
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+
+
+def draw(folder: Path, charts_dir: Path, update_readme_table: bool, why_missing=None) -> list:
+    res = charts.load_results(folder, expected=STAGES, why_missing=why_missing)
+    written = charts.draw_all(res, charts_dir)
+    caption = charts.caption(res, _shown(folder))
+    if update_readme_table:
+        if charts.update_readme(ROOT / "README.md", charts.results_table(res), caption):
+            written.append(ROOT / "README.md")
+    elif res.stages:                       # another model: its table beside its charts
+        path = charts_dir / "results.md"
+        path.write_text(caption + charts.results_table(res) + "\n")
+        written.append(path)
+    for p in res.problems:
+        print(f"note: {p}", file=sys.stderr)
+    old = stale(res.stages + res.baselines)
+    if old:
+        print(f"warning: {', '.join(old)} measured with other code than the code checked out now "
+              f"(code {provenance()['code_hash']}); `make report` measures them again", file=sys.stderr)
+    return written
+
+
+def run(model=None, stages=None, draw_only=False, baseline=True, remeasure_machine=False):
+    model = resolve(model)
+    folder = results_dir(model.name)
+    is_default = model.resolve() == DEFAULT_MODEL.path.resolve()
+    charts_dir = PROFILES if is_default else PROFILES / model.stem
+    params = model_params(model)
+    left_out = too_large(params)
+    if not draw_only:
+        todo = stages or runnable_stages()
+        for s in STAGES:
+            if s not in todo and not stages:
+                print(f"skipping {s}: {unavailable_reason(s)}", file=sys.stderr)
+        if not stages and left_out:
+            for s in left_out:
+                print(f"skipping {s}: a {params / 1e9:.1f}B-parameter model takes minutes per token there "
+                      f"(above {info(s).max_params / 1e6:.0f}M parameters); --stages {s},... measures it anyway",
+                      file=sys.stderr)
+            todo = [s for s in todo if s not in left_out]
+        print("measuring the machine's bandwidth and peak FLOP/s ...", file=sys.stderr)
+        measure_machine(folder.parent, force=remeasure_machine)
+        bar = tqdm(todo, desc="stages", unit="stage")
+        for stage in bar:
+            bar.set_postfix_str(stage)
+            t0 = time.perf_counter()
+            try:
+                rec = measure_stage(stage, model, folder)
+            except RuntimeError as e:
+                tqdm.write(f"{e}")
+                continue
+            tqdm.write(f"{stage:>10}: TTFT {rec['ttft_ms']:9.1f} ms, decode {rec['decode_ms']:8.1f} ms/token "
+                       f"({time.perf_counter() - t0:.0f} s)")
+        if baseline:
+            if llama_cpp_version():
+                for threads in sorted({1, physical_cores()}):     # the article's 1 thread; all cores
+                    rec = measure_baseline(model, folder, threads)
+                    print(f"{BASELINE:>10}: TTFT {rec['ttft_ms']:9.1f} ms, decode {rec['decode_ms']:8.1f} "
+                          f"ms/token ({threads} thread{'s' if threads > 1 else ''})", file=sys.stderr)
+            else:
+                print("llama.cpp row: llama-cpp-python not installed (`make baseline` adds it)", file=sys.stderr)
+    why_missing = {s: "too slow on a model this size; --stages names it to measure it" for s in left_out}
+    written = draw(folder, charts_dir, update_readme_table=is_default, why_missing=why_missing)
+    written += redraw_pages(PROFILES / "bench")
+    for path in written:
+        print(f"wrote {os.path.relpath(path, ROOT)}", file=sys.stderr)
+
+
+def add_commands(sub):
+    p = sub.add_parser("report", help="measure every stage, redraw profiles/*.png and the README table",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", default=str(DEFAULT_MODEL.path), help="GGUF file or model name")
+    p.add_argument("--stages", default=None, help="comma-separated stages to (re)measure (default: all runnable)")
+    p.add_argument("--draw-only", action="store_true", help="redraw from the records without measuring")
+    p.add_argument("--no-baseline", action="store_true", help="skip llama.cpp's rows")
+    p.add_argument("--remeasure-machine", action="store_true", help="measure bandwidth and peak FLOP/s again")
+    p.set_defaults(func=lambda a: run(a.model, a.stages.split(",") if a.stages else None, a.draw_only,
+                                      not a.no_baseline, a.remeasure_machine))

@@ -1,0 +1,211 @@
+"""`python -m common run` (generate text with one stage) and `bench` (measure it into profiles/)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from common.app import bench
+from common.app.chat import chat_loop
+from common.app.models import DEFAULT_MODEL, resolve
+from common.app.profile import format_table
+from common.generate import Sampler, SamplingParams, Session, check_fits
+from common.gguf import GGUFFile
+from common.model import LlamaConfig, context_size
+from common.tokenizer import Tokenizer
+from stages import REGISTRY, STAGES, StageError, info, load, runnable_stages, unavailable_reason
+
+
+def fastest_stage() -> str:
+    """The stage `make run` uses: cuda where it can run; else the CPU stage with the best
+    decode time recorded on this machine by `make report`; else the last CPU stage (measured,
+    not assumed: a later stage is not always a faster one)."""
+    runnable = runnable_stages()
+    gpu = [s for s in runnable if info(s).gpu]
+    if gpu:
+        return gpu[-1]
+    recorded = recorded_decode_ms()
+    measured = [s for s in runnable if s in recorded]
+    if measured:
+        return min(measured, key=recorded.get)
+    return runnable[-1]
+
+
+def recorded_decode_ms() -> dict:
+    """{stage: decode ms/token} from this machine's report records for the default model."""
+    out = {}
+    for path in bench.results_dir(DEFAULT_MODEL.filename).glob("*.json"):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        decode = rec.get("decode_ms")
+        if rec.get("kind") == "stage" and isinstance(decode, float) and math.isfinite(decode):
+            out[rec["stage"]] = decode
+    return out
+
+
+def chosen_stage(name: str) -> str:
+    """The stage a command runs ('fastest' resolved), or StageError saying why it cannot run here."""
+    stage = fastest_stage() if name == "fastest" else name
+    reason = unavailable_reason(stage)
+    if reason:                                  # said before the model file is touched
+        raise StageError(f"stage '{stage}' cannot run here: {reason}")
+    return stage
+
+
+def add_model_args(p: argparse.ArgumentParser):
+    p.add_argument("--stage", "-s", default="fastest",
+                   help=f"{' | '.join(STAGES)} (default: the fastest this machine can run; "
+                        f"`python -m common stages` lists them)")
+    p.add_argument("-m", "--model", default=str(DEFAULT_MODEL.path),
+                   help="GGUF file or model name (default: %(default)s)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None,
+                   help="context window in tokens (default: min(model's, 2048))")
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help="threads for stages that use several (default: physical cores)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("sampling (llama.cpp's chain: penalties, top-k, top-p, min-p, temperature)")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default: 0)")
+    g.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens (default: 40; 0 = off)")
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default: 0.95; 1 = off)")
+    g.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min_p x the best (default: 0.05)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalize recent tokens (default: 1.0 = off)")
+    g.add_argument("--repeat-last-n", type=int, default=64, help="window of the repeat penalty (default: 64)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+
+
+def sampling_params(args) -> SamplingParams:
+    return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
+
+
+def print_stats(rec: dict, out=sys.stderr):
+    def f(x, unit=""):
+        return "n/a" if x != x else f"{x:.1f}{unit}"          # NaN when only one token was made
+    print(f"\n--- {rec['stage']} on {rec['model']}: {rec['n_prompt']} prompt tokens, "
+          f"{rec['n_generated']} generated ({rec['stop_reason']})", file=out)
+    print(f"TTFT {f(rec['ttft_ms'], ' ms')} | decode {f(rec['decode_ms'], ' ms/token')} median, "
+          f"{f(rec['decode_ms_mean'], ' ms')} mean | {f(rec['tokens_per_s'])} tokens/s", file=out)
+    print(f"load {rec['load_s']:.2f} s | JIT/warm-up {rec['jit_s']:.2f} s | weights {rec['weights_mb']:.0f} MiB"
+          f" | KV cache {rec['kv_cache_mb']:.0f} MiB | peak RSS {rec['peak_rss_mb']:.0f} MiB | page faults "
+          f"{rec['minor_faults']} minor, {rec['major_faults']} major | threads {rec['threads']}", file=out)
+
+
+def check_prompt_fits(args, stage: str) -> tuple[list, int]:
+    """Tokenize the prompt and check it fits the context before the weights are loaded:
+    (prompt ids, n_predict), or ContextError."""
+    with GGUFFile(resolve(args.model)) as g:
+        cfg = LlamaConfig.from_gguf(g)
+        prompt = Tokenizer.from_gguf(g).encode(args.prompt)
+    n_predict = args.n_predict if args.n_predict is not None else info(stage).tokens.run
+    check_fits(len(prompt), n_predict, context_size(cfg, args.ctx_size), cfg.n_ctx_train)
+    return prompt, n_predict
+
+
+def cmd_run(args):
+    stage = chosen_stage(args.stage)
+    if not args.chat:
+        prompt, n_predict = check_prompt_fits(args, stage)
+    engine = load(stage, resolve(args.model), n_ctx=args.ctx_size, threads=args.threads, progress=True)
+    tok = engine.tokenizer
+    if args.chat:
+        return chat_loop(engine, stage, args, sampling_params(args))
+    session = Session(engine)
+    jit_s = engine.warmup()
+    stream = tok.stream_decoder()
+    echo = not args.json
+
+    def on_token(t):
+        if echo:
+            sys.stdout.write(stream.push(t))
+            sys.stdout.flush()
+
+    if echo:
+        sys.stdout.write(args.prompt)
+        sys.stdout.flush()
+    profiler = bench.start_profile(engine) if args.profile else None
+    gen = session.generate(prompt, n_predict, Sampler(sampling_params(args)), stop_ids=tok.eog_ids,
+                           on_token=on_token)
+    if echo:
+        sys.stdout.write(stream.flush() + "\n")
+    rec = bench.run_record(engine, stage, gen, tok.decode(gen.tokens), jit_s)
+    if profiler:
+        rec["profile"] = bench.stop_profile(engine, profiler)
+    if args.json:
+        rec.pop("decode_ms_all")
+        print(json.dumps(rec))
+    else:
+        print_stats(rec)
+        if profiler is engine.backend:
+            print("\n" + engine.backend.profile_table(), file=sys.stderr)
+        elif profiler:
+            print("\n" + format_table(rec["profile"], f"per-op profile ({stage}, this run)"), file=sys.stderr)
+
+
+def cmd_bench(args):
+    stage = chosen_stage(args.stage)
+    rec, path = bench.bench_stage(stage, args.model, prompt_tokens=args.prompt_tokens, n_predict=args.n_predict,
+                                  threads=args.threads, ctx_size=args.ctx_size, out_dir=args.out,
+                                  profile_n=args.profile_n, write=not args.no_write)
+    if args.json:
+        print(json.dumps(rec, default=float))
+    else:
+        print_stats(rec)
+        if path:
+            print(f"wrote {path}", file=sys.stderr)
+
+
+def cmd_stages(args):
+    if args.json:
+        print(json.dumps([vars(s) | {"tokens": vars(s.tokens)} for s in REGISTRY.values()]))
+        return
+    for s in REGISTRY.values():
+        after = f"a variant of {s.variant_of}" if s.variant_of else \
+            f"builds on {s.builds_on}" if s.builds_on else "the start"
+        kind = "KV cache" if s.kv_cache else "recomputes the text"
+        gpu = ", GPU" if s.gpu else ""
+        print(f"{s.number}  {s.name:<10} {s.lesson}\n   {'':<10} ({after}; {kind}{gpu}; "
+              f"{s.path}; notebooks/{s.chapter}.ipynb)")
+
+
+def add_commands(sub):
+    run_tokens = ", ".join(f"{s} {info(s).tokens.run}" for s in STAGES)
+    p = sub.add_parser("run", help="generate text with one stage, then print its timings",
+                       description="Generate a completion with one stage, streaming the text, then print TTFT, "
+                                   "decode ms/token, tokens/s, load and JIT time, peak RSS and page faults.")
+    add_model_args(p)
+    p.add_argument("-p", "--prompt", default="The meaning of life is", help="prompt text")
+    p.add_argument("-n", "--n-predict", type=int, default=None,
+                   help=f"tokens to generate (default, by stage: {run_tokens})")
+    p.add_argument("--chat", action="store_true",
+                   help="interactive chat with the model's template (stages with a KV cache); /reset, Ctrl-D")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    p.add_argument("--profile", action="store_true",
+                   help="time every op (matmul by weight, attention, norms, ...) and print an nvprof-style table")
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("bench", help="measure one stage (fixed prompt, greedy) into profiles/results/",
+                       description="Measure one stage (or a variant) on a fixed prompt of exactly --prompt-tokens "
+                                   "tokens, greedy, generating exactly -n tokens (EOS ignored); JIT warmed up "
+                                   "first. Writes one JSON record (timings, RSS, page faults, machine, versions, "
+                                   "the code that ran). Defaults: `make report`'s settings (stages/registry.py).")
+    add_model_args(p)
+    p.add_argument("--prompt-tokens", type=int, default=None, help="prompt length in tokens (default: the report's)")
+    p.add_argument("-n", "--n-predict", type=int, default=None, help="tokens to generate (default: by stage)")
+    p.add_argument("--out", default=None, help="folder for the record (default: profiles/results/<machine>/<model>/)")
+    p.add_argument("--no-write", action="store_true", help="measure without writing a record")
+    p.add_argument("--json", action="store_true", help="print the record (one JSON line) instead of a summary")
+    p.add_argument("--profile-n", type=int, default=0,
+                   help="after measuring, profile a run of this many tokens per op and add it to the record")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("stages", help="list the stages: number, lesson, what each builds on",
+                       description="The stage registry (stages/registry.py), which every command reads.")
+    p.add_argument("--json", action="store_true", help="print the registry as JSON")
+    p.set_defaults(func=cmd_stages)

@@ -1,0 +1,229 @@
+"""Measuring in a chapter: loading a stage, running it by the report's protocol (the same record
+`python -m common bench` writes, so live results and recorded ones draw with the same code),
+profiling it per op, memory and page faults, and the records `make report` keeps."""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.app import bench, roofline
+from common.app.bench import RESULTS_DIR
+from common.app.charts import load_results
+from common.app.machine import machine_id, machine_info, rusage
+from common.app.profile import format_table
+from common.generate import generate
+from notebooks.nb.settings import ROOT, Settings, model_path, rel
+from stages import STAGES, unavailable_reason
+from stages import load as load_stage
+
+
+def memory_now() -> dict:
+    """Current and peak resident memory (MiB) and page faults so far, of this process."""
+    r = rusage()
+    rss = r["peak_rss_mb"]
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) / 1024
+    except OSError:
+        pass                                 # not Linux: the peak is the best figure there is
+    return {"rss_mb": rss, **r}
+
+
+def cache_sizes() -> dict:
+    """This machine's caches in bytes, per core: {'L1d': 49152, 'L2': ..., 'L3': ...}."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    out = {}
+    for name, size in machine_info()["caches"].items():
+        m = re.fullmatch(r"(\d+)\s*([KMG]?)B?", size.strip())
+        if m and name != "L1i":
+            out[name] = int(m.group(1)) * units.get(m.group(2), 1)
+    return out
+
+
+def faults_between(before: dict, after: dict) -> int:
+    """Page faults (minor + major) between two memory_now() readings."""
+    return sum(after[k] - before[k] for k in ("minor_faults", "major_faults"))
+
+
+def missing_stage(stage: str) -> str | None:
+    """None if this checkout has the stage and this machine can run it, else a sentence why not."""
+    if stage not in STAGES:
+        return f"stage '{stage}' is not in this checkout yet (stages/{stage}.py is missing)"
+    try:
+        reason = unavailable_reason(stage)
+    except Exception as e:               # its module could not even be imported (e.g. no PyCUDA)
+        reason = f"{type(e).__name__}: {e}"
+    return f"stage '{stage}' cannot run on this machine: {reason}" if reason else None
+
+
+def load(stage: str):
+    """The stage on the notebook's model, kernels compiled (or loaded from numba's cache)."""
+    gc.collect()                         # let the previous eager model's float32 copies go first
+    engine = load_stage(stage, model_path())
+    engine.jit_s = engine.warmup()
+    return engine
+
+
+def prompt_ids(engine, n_tokens: int) -> list[int]:
+    """The benchmark's prompt (common/app/bench.py), cut to n_tokens: the same ids as the records."""
+    return bench.bench_prompt(engine.tokenizer, n_tokens)
+
+
+def measure(engine, cfg: Settings, n_predict: int | None = None) -> dict:
+    """One run by the measurement protocol; the same record `python -m common bench` writes."""
+    n = n_predict or cfg.n_for(engine.stage)
+    rec = bench.measure(engine, engine.stage, cfg.prompt_tokens, n)
+    rec["source"] = "live"
+    return rec
+
+
+def profile(engine, cfg: Settings) -> list[dict]:
+    """Per-op rows (common/app/profile.py) of a profiled run at the notebook's settings."""
+    return bench.profile_run(engine, engine.stage, cfg.prompt_tokens, cfg.profile_n_for(engine.stage))
+
+
+def print_profile(rows: list[dict], title: str):
+    print(format_table(rows, title))
+
+
+def measure_in_subprocess(stage: str, prompt: str, n_predict: int) -> dict:
+    """`python -m common run --json` in a fresh process: peak RSS and page faults of that stage
+    alone, untouched by whatever this notebook loaded before."""
+    cmd = [sys.executable, "-m", "common", "run", "--stage", stage, "-m", str(model_path()),
+           "-p", prompt, "-n", str(n_predict), "--json"]
+    # Linux carries a process's peak RSS (ru_maxrss) across fork + exec, so a child started
+    # straight from this kernel would report the kernel's own memory as its peak. A shell in
+    # between (forking, not exec-ing, the command) starts the count afresh.
+    proc = subprocess.run(["sh", "-c", '"$@"; exit $?', "sh", *cmd], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{stage} failed:\n{proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def step_ms(engine, tokens, length: int, reps: int = 2) -> float:
+    """Milliseconds of the decode step that produces token number `length + 1`: the whole text
+    again for a stage without a KV cache, one token on a cache holding `length - 1` for one with."""
+    if engine.uses_kv_cache:
+        engine.reset()
+        if length > 1:
+            engine.forward(tokens[:length - 1], 0, all_logits=False)
+        feed, start = tokens[length - 1:length], length - 1
+    else:
+        feed, start = tokens[:length], 0
+    best = float("inf")
+    for _ in range(reps):                # rewriting the same cache position gives the same result
+        t0 = time.perf_counter()
+        engine.greedy_next(feed, start)
+        best = min(best, time.perf_counter() - t0)
+    engine.reset()
+    return best * 1e3
+
+
+@dataclass
+class MatmulWork:
+    """Per generated token: the rows each layer matmul multiplied (M of x [M, K]) and the
+    multiply-adds of all the step's matmuls."""
+    rows: list = field(default_factory=list)
+    macs: list = field(default_factory=list)
+
+
+def matmul_work(engine, prompt, n_predict: int) -> MatmulWork:
+    """Generate greedily while counting what the matmuls compute: x [M, K] @ W -> [M, N] is
+    M*K*N multiply-adds. Counted from the arrays the stage really multiplies."""
+    backend, work = engine.backend, MatmulWork()
+    step = {"rows": 0, "macs": 0}
+    matmul = backend.matmul
+
+    def counting(x, w):
+        out = matmul(x, w)
+        step["rows"] = max(step["rows"], x.shape[0])
+        step["macs"] += x.shape[0] * x.shape[1] * out.shape[1]
+        return out
+
+    def on_token(_):
+        work.rows.append(step["rows"])
+        work.macs.append(step["macs"])
+        step.update(rows=0, macs=0)
+
+    backend.matmul = counting
+    try:
+        generate(engine, prompt, n_predict, ignore_eos=True, on_token=on_token)
+    finally:
+        del backend.matmul                # back to the class's method
+    return work
+
+
+@dataclass
+class Recorded:
+    results: object | None               # common.app.charts.Results, or None
+    note: str                            # one sentence for the reader: where these come from
+
+    def get(self, stage: str) -> dict | None:
+        if self.results is None:
+            return None
+        return next((r for r in self.results.stages if r["stage"] == stage), None)
+
+
+def recorded(results_root=None) -> Recorded:
+    """The records `make report` wrote for the notebook's model: this machine's if there are any,
+    else another machine's (said so), else None (said so). Never raises for missing files."""
+    root = Path(results_root or RESULTS_DIR)
+    stem = model_path().stem
+    mine = root / machine_id() / stem
+    candidates = [mine] + sorted(p for p in root.glob(f"*/{stem}") if p != mine)
+    for folder in candidates:
+        if folder.is_dir() and any(folder.glob("*.json")):
+            res = load_results(folder)
+            if not res.stages and not res.baseline:
+                continue
+            cpu = (res.stages[0].get("machine") or {}).get("cpu", "?") if res.stages else "?"
+            where = "this machine" if folder == mine else f"another machine ({cpu}), not this one"
+            note = f"Recorded results: `{rel(folder)}/` ({', '.join(res.names)}), measured on {where}."
+            if res.problems:
+                note += " " + " ".join(res.problems)
+            return Recorded(res, note)
+    return Recorded(None, f"No recorded results for {stem} under `{rel(root)}/` yet: `make report` "
+                          f"measures every stage and writes them. Only the live figures are shown.")
+
+
+def find_records(stage: str, results_root=None) -> list[tuple[Path, dict]]:
+    """Every record of a stage for the notebook's model, on any machine (the cuda stage is
+    recorded where a GPU was lent, a machine other than the reader's)."""
+    out = []
+    for path in sorted(Path(results_root or RESULTS_DIR).glob(f"*/{model_path().stem}/{stage}.json")):
+        try:
+            out.append((path, json.loads(path.read_text())))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def ceilings() -> dict:
+    """The machine's bandwidth (GB/s) and peak (GFLOP/s), single thread: the recorded
+    machine.json of this machine if there is one, else measured now (about a second)."""
+    path = RESULTS_DIR / machine_id() / "machine.json"
+    if path.exists():
+        m = json.loads(path.read_text())
+        return {"bandwidth_gbs": m["bandwidth_gbs"]["1"], "peak_gflops": m["peak_gflops"]["1"],
+                "source": f"recorded in `{rel(path)}`"}
+    m = roofline.measure(threads=1)
+    return {"bandwidth_gbs": m["bandwidth_gbs"]["1"], "peak_gflops": m["peak_gflops"]["1"],
+            "source": "measured just now by common/app/roofline.py (no recorded machine.json for this machine)"}
+
+
+def best_seconds(fn, reps: int) -> float:
+    fn()                                  # compile / warm the caches first
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best

@@ -1,0 +1,40 @@
+"""Decode kernel throughput per weight type, one core: the quantized stage's float kernels, the
+int8 stage's named instructions and its loops (common/app/kernel_bench.py says how).
+
+    python scripts/bench_kernels.py [--model smollm2 --model tinyllama-synthetic] [--passes 5]
+
+Writes profiles/bench/kernels.json and the page drawn from it, profiles/bench/kernels.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common.app.kernel_bench import bench_kernels  # noqa: E402
+from common.app.pages import redraw_pages  # noqa: E402
+
+OUT = ROOT / "profiles" / "bench" / "kernels.json"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", action="append", help="model name or path (repeatable; default: smollm2, "
+                                                    "tinyllama-synthetic)")
+    p.add_argument("--passes", type=int, default=5, help="passes per group; the fastest counts (default: %(default)s)")
+    args = p.parse_args(argv)
+    record = bench_kernels(args.model or ["smollm2", "tinyllama-synthetic"], args.passes,
+                           log=lambda m: print(m, file=sys.stderr, flush=True))
+    OUT.write_text(json.dumps(record, indent=1))
+    redraw_pages(OUT.parent)
+    print(OUT.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""Every fact about the stages, in one place: the CLI, the report, the charts, the notebooks,
+the Makefile's help and the benchmarks all read this table, and nothing else says it again.
+
+Adding a stage is one entry here plus its module (a Backend subclass of the stage it builds on).
+
+Numbers follow the article's chapters (1-6, cuda being its sixth), then ours (7 on); `STAGES`
+is in that order. `builds_on` is the stage a stage's backend inherits from: the stage it is
+compared with ("vs previous" in the report). A variant is the same lesson with one part
+swapped (e.g. int8 with its plain loops instead of the named instructions), loadable by name
+for side-by-side measurements but not a stage of its own.
+
+Token counts are what each stage generates by default: the stages without a KV cache
+recompute the whole text for every token, so they generate fewer, to finish in about a
+minute on 2 cores.
+
+Runs with no dependency at all (`python3 stages/registry.py` prints the table): the Makefile's
+help calls it before anything is installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The report's prompt length, the same for every stage so that TTFT compares like with like.
+REPORT_PROMPT_TOKENS = 32
+# Above this many parameters `make report` leaves out the stages with a `max_params` below it
+# unless they are named (on TinyLlama's 1.1B, naive alone would take ~20 minutes).
+LARGE_MODEL_PARAMS = 500e6
+
+
+@dataclass(frozen=True)
+class Tokens:
+    run: int = 64          # `python -m common run` without -n
+    report: int = 64       # `make report` and `python -m common bench`
+    profile: int = 32      # the per-op profiled run of the report
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    number: int
+    module: str                      # stages.<module>
+    backend: str                     # the Backend subclass in it
+    builds_on: str | None
+    lesson: str                      # one line, as the README's stage table shows it
+    kv_cache: bool                   # keeps K and V between steps (else recomputes the whole text)
+    chapter: str                     # the notebook that teaches it (notebooks/<chapter>.ipynb)
+    gpu: bool = False
+    parallel: bool = False           # runs on --threads cores (the others on one)
+    tokens: Tokens = Tokens()
+    max_params: float | None = None  # left out of `make report` above this size unless named
+    variant_of: str | None = None    # a registered variant: not in STAGES, loadable by name
+
+    @property
+    def label(self) -> str:
+        return f"Stage {self.number}, {self.name}" if self.variant_of is None else \
+            f"{self.name} (a variant of {self.variant_of})"
+
+    @property
+    def path(self) -> str:
+        return self.module.replace(".", "/") + ".py"
+
+
+_RECOMPUTING = Tokens(run=8, report=4, profile=2)
+
+REGISTRY = {s.name: s for s in (
+    Stage("naive", 1, "stages.naive", "NaiveBackend", None,
+          "the textbook: float32 weights, triple-loop matmul, no KV cache",
+          kv_cache=False, chapter="01_naive", tokens=_RECOMPUTING, max_params=LARGE_MODEL_PARAMS),
+    Stage("tiling", 2, "stages.tiling", "TilingBackend", "naive",
+          "block the loops so the caches are reused",
+          kv_cache=False, chapter="02_tiling", tokens=_RECOMPUTING, max_params=LARGE_MODEL_PARAMS),
+    Stage("simd", 3, "stages.simd", "SimdBackend", "tiling",
+          "pack the weights so the inner loop is contiguous; let LLVM vectorize it",
+          kv_cache=False, chapter="03_simd", tokens=Tokens(run=32, report=16, profile=8)),
+    Stage("kv_cache", 4, "stages.kv_cache", "KVCacheBackend", "simd",
+          "keep K and V: each new token costs one token's work",
+          kv_cache=True, chapter="04_kv_cache"),
+    Stage("quantized", 5, "stages.quantized", "QuantizedBackend", "kv_cache",
+          "compute straight from the 4-bit blocks: far fewer bytes per weight",
+          kv_cache=True, chapter="05_quantized"),
+    Stage("cuda", 6, "stages.cuda", "CudaBackend", "quantized",
+          "the whole forward pass on the GPU, nothing allocated per token",
+          kv_cache=True, chapter="06_cuda", gpu=True),
+    Stage("threads", 7, "stages.threads", "ThreadsBackend", "quantized",
+          "all cores: what a second core buys a memory-bound loop",
+          kv_cache=True, chapter="08_beyond", parallel=True),
+    Stage("int8", 8, "stages.int8", "Int8Backend", "threads",
+          "round activations to int8, as llama.cpp does, for integer dot products",
+          kv_cache=True, chapter="08_beyond", parallel=True),
+    Stage("int8-loops", 8, "stages.int8", "Int8LoopsBackend", "threads",
+          "int8 with plain integer loops for LLVM's auto-vectorizer instead of the named instructions",
+          kv_cache=True, chapter="08_beyond", parallel=True, variant_of="int8"),
+)}
+
+STAGES = [s.name for s in sorted(REGISTRY.values(), key=lambda s: s.number) if s.variant_of is None]
+VARIANTS = [s.name for s in REGISTRY.values() if s.variant_of is not None]
+
+
+def stage_table() -> str:
+    """The stages as `make help` lists them."""
+    return "\n".join(f"  {s.number}  {s.name:<10} {s.lesson}" for s in map(REGISTRY.get, STAGES))
+
+
+if __name__ == "__main__":
+    print(stage_table())

@@ -1,0 +1,116 @@
+"""The layer rule, read from the source (an AST walk: nothing is imported, function-local imports
+count as much as module-level ones).
+
+    engine        common/ (GGUF, block formats, tokenizer, graph, op surface, generation, reference)
+    stages        stages/ (the backends and their kernels)
+    application   common/app/ and common/__main__.py (CLI, chat, harness, report, ...)
+    top           scripts/ and notebooks/ (the chapters' sources and their helpers)
+    tests         tests/
+
+A module may import from its own layer and the layers below it, never above; scripts and
+notebooks share a layer but do not import each other. And no import cycle between modules
+(a package importing its own submodules is not one).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+FOLDERS = ("common", "stages", "scripts", "notebooks", "tests")
+RANK = {"engine": 0, "stages": 1, "application": 2, "scripts": 3, "notebooks": 3, "tests": 4}
+
+
+def layer(module: str) -> str:
+    top = module.split(".")[0]
+    if module == "common.__main__" or module == "common.app" or module.startswith("common.app."):
+        return "application"
+    return {"common": "engine", "stages": "stages"}.get(top, top)
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """{dotted name: file} of every .py file under the project's folders."""
+    out = {}
+    for folder in FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            if ".ipynb_checkpoints" in path.parts or "__pycache__" in path.parts:
+                continue
+            name = ".".join(path.relative_to(root).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def imports(module: str, path: Path, known) -> set[str]:
+    """The project modules `module` imports anywhere in its file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+
+    def add(name):
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            found.add(name)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                add(a.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            for a in node.names:                 # a submodule by name, else something of base's
+                add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    return found
+
+
+def graph(root: Path) -> dict[str, set[str]]:
+    known = modules(root)
+    return {m: imports(m, p, known) for m, p in known.items()}
+
+
+def violations(root: Path) -> list[str]:
+    """'a imports b (application above engine)' for every import against the rule."""
+    out = []
+    for module, targets in sorted(graph(root).items()):
+        mine = layer(module)
+        for target in sorted(targets):
+            theirs = layer(target)
+            if RANK[theirs] > RANK[mine] or (RANK[theirs] == RANK[mine] and theirs != mine):
+                out.append(f"{module} imports {target} ({theirs} is not below {mine})")
+    return out
+
+
+def cycles(root: Path) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), packages importing their
+    own submodules excepted."""
+    g = graph(root)
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in g[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return [c for c in found if not all(m == c[0] or m.startswith(c[0] + ".") for m in c)]

@@ -1,0 +1,51 @@
+"""The project's structure holds: imports go down the layers only (engine <- stages <- application
+<- scripts, notebooks), no module import cycle anywhere, and the checks themselves can fail."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests import layers
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_STAGE_DOCSTRING_LINES = 40
+
+
+def test_imports_go_down_the_layers_only():
+    assert layers.violations(ROOT) == []
+
+
+def test_no_import_cycle():
+    assert layers.cycles(ROOT) == []
+
+
+def test_the_checks_catch_a_lower_layer_importing_a_higher_one_and_a_cycle(tmp_path):
+    def write(name, text):
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    write("common/__init__.py", "")
+    write("common/model.py", "def f():\n    from common.app import cli\n")        # engine -> application
+    write("common/app/__init__.py", "")
+    write("common/app/cli.py", "")
+    write("common/app/report.py", "import stages.naive\n")                         # allowed: down
+    write("stages/__init__.py", "")
+    write("stages/naive.py", "from common.model import f\nfrom stages import tiling\n")
+    write("stages/tiling.py", "from . import naive\n")                              # a cycle, relative
+    write("scripts/x.py", "from notebooks import nb\n")                            # sideways
+    write("notebooks/nb/__init__.py", "")
+    assert layers.violations(tmp_path) == [
+        "common.model imports common.app.cli (application is not below engine)",
+        "scripts.x imports notebooks.nb (notebooks is not below scripts)",
+    ]
+    assert layers.cycles(tmp_path) == [["stages.naive", "stages.tiling"]]
+
+
+def test_stage_docstrings_teach_in_a_screenful():
+    """A stage file's docstring says what changes, why, and what limits it; the figures live in
+    the records, so it stays short."""
+    for path in sorted((ROOT / "stages").glob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert len(doc.splitlines()) <= MAX_STAGE_DOCSTRING_LINES, f"{path.name}: {len(doc.splitlines())} lines"
