@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     record = bench_kernels(args.model or ["smollm2", "tinyllama-synthetic"], args.passes,
                            log=lambda m: print(m, file=sys.stderr, flush=True))
+    OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(record, indent=1))
     redraw_pages(OUT.parent)
     print(OUT.with_suffix(".md").read_text())

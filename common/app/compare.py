@@ -113,7 +113,9 @@ def summary(record: dict) -> dict:
         floor = record["decode_floor_ms"].get(str(t))
         if floor:
             s["decode_over_floor"] = s["decode_ms"] / floor
-        s["same_tokens_as_first_row"] = recs[0]["tokens"] == runs[record["rows"][0]["row"]][0]["tokens"]
+        first = runs[record["rows"][0]["row"]][0]["tokens"]
+        n = min(len(first), len(recs[0]["tokens"]))         # rows may generate different counts
+        s["same_tokens_as_first_row"] = recs[0]["tokens"][:n] == first[:n]
         out[row] = s
     return out
 
@@ -167,5 +169,6 @@ def page(record: dict, source: str) -> str:
                        f"({_num(record['bandwidth_gbs'][t])} GB/s)" for t in record["decode_floor_ms"])
     lines += ["", f"Bandwidth floor (the file read once per token at the read bandwidth measured in the same "
                   f"run): {floors}. \"Same greedy tokens\": the row's first round generated the tokens of "
-                  f"{first}'s first round (int8-activation engines may differ at near-ties).", ""]
+                  f"{first}'s first round, as far as both went (int8-activation engines may differ at "
+                  f"near-ties).", ""]
     return "\n".join(lines)
