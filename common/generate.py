@@ -20,6 +20,18 @@ class ContextError(ValueError):
     """The prompt plus the tokens asked for do not fit in the context window."""
 
 
+class ParameterError(ValueError):
+    """A generation parameter outside its range, or an empty prompt: the message names the
+    parameter, the value given and what is allowed. The CLI and the server both raise it."""
+
+
+def check_n_predict(n_predict) -> int:
+    """The number of tokens to generate: an integer >= 1."""
+    if isinstance(n_predict, bool) or not isinstance(n_predict, (int, np.integer)) or n_predict < 1:
+        raise ParameterError(f"n_predict (-n, max_tokens) = {n_predict!r}: must be an integer >= 1")
+    return int(n_predict)
+
+
 def check_fits(n_prompt: int, n_predict: int, n_ctx: int, n_ctx_train: int):
     """Raise ContextError, before any work is done, if the tokens cannot fit the context."""
     need = n_prompt + n_predict
@@ -33,7 +45,8 @@ def check_fits(n_prompt: int, n_predict: int, n_ctx: int, n_ctx_train: int):
 @dataclass
 class SamplingParams:
     """llama.cpp's sampler chain: penalties -> top_k -> top_p -> min_p -> temperature -> draw.
-    temp <= 0 means greedy (argmax), the default here so every stage prints the same text."""
+    temp = 0 means greedy (argmax), the default here so every stage prints the same text. Values
+    out of range raise ParameterError: the one validation the CLI and the server share."""
     temp: float = 0.0
     top_k: int = 40
     top_p: float = 0.95
@@ -42,9 +55,30 @@ class SamplingParams:
     repeat_last_n: int = 64
     seed: int | None = None
 
+    def __post_init__(self):
+        def number(x):
+            return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) \
+                and np.isfinite(x)
+
+        def integer(x):
+            return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+        rules = (("temp", number(self.temp) and self.temp >= 0, "a number >= 0 (0: greedy)"),
+                 ("top_k", integer(self.top_k) and self.top_k >= 0, "an integer >= 0 (0: off)"),
+                 ("top_p", number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1] (1: off)"),
+                 ("min_p", number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1] (0: off)"),
+                 ("repeat_penalty", number(self.repeat_penalty) and self.repeat_penalty > 0,
+                  "a number > 0 (1: off)"),
+                 ("repeat_last_n", integer(self.repeat_last_n) and self.repeat_last_n >= -1,
+                  "an integer >= -1 (0: off, -1: the whole text)"),
+                 ("seed", self.seed is None or (integer(self.seed) and self.seed >= 0), "an integer >= 0"))
+        for name, ok, allowed in rules:
+            if not ok:
+                raise ParameterError(f"{name} = {getattr(self, name)!r}: must be {allowed}")
+
     @property
     def greedy(self) -> bool:
-        return self.temp <= 0
+        return self.temp == 0
 
     @property
     def penalized(self) -> bool:
@@ -147,7 +181,8 @@ class Session:
         sampler = sampler or Sampler()
         new_tokens = list(new_tokens)
         if not new_tokens and not self.tokens:
-            raise ValueError("nothing to generate from: the prompt is empty")
+            raise ParameterError("the prompt is empty (no tokens): give at least one token to continue from")
+        n_predict = check_n_predict(n_predict)
         check_fits(len(self.tokens) + len(new_tokens), n_predict, self.engine.n_ctx,
                    self.engine.config.n_ctx_train)
         gen = Generation(prompt_tokens=list(self.tokens) + new_tokens)

@@ -67,12 +67,25 @@ class LlamaConfig:
                 if len(values) != 1:
                     raise GGUFError(f"'{full}' varies per layer ({sorted(values)}); not supported")
                 value = values.pop()
-            return kind(value)
+            try:
+                return kind(value)
+            except (TypeError, ValueError):
+                raise GGUFError(f"'{full}' is {value!r}: not a {kind.__name__}") from None
 
-        n_embd = key("embedding_length")
-        n_head = key("attention.head_count")
-        n_head_kv = key("attention.head_count_kv", n_head)
-        head_dim = key("attention.key_length", n_embd // n_head)
+        def positive(name, value):
+            if value <= 0:
+                raise GGUFError(f"'{arch}.{name}' is {value}: it must be positive")
+            return value
+
+        n_embd = positive("embedding_length", key("embedding_length"))
+        n_head = positive("attention.head_count", key("attention.head_count"))
+        n_head_kv = positive("attention.head_count_kv", key("attention.head_count_kv", n_head))
+        if f"{arch}.attention.key_length" not in g.metadata and n_embd % n_head:
+            raise GGUFError(f"embedding_length {n_embd} is not a multiple of head_count {n_head} "
+                            f"(and no attention.key_length gives the head dimension)")
+        head_dim = positive("attention.key_length", key("attention.key_length", n_embd // n_head))
+        if head_dim % 2:
+            raise GGUFError(f"head dimension {head_dim} is odd: RoPE rotates pairs of values")
         if key("attention.value_length", head_dim) != head_dim:
             raise GGUFError("attention.value_length differs from key_length; not supported")
         n_rot = key("rope.dimension_count", head_dim)
@@ -88,13 +101,17 @@ class LlamaConfig:
         n_vocab = key("vocab_size", len(tokens) if tokens is not None else 0)
         if n_vocab == 0:
             n_vocab = g.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in g.tensors else 0
+        eps = key("attention.layer_norm_rms_epsilon", kind=float)
+        if not (eps > 0 and np.isfinite(eps)):
+            raise GGUFError(f"'{arch}.attention.layer_norm_rms_epsilon' is {eps}: it must be a positive number")
         return cls(
-            n_layer=key("block_count"), n_embd=n_embd, n_ff=key("feed_forward_length"),
+            n_layer=positive("block_count", key("block_count")), n_embd=n_embd,
+            n_ff=positive("feed_forward_length", key("feed_forward_length")),
             n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_rot=n_rot,
-            rope_base=key("rope.freq_base", 10000.0, float),
+            rope_base=positive("rope.freq_base", key("rope.freq_base", 10000.0, float)),
             rope_freq_scale=1.0 / factor if factor and scaling == "linear" else 1.0,
-            eps=key("attention.layer_norm_rms_epsilon", kind=float),
-            n_ctx_train=key("context_length"), n_vocab=n_vocab,
+            eps=eps, n_ctx_train=positive("context_length", key("context_length")),
+            n_vocab=positive("vocab_size", n_vocab),
         )
 
 
@@ -252,6 +269,14 @@ class LlamaModel:
         if tokens.min() < 0 or tokens.max() >= cfg.n_vocab:
             raise ValueError(f"token ids must be in 0..{cfg.n_vocab - 1}")
         cos, sin = self.rope_cos, self.rope_sin
+        run_layers = getattr(b, "forward_layers", None)
+        if run_layers is not None:
+            # a backend that compiles the whole stack into one call (the fused stage) takes
+            # over here: the same graph, without Python between the ops
+            h = run_layers(self, tokens, start_pos)                           # [M, D]
+            if not all_rows:
+                h = b.last_row(h)
+            return b.rms_norm(h, self.output_norm, cfg.eps)
 
         h = b.embed(self.token_embd, tokens)                                  # [M, D]
         for il, L in enumerate(self.layers):

@@ -15,8 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
-CHAPTERS = ["00_gguf_and_tokens", "01_naive", "02_tiling", "03_simd", "04_kv_cache", "05_quantized",
-            "06_cuda", "07_journey", "08_beyond"]
+CHAPTERS = sorted(p.stem for p in (NOTEBOOK_DIR / "src").glob("[0-9][0-9]_*.py"))
 CELL_TIMEOUT_S = 300          # one cell; a cold numba cache is the slowest case
 
 nbformat = pytest.importorskip("nbformat", reason="nbformat is in requirements-test.txt")
@@ -30,7 +29,7 @@ def _build_module():
 
 
 def test_every_chapter_has_a_source_and_a_notebook():
-    assert sorted(p.stem for p in (NOTEBOOK_DIR / "src").glob("[0-9][0-9]_*.py")) == CHAPTERS
+    assert len(CHAPTERS) >= 9 and CHAPTERS[0] == "00_gguf_and_tokens"
     assert sorted(p.stem for p in NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb")) == CHAPTERS
 
 

@@ -118,3 +118,12 @@ def test_cited_figures_match_their_records():
             digits = len(number.split(".")[1]) if "." in number else 0
             assert float(number.replace(",", "")) == round(float(_value(record, key)), digits), \
                 f"{where}: {number} but {record.name} {key} = {_value(record, key)}"
+
+
+def test_the_code_hash_follows_the_code_not_the_prose():
+    from common.app.provenance import code_only
+    code = '"""A module."""\nX = 1  # why\n\n\ndef f(a):\n    """Doc."""\n    return a + X\n'
+    prose = '"""Another text."""\nX = 1\n\ndef f(a):\n    """Other doc."""\n    # a comment\n    return a + X\n'
+    assert code_only(code) == code_only(prose)
+    assert code_only(code) != code_only(code.replace("a + X", "a - X"))
+    assert code_only(code) != code_only(code.replace('"""Doc."""\n    ', 's = "Doc."\n    '))

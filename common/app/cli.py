@@ -7,13 +7,13 @@ import sys
 
 from common.app import baseline, inspect_gguf, report, run
 from common.app.models import MODELS, FetchError, fetch, resolve
-from common.generate import ContextError
+from common.generate import ContextError, ParameterError
 from common.gguf import GGUFError
 from common.tokenizer import TokenizerError
 from stages import StageError
 
 # Exceptions that mean bad input (a sentence for the user), not a bug (a traceback).
-USER_ERRORS = (GGUFError, FetchError, StageError, ContextError, TokenizerError)
+USER_ERRORS = (GGUFError, FetchError, StageError, ContextError, ParameterError, TokenizerError)
 
 
 def _cmd_inspect(args):

@@ -3,8 +3,9 @@
     commit      the git commit checked out (None outside a git checkout)
     dirty       whether the measured code (stages/, common/) had uncommitted changes
     code_hash   sha256 of the measured code itself: every .py and .cu file of stages/ and of the
-                engine (common/ without common/app/), by path and content. Two records with the
-                same hash measured the same kernels and graph, whatever the commit says.
+                engine (common/ without common/app/), by path and content, Python files without
+                their comments and docstrings (prose does not change what runs). Two records with
+                the same hash measured the same kernels and graph, whatever the commit says.
 
 `make report` compares the records it draws with the code checked out now and says when they
 were measured with other code.
@@ -12,8 +13,11 @@ were measured with other code.
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import io
 import subprocess
+import tokenize
 from functools import lru_cache
 from pathlib import Path
 
@@ -32,12 +36,30 @@ def measured_files(root: Path = ROOT) -> list[Path]:
     return files
 
 
+def code_only(source: str) -> str:
+    """A Python file's tokens without comments and docstrings, one per line: what runs."""
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                docstrings.add((first.lineno, first.col_offset))
+    keep = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type in (tokenize.COMMENT, tokenize.NL) or (tok.type == tokenize.STRING and tok.start in docstrings):
+            continue
+        keep.append(f"{tok.type} {tok.string}")
+    return "\n".join(keep)
+
+
 def code_hash(root: Path = ROOT) -> str:
-    """16 hex digits of sha256 over the measured files' paths and contents."""
+    """16 hex digits of sha256 over the measured files' paths and code."""
     h = hashlib.sha256()
     for path in measured_files(root):
         h.update(path.relative_to(root).as_posix().encode() + b"\0")
-        h.update(path.read_bytes() + b"\0")
+        text = path.read_text(encoding="utf-8")
+        h.update((code_only(text) if path.suffix == ".py" else text).encode() + b"\0")
     return h.hexdigest()[:16]
 
 

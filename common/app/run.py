@@ -11,7 +11,7 @@ from common.app import bench
 from common.app.chat import chat_loop
 from common.app.models import DEFAULT_MODEL, resolve
 from common.app.profile import format_table
-from common.generate import Sampler, SamplingParams, Session, check_fits
+from common.generate import ParameterError, Sampler, SamplingParams, Session, check_fits, check_n_predict
 from common.gguf import GGUFFile
 from common.model import LlamaConfig, context_size
 from common.tokenizer import Tokenizer
@@ -102,19 +102,22 @@ def check_prompt_fits(args, stage: str) -> tuple[list, int]:
     with GGUFFile(resolve(args.model)) as g:
         cfg = LlamaConfig.from_gguf(g)
         prompt = Tokenizer.from_gguf(g).encode(args.prompt)
-    n_predict = args.n_predict if args.n_predict is not None else info(stage).tokens.run
+    if not prompt:
+        raise ParameterError("the prompt is empty (no tokens): give -p some text")
+    n_predict = check_n_predict(args.n_predict if args.n_predict is not None else info(stage).tokens.run)
     check_fits(len(prompt), n_predict, context_size(cfg, args.ctx_size), cfg.n_ctx_train)
     return prompt, n_predict
 
 
 def cmd_run(args):
     stage = chosen_stage(args.stage)
+    params = sampling_params(args)              # bad values refused before anything loads
     if not args.chat:
         prompt, n_predict = check_prompt_fits(args, stage)
     engine = load(stage, resolve(args.model), n_ctx=args.ctx_size, threads=args.threads, progress=True)
     tok = engine.tokenizer
     if args.chat:
-        return chat_loop(engine, stage, args, sampling_params(args))
+        return chat_loop(engine, stage, args, params)
     session = Session(engine)
     jit_s = engine.warmup()
     stream = tok.stream_decoder()
@@ -129,7 +132,7 @@ def cmd_run(args):
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
     profiler = bench.start_profile(engine) if args.profile else None
-    gen = session.generate(prompt, n_predict, Sampler(sampling_params(args)), stop_ids=tok.eog_ids,
+    gen = session.generate(prompt, n_predict, Sampler(params), stop_ids=tok.eog_ids,
                            on_token=on_token)
     if echo:
         sys.stdout.write(stream.flush() + "\n")
