@@ -11,11 +11,12 @@ What it cannot fix: the inner loop is still one long chain of dependent float ad
 waits a floating-point add's latency for each one. Tiling buys what the cache can give; the
 next stage attacks the chain.
 
-Tile sizes were chosen by measurement, not by formula: scripts/tune_tiling.py sweeps them on
-the model's own matrix shapes and records profiles/bench/tiling_sweep.json (the sizes ranked,
-each against the naive loop). The top of the ranking is flat and its order moves with noise on
-a shared machine; 8 x 64 x 64 is the size the reasoning above predicts: a 16 KiB B tile plus 8
-rows of A's 64-wide slice fit in a 32-48 KiB L1 together.
+The tile sizes are the ones the reasoning above predicts, 8 x 64 x 64: a 16 KiB B tile plus
+8 rows of A's 64-wide slice fit in L1 together. Whether they are the best on your CPU is a
+measurement, not a formula: scripts/tune_tiling.py sweeps 64 sizes on the model's own matrix
+shapes and records the ranking, with the machine it ran on, in profiles/bench/tiling_sweep.json.
+Rankings differ between CPUs (cache sizes and hardware prefetchers move them), which is why the
+stage keeps the reasoned size instead of one machine's winner.
 """
 
 from __future__ import annotations
