@@ -20,7 +20,7 @@ name   ?= smollm2
 args   ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup model vocab test test-all run bench report baseline llama-cpp notebooks setup-cuda clean
+.PHONY: help setup model vocab test test-all run bench report lessons baseline llama-cpp notebooks setup-cuda clean
 
 help:  ## list the targets and the stages
 	@echo "usage: make TARGET [stage=NAME prompt=TEXT n=N model=PATH name=MODEL]"
@@ -51,11 +51,11 @@ vocab: $(VOCAB_STAMP)  ## fetch llama.cpp's vocab-only GGUF files (tokenizer tes
 
 test: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## lint, then the test suite (fast tests; GPU tests skip, saying why)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests $(args)
+	$(PY) -m pytest -q -rfEsx tests $(args)
 
 test-all: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## the test suite including the slow tests
 	$(VENV)/bin/ruff check .
-	LLM_SLOW_TESTS=1 $(PY) -m pytest -q tests $(args)
+	LLM_SLOW_TESTS=1 $(PY) -m pytest -q -rfEsx tests $(args)
 
 run: $(STAMP) $(MODEL_FILE)  ## run one stage: make stage=tiling run [prompt=... n=... model=...]
 	$(PY) -m common run --stage $(stage) -m $(model) -p "$(prompt)" $(if $(n),-n $(n)) $(args)
@@ -63,7 +63,7 @@ run: $(STAMP) $(MODEL_FILE)  ## run one stage: make stage=tiling run [prompt=...
 bench: $(STAMP) $(MODEL_FILE)  ## measure one stage into profiles/: make stage=simd bench
 	$(PY) -m common bench --stage $(stage) -m $(model) $(args)
 
-report: $(STAMP) $(MODEL_FILE)  ## re-measure every stage, redraw profiles/ (charts, pages) and the README tables
+report: $(STAMP) $(MODEL_FILE)  ## re-measure every stage, redraw profiles/ (charts, pages, lessons) and the README tables
 	$(PY) -m common report -m $(model) $(args)
 
 # llama.cpp is compiled for this CPU (GGML_NATIVE) but without AMX tiles: some virtual machines
@@ -78,6 +78,9 @@ llama-cpp: $(STAMP)  ## install llama-cpp-python, the oracle and baseline (optio
 	@$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(PY) -m pip install --no-cache-dir -r requirements-llama.txt
 
+lessons: $(STAMP)  ## the article's claims beside this machine's records (profiles/lessons.md)
+	$(PY) -m common lessons $(args)
+
 baseline: llama-cpp $(MODEL_FILE)  ## install llama-cpp-python if needed and record llama.cpp's row
 	$(PY) -m common baseline -m $(model) $(args)
 
@@ -90,3 +93,12 @@ setup-cuda: $(STAMP)  ## build and install PyCUDA for the cuda stage (needs an N
 clean:  ## remove the numba cache and Python caches (keeps .venv and models/)
 	rm -rf .numba_cache .pytest_cache
 	find . -name __pycache__ -prune -exec rm -rf {} +
+
+# ---- many users at once: the OpenAI-compatible server and its load test -------------------------
+.PHONY: serve loadtest
+
+serve: $(STAMP) $(MODEL_FILE)  ## OpenAI-compatible HTTP server, continuous batching: make serve [stage=... args="--port 8080"]
+	$(PY) -m common serve --stage $(stage) -m $(model) $(args)
+
+loadtest: $(STAMP) $(MODEL_FILE)  ## 1..32 concurrent clients against the server: profiles/batching.png [args="--llama-server auto"]
+	$(PY) scripts/loadtest.py --stage $(stage) -m $(model) $(args)

@@ -6,6 +6,9 @@ overrides only what its optimization changes, and inherits the rest from the sta
     primitives   matmul add mul rms_norm silu rope scale dot softmax argmax   (the article's ten)
                  embed                                                       (row lookup)
     composites   attention swiglu                    default compositions of the primitives below
+    batches      rope_at attention_paged store_kv    many sequences in one step (common/batch.py):
+                 row_block                           RoPE at per-row positions, attention through
+                                                     each sequence's pages
     weights      prepare_matrix prepare_embedding prepare_vector   how a stage holds its weights
                  prepare_table                                     constant tables (RoPE)
     memory       new_kv_cache                                      None: no KV cache
@@ -137,6 +140,42 @@ class Backend:
             scores = self.scale(self.dot(q_h, k_h), 1.0 / np.sqrt(hd))
             p = self.softmax(scores, causal_offset=start_pos)
             out[:, h * hd:(h + 1) * hd] = self.dot(p, v_h.T)
+        return out
+
+    # ---- many sequences in one step (common/batch.py, common/paged_kv.py) ----------------
+    # The CPU stages' multi-row matmul (simd's 4 x 4 register block, which quantized, threads
+    # and int8 reuse for prompt rows) takes rows four at a time and the rows left over one at a
+    # time, and the two paths sum a row's products in different orders. A batch padded to a
+    # multiple of row_block sends every row down the four-row path, so a row's result is the
+    # same whatever else is in the batch: a sequence's tokens never depend on its neighbours.
+    row_block = 4
+
+    def rope_at(self, x, cos, sin, positions, n_heads: int):
+        """rope for rows at arbitrary positions: x [M, n_heads*hd], positions int [M]. The
+        stage's own rope over the tables' rows gathered at those positions, so the arithmetic
+        is the stage's."""
+        return self.rope(x, cos[positions], sin[positions], 0, n_heads)
+
+    def store_kv(self, pool, layer: int, slots, k, v):
+        """Write rows k, v [n, kv_dim] into the pool's flat slots [n] (page * page_size + offset)."""
+        pool.k[layer].reshape(-1, pool.kv_dim)[slots] = k
+        pool.v[layer].reshape(-1, pool.kv_dim)[slots] = v
+
+    def attention_paged(self, q, k, v, n_head: int, n_head_kv: int, layer: int, batch):
+        """Store the batch's new rows k, v [M, Hkv*hd] in their pages, then causal attention of
+        every row over its own sequence's positions -> [M, H*hd] (padding rows: 0).
+
+        Composed from the single-sequence op: each sequence's K/V gathered through its page
+        table into contiguous arrays (a copy per sequence and layer), then `attention`, so a
+        stage's numbers are its own. A stage with a fused kernel reads the pages in place."""
+        n = batch.n_rows
+        self.store_kv(batch.pool, layer, batch.slots[:n], k[:n], v[:n])
+        out = np.zeros_like(q)
+        r = 0
+        for i, m in enumerate(batch.seq_rows.tolist()):
+            kk, vv = batch.seq_kv(layer, i)
+            out[r:r + m] = self.attention(q[r:r + m], kk, vv, n_head, n_head_kv, int(batch.seq_start[i]))
+            r += m
         return out
 
     # ---- bookkeeping --------------------------------------------------------------------

@@ -25,11 +25,26 @@ class ParameterError(ValueError):
     parameter, the value given and what is allowed. The CLI and the server both raise it."""
 
 
+def check_count(name: str, value, minimum: int = 1, note: str = "") -> int:
+    """value as an int >= minimum (a bool is not a count), or ParameterError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ParameterError(f"{name} = {value!r}: must be an integer >= {minimum}{note}")
+    return int(value)
+
+
 def check_n_predict(n_predict) -> int:
     """The number of tokens to generate: an integer >= 1."""
-    if isinstance(n_predict, bool) or not isinstance(n_predict, (int, np.integer)) or n_predict < 1:
-        raise ParameterError(f"n_predict (-n, max_tokens) = {n_predict!r}: must be an integer >= 1")
-    return int(n_predict)
+    return check_count("n_predict (-n, max_tokens)", n_predict)
+
+
+def check_threads(threads) -> int | None:
+    """Threads for the stages that use several: None (their default) or an integer >= 1."""
+    return None if threads is None else check_count("threads (-t)", threads, note=" (default: the physical cores)")
+
+
+def check_ctx_size(n_ctx) -> int | None:
+    """The context window in tokens: None (the model's, at most 2048) or an integer >= 1."""
+    return None if n_ctx is None else check_count("ctx_size (-c)", n_ctx, note=" (default: the model's, at most 2048)")
 
 
 def check_fits(n_prompt: int, n_predict: int, n_ctx: int, n_ctx_train: int):

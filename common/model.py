@@ -12,6 +12,10 @@ weights are held and how every op runs. What this file knows is the model:
         x = rms_norm(h) * ffn_norm
         h = h + (silu(x Wgate^T) * (x Wup^T)) Wdown^T
     logits = (rms_norm(h) * output_norm) Wout^T                [M, n_vocab]
+
+One sequence: `forward(tokens, start_pos)`, rows at positions start_pos.., K and V in the
+stage's cache. Many: `forward_batch(batch)` (common/batch.py), the same layers over the rows of
+several sequences, each at its own position, K and V in the pages of a shared pool.
 """
 
 from __future__ import annotations
@@ -77,6 +81,11 @@ class LlamaConfig:
                 raise GGUFError(f"'{arch}.{name}' is {value}: it must be positive")
             return value
 
+        def positive_number(name, value):
+            if not (value > 0 and np.isfinite(value)):
+                raise GGUFError(f"'{arch}.{name}' is {value}: it must be a positive number")
+            return value
+
         n_embd = positive("embedding_length", key("embedding_length"))
         n_head = positive("attention.head_count", key("attention.head_count"))
         n_head_kv = positive("attention.head_count_kv", key("attention.head_count_kv", n_head))
@@ -96,7 +105,10 @@ class LlamaConfig:
         scaling = g.metadata.get(f"{arch}.rope.scaling.type", "linear")
         if scaling not in ("none", "linear"):
             raise GGUFError(f"rope scaling '{scaling}' is not supported (none and linear are)")
-        factor = key("rope.scaling.factor", 0.0, float) or key("rope.scale_linear", 0.0, float)
+        scale_key = "rope.scaling.factor" if f"{arch}.rope.scaling.factor" in g.metadata else "rope.scale_linear"
+        factor = key(scale_key, 0.0, float)
+        if factor:
+            positive_number(scale_key, factor)
         tokens = g.metadata.get("tokenizer.ggml.tokens")
         n_vocab = key("vocab_size", len(tokens) if tokens is not None else 0)
         if n_vocab == 0:
@@ -108,7 +120,7 @@ class LlamaConfig:
             n_layer=positive("block_count", key("block_count")), n_embd=n_embd,
             n_ff=positive("feed_forward_length", key("feed_forward_length")),
             n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_rot=n_rot,
-            rope_base=positive("rope.freq_base", key("rope.freq_base", 10000.0, float)),
+            rope_base=positive_number("rope.freq_base", key("rope.freq_base", 10000.0, float)),
             rope_freq_scale=1.0 / factor if factor and scaling == "linear" else 1.0,
             eps=eps, n_ctx_train=positive("context_length", key("context_length")),
             n_vocab=positive("vocab_size", n_vocab),
@@ -278,22 +290,68 @@ class LlamaModel:
                 h = b.last_row(h)
             return b.rms_norm(h, self.output_norm, cfg.eps)
 
-        h = b.embed(self.token_embd, tokens)                                  # [M, D]
-        for il, L in enumerate(self.layers):
-            x = b.rms_norm(h, L.attn_norm, cfg.eps)
-            q = b.rope(b.matmul(x, L.wq), cos, sin, start_pos, cfg.n_head)   # [M, H*hd]
-            k = b.rope(b.matmul(x, L.wk), cos, sin, start_pos, cfg.n_head_kv)  # [M, Hkv*hd]
-            v = b.matmul(x, L.wv)                                            # [M, Hkv*hd]
+        def rope(x, n_heads):                          # rows at positions start_pos..
+            return b.rope(x, cos, sin, start_pos, n_heads)
+
+        def attend(il, q, k, v):
             if self.kv is not None:
                 k, v = self.kv.store(il, start_pos, k, v)                    # [start_pos+M, Hkv*hd]
-            a = b.attention(q, k, v, cfg.n_head, cfg.n_head_kv, start_pos)   # [M, H*hd]
+            return b.attention(q, k, v, cfg.n_head, cfg.n_head_kv, start_pos)
+
+        h = self.layer_stack(b.embed(self.token_embd, tokens), rope, attend)  # [M, D]
+        if not all_rows:
+            h = b.last_row(h)
+        return b.rms_norm(h, self.output_norm, cfg.eps)
+
+    def layer_stack(self, h, rope, attend):
+        """The layers, written once for one sequence (hidden) and for a batch of them
+        (forward_batch): h [M, D] -> [M, D]. rope(x, n_heads) rotates every row at its own
+        position; attend(layer, q, k, v) stores the rows' K and V and returns their attention
+        over everything their sequence has stored."""
+        cfg, b = self.config, self.backend
+        for il, L in enumerate(self.layers):
+            x = b.rms_norm(h, L.attn_norm, cfg.eps)
+            q = rope(b.matmul(x, L.wq), cfg.n_head)                          # [M, H*hd]
+            k = rope(b.matmul(x, L.wk), cfg.n_head_kv)                       # [M, Hkv*hd]
+            v = b.matmul(x, L.wv)                                            # [M, Hkv*hd]
+            a = attend(il, q, k, v)                                          # [M, H*hd]
             h = b.add(h, b.matmul(a, L.wo))
             x = b.rms_norm(h, L.ffn_norm, cfg.eps)
             f = b.swiglu(b.matmul(x, L.w_gate), b.matmul(x, L.w_up))         # [M, n_ff]
             h = b.add(h, b.matmul(f, L.w_down))
-        if not all_rows:
-            h = b.last_row(h)
-        return b.rms_norm(h, self.output_norm, cfg.eps)
+        return h
+
+    def forward_batch(self, batch) -> np.ndarray:
+        """One step for many sequences (common/batch.py): every row at its own position, each
+        attending over its own sequence's pages of the pool. Returns float32 logits
+        [len(batch.logit_rows), n_vocab], the rows that asked for them, in segment order.
+
+        The rows arrive padded to the backend's row_block, and the rows whose logits are wanted
+        are padded again before the output matrix, so every matmul takes every row down the
+        same path: a row's numbers do not depend on the other rows (common/backend.py)."""
+        cfg, b = self.config, self.backend
+        if batch.pool.n_layer != cfg.n_layer or batch.pool.kv_dim != cfg.kv_dim:
+            raise ValueError("the page pool was made for another model")
+        if int(batch.seq_len.max()) > self.n_ctx:
+            raise ValueError(f"a sequence would exceed the context of {self.n_ctx}")
+        if batch.tokens.min() < 0 or batch.tokens.max() >= cfg.n_vocab:
+            raise ValueError(f"token ids must be in 0..{cfg.n_vocab - 1}")
+        cos, sin, positions = self.rope_cos, self.rope_sin, batch.positions
+
+        def rope(x, n_heads):
+            return b.rope_at(x, cos, sin, positions, n_heads)
+
+        def attend(il, q, k, v):
+            return b.attention_paged(q, k, v, cfg.n_head, cfg.n_head_kv, il, batch)
+
+        h = self.layer_stack(b.embed(self.token_embd, batch.tokens), rope, attend)     # [M, D]
+        n = len(batch.logit_rows)
+        if n == 0:
+            return np.zeros((0, cfg.n_vocab), dtype=np.float32)
+        rows = np.zeros(-(-n // batch.row_block) * batch.row_block, dtype=np.int64)
+        rows[:n] = batch.logit_rows
+        h = b.rms_norm(h[rows], self.output_norm, cfg.eps)                  # padded with copies of row 0
+        return b.to_host(b.matmul(h, self.output))[:n]
 
     def pieces(self, tokens, start_pos: int = 0):
         """[(tokens, start_pos)]: a backend with a `max_batch` (cuda: scratch memory sized for

@@ -4,7 +4,10 @@
 #   2. run the GPU tests (pytest -m gpu tests/test_cuda.py)
 #   3. benchmark and profile the stage on synthetic TinyLlama (made here from
 #      models/vocab/ggml-vocab-llama-spm.gguf) and on the default model when it is here
-#   4. if time is left, run the kernel tests under compute-sanitizer (memcheck, racecheck)
+#   4. if time is left, run the kernel tests under compute-sanitizer: memcheck (out-of-bounds and
+#      misaligned accesses), racecheck (shared-memory hazards), initcheck (reads of device memory
+#      nothing wrote) and synccheck (barriers some threads of a block or warp never reach); the CPU
+#      emulator checks the same on every machine (tests/test_emulator.py), this on the real GPU
 # and write JSON under profiles/results/<machine>/ (bench records, cuda_profile.json, and
 # gpu_check.json, the summary); with $OUT set, also summary + everything as a tarball into $OUT.
 #
@@ -94,6 +97,16 @@ if [ $READY = 1 ]; then
         run_step "profile_$tag" 180 $PY scripts/cuda_profile.py -m "$model"
     done
 
+    step "the article's two mistakes, reproduced (stages/cuda.py switches)"
+    if [ -f "$SYNTH_MODEL" ] && [ "$(elapsed)" -le "$BUDGET" ]; then
+        run_step mistake_alloc_per_op 180 env LLM_CUDA_ALLOC_PER_OP=1 $PY -m common bench --stage cuda \
+            -m "$SYNTH_MODEL" --out "$RESULTS/article-mistakes/alloc-per-op"
+        run_step mistake_host_embedding 180 env LLM_CUDA_HOST_EMBEDDING=1 $PY -m common bench --stage cuda \
+            -m "$SYNTH_MODEL" --out "$RESULTS/article-mistakes/host-embedding"
+    else
+        note article_mistakes skipped 0 "no synthetic model or out of time"
+    fi
+
     step "compute-sanitizer"
     if ! command -v compute-sanitizer >/dev/null; then
         note sanitizer skipped 0 "compute-sanitizer not on PATH"
@@ -103,9 +116,17 @@ if [ $READY = 1 ]; then
         KERNEL_TESTS="gpu and (matmul_every_type or embed_every_type or rms_norm or rope or attention or argmax or kv_store or tiny_model_logits)"
         run_step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
             $PY -m pytest -q -m gpu tests/test_cuda.py -p no:cacheprovider -k "$KERNEL_TESTS"
-        if [ "$(elapsed)" -le "$BUDGET" ]; then
-            run_step racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 9 \
-                $PY -m pytest -q -m gpu tests/test_cuda.py -p no:cacheprovider -k "gpu and (rms_norm or attention or argmax)"
+        BARRIER_TESTS="gpu and (rms_norm or attention or argmax or matmul_every_type)"
+        for tool in racecheck synccheck; do
+            if [ "$(elapsed)" -gt "$BUDGET" ]; then note "$tool" skipped 0 "out of time"; continue; fi
+            run_step "$tool" 120 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+                $PY -m pytest -q -m gpu tests/test_cuda.py -p no:cacheprovider -k "$BARRIER_TESTS"
+        done
+        if [ "$(elapsed)" -gt "$BUDGET" ]; then
+            note initcheck skipped 0 "out of time"
+        else
+            run_step initcheck 150 compute-sanitizer --tool initcheck --error-exitcode 9 \
+                $PY -m pytest -q -m gpu tests/test_cuda.py -p no:cacheprovider -k "$KERNEL_TESTS"
         fi
     fi
 fi

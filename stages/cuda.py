@@ -8,16 +8,17 @@ remains on the CPU is Python launching kernels, 16 per layer per token, each cos
 microseconds, against weights a modern GPU reads in tens of microseconds for SmolLM2: the
 kernel table (`--profile`) shows which wins.
 
-The article's GPU chapter made two mistakes, both of which cost time to first token, and this
-stage repeats neither:
+The article's GPU chapter made two mistakes, both of which cost time to first token; this stage
+repeats neither, and brings each back behind a switch (off by default) that measures its cost:
 
 1. A cudaMalloc and a cudaFree around every op (the article's profile: cudaFree was 95.9% of
    all CUDA API time). Here device memory is allocated only while the model loads: each weight
-   once, the KV cache, and one scratch arena from which a bump allocator hands out every
-   intermediate, starting again at the top of each forward pass. `device_allocs` counts every
-   allocation; the tests check that it does not move while tokens are generated.
+   once, the KV cache, and one scratch arena, handed out again by a bump allocator in every
+   forward pass (`device_allocs` stays still while generating). Switch: alloc_per_op=True
+   (LLM_CUDA_ALLOC_PER_OP=1), a device allocation per op, freed when its result is dropped.
 2. The embedding lookup on the host. Here it runs on the device (dequantizing the row there):
-   the only host-to-device copy of a token is its id.
+   the only host-to-device copy of a token is its id. Switch: host_embedding=True
+   (LLM_CUDA_HOST_EMBEDDING=1): rows dequantized on the host, n_embd floats over the bus each.
 
 The article copied the logits back to pick the token on the host, a sound design (128 KB per
 token for TinyLlama); this stage goes one step further: a one-block argmax kernel reduces them
@@ -32,11 +33,11 @@ the KV store, silu(gate)*up in one pass, add, argmax. No --use_fast_math: the ke
 memory, not arithmetic, so approximate exp would cost agreement with the CPU stages for nothing.
 
 CudaBackend inherits from common.backend.Backend, not from the quantized stage: it overrides
-every op the graph calls, and an op it forgot must fail loudly instead of handing device
-pointers to a numba kernel. Arrays in the graph are DeviceArray handles; one from the arena
-is valid until the next forward pass, and using it later raises instead of reading garbage.
-Prompts longer than `max_batch` rows (64; LLM_CUDA_MAX_BATCH) are fed in pieces by LlamaModel.
-Per-kernel times come from CUDA events (`--profile`, LLM_CUDA_PROFILE=1, scripts/cuda_profile.py).
+every op the graph calls, and an op it forgot must fail loudly instead of handing device pointers
+to a numba kernel. Arrays in the graph are DeviceArray handles; one from the arena is valid until
+the next forward pass, and using it later raises instead of reading garbage.
+Prompts longer than `max_batch` rows (64; LLM_CUDA_MAX_BATCH) are fed in pieces by LlamaModel;
+per-kernel times come from CUDA events (`--profile`, LLM_CUDA_PROFILE=1, scripts/cuda_profile.py).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import numpy as np
 
 from common.backend import Backend
 from common.gguf import BLOCK_SIZES, GGMLType
-from common.quants import UnsupportedTypeError, dequantize_tensor
+from common.quants import UnsupportedTypeError, dequantize_rows, dequantize_tensor
 from stages.kernels.cuda_runtime import PyCudaDevice, probe_once
 
 KERNEL_SOURCE = Path(__file__).parent / "kernels" / "cuda.cu"
@@ -157,13 +158,14 @@ def arena_bytes(out_dims, max_width: int, n_matrices: int, max_batch: int) -> in
 
 class DeviceArray:
     """A float32 array in device memory: an address and a shape. gen is the arena generation
-    it was allocated in (None: memory that lives as long as the backend: weights, tables, KV)."""
+    it was allocated in (None: memory that lives as long as the backend: weights, tables, KV,
+    or as long as `owner`, an allocation of its own: the alloc_per_op switch)."""
 
-    __slots__ = ("ptr", "shape", "gen")
+    __slots__ = ("ptr", "shape", "gen", "owner")
     dtype = np.dtype(np.float32)
 
-    def __init__(self, ptr: int, shape, gen=None):
-        self.ptr, self.shape, self.gen = int(ptr), tuple(int(s) for s in shape), gen
+    def __init__(self, ptr: int, shape, gen=None, owner=None):
+        self.ptr, self.shape, self.gen, self.owner = int(ptr), tuple(int(s) for s in shape), gen, owner
 
     @property
     def size(self) -> int:
@@ -197,6 +199,31 @@ class DeviceMatrix:
 
     def __repr__(self):
         return f"DeviceMatrix({self.name!r}, {self.ggml_type.name}, {self.shape})"
+
+
+class HostEmbedding:
+    """The embedding table left on the host (the host_embedding switch): its ggml rows are
+    dequantized by the CPU for every forward pass and copied to the device."""
+
+    __slots__ = ("tensor", "n_out", "n_in", "nbytes")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.n_out, self.n_in = (int(x) for x in tensor.shape)
+        self.nbytes = 0                          # nothing of it on the device
+
+
+class _OwnAllocation:
+    """One device allocation of the alloc_per_op switch; counts its free when it is dropped
+    (PyCUDA frees device memory when the allocation object goes)."""
+
+    __slots__ = ("owner", "backend")
+
+    def __init__(self, owner, backend):
+        self.owner, self.backend = owner, backend
+
+    def __del__(self):
+        self.backend.device_frees += 1
 
 
 class DeviceKVCache:
@@ -271,13 +298,18 @@ class CudaBackend(Backend):
         return probe_once()
 
     def __init__(self, threads: int | None = None, *, device=None, max_batch: int | None = None,
-                 scratch_bytes: int | None = None, profile: bool | None = None):
+                 scratch_bytes: int | None = None, profile: bool | None = None,
+                 alloc_per_op: bool | None = None, host_embedding: bool | None = None):
         super().__init__(threads=1)            # one Python thread drives the GPU
+        # The article's two mistakes, off unless asked for (see the module's docstring).
+        self.alloc_per_op = _switch(alloc_per_op, "LLM_CUDA_ALLOC_PER_OP")
+        self.host_embedding = _switch(host_embedding, "LLM_CUDA_HOST_EMBEDDING")
         self.device = device if device is not None else PyCudaDevice()
         self.max_batch = int(max_batch or os.environ.get("LLM_CUDA_MAX_BATCH", DEFAULT_MAX_BATCH))
         self._scratch_request = scratch_bytes
         self._owners = []                      # keeps every device allocation alive
-        self.device_allocs = 0                 # cuMemAlloc calls, all time: load only
+        self.device_allocs = 0                 # cuMemAlloc calls, all time: load only (unless alloc_per_op)
+        self.device_frees = 0                  # allocations of alloc_per_op freed so far
         self.device_bytes = 0
         self.h2d_count = self.h2d_bytes = self.d2h_count = self.d2h_bytes = 0
         self.forwards = 0                      # forward passes started (embed calls)
@@ -319,6 +351,8 @@ class CudaBackend(Backend):
         self.d2h_bytes += host.nbytes
 
     def _ensure_arena(self):
+        if self.alloc_per_op:
+            return None                        # every buffer is an allocation of its own
         if self.arena is None:
             n = self._scratch_request or arena_bytes(self._out_dims, self._max_width, len(self._out_dims),
                                                        self.max_batch)
@@ -326,10 +360,21 @@ class CudaBackend(Backend):
         return self.arena
 
     def _empty(self, shape) -> DeviceArray:
-        """A new float32 buffer for this forward pass, from the arena."""
-        arena = self._ensure_arena()
+        """A new float32 buffer for this forward pass, from the arena (alloc_per_op: from the
+        device's allocator, freed when the handle is dropped)."""
         shape = tuple(int(s) for s in shape)
-        return DeviceArray(arena.alloc(4 * int(np.prod(shape, dtype=np.int64))), shape, arena.generation)
+        nbytes = 4 * int(np.prod(shape, dtype=np.int64))
+        if self.alloc_per_op:
+            owner, ptr = self._alloc_own(nbytes)
+            return DeviceArray(ptr, shape, None, owner)
+        arena = self._ensure_arena()
+        return DeviceArray(arena.alloc(nbytes), shape, arena.generation)
+
+    def _alloc_own(self, nbytes: int):
+        """A device allocation for one op's result, counted (the alloc_per_op switch)."""
+        owner, ptr = self.device.alloc(max(int(nbytes), 1))
+        self.device_allocs += 1
+        return _OwnAllocation(owner, self), ptr
 
     def _device(self, x) -> DeviceArray:
         """x as a device array: a handle is checked for staleness, a numpy array is uploaded
@@ -353,7 +398,9 @@ class CudaBackend(Backend):
 
     def new_forward(self):
         """Start a forward pass: everything in the arena is free again."""
-        self._ensure_arena().reset()
+        arena = self._ensure_arena()
+        if arena is not None:
+            arena.reset()
 
     # ---- weights -----------------------------------------------------------------------------
     def _upload_raw(self, raw: np.ndarray, what: str) -> int:
@@ -384,10 +431,15 @@ class CudaBackend(Backend):
         return m
 
     def prepare_embedding(self, tensor):
+        if self.host_embedding:
+            return HostEmbedding(tensor)
         return self._matrix(tensor)
 
     def tie_output(self, embedding, tensor):
-        """The output matrix IS the embedding table: the same device blocks, uploaded once."""
+        """The output matrix IS the embedding table: the same device blocks, uploaded once
+        (with host_embedding, uploaded here for the output only)."""
+        if isinstance(embedding, HostEmbedding):
+            return self.prepare_matrix(tensor)
         self._out_dims.append(embedding.n_out)
         return embedding
 
@@ -427,7 +479,7 @@ class CudaBackend(Backend):
     def last_row(self, x):
         x = self._device(x)
         m, d = x.shape
-        return DeviceArray(x.ptr + (m - 1) * d * 4, (1, d), x.gen)
+        return DeviceArray(x.ptr + (m - 1) * d * 4, (1, d), x.gen, x.owner)     # a view keeps its memory
 
     # ---- kernels -----------------------------------------------------------------------------
     def _compile(self):
@@ -471,7 +523,12 @@ class CudaBackend(Backend):
         self.new_forward()
         self.forwards += 1
         self.rows += m
-        ids_dev = self._ensure_arena().alloc(4 * max(m, 1))
+        if isinstance(table, HostEmbedding):
+            return self._embed_on_host(table, ids)
+        if self.alloc_per_op:
+            ids_owner, ids_dev = self._alloc_own(4 * max(m, 1))
+        else:
+            ids_dev = self._ensure_arena().alloc(4 * max(m, 1))
         host = self._ids_host[:m] if m <= len(self._ids_host) else np.empty(m, np.int32)
         host[:] = ids
         self._htod(ids_dev, host)
@@ -483,6 +540,16 @@ class CudaBackend(Backend):
             grid = (cdiv(d // qk * _chunks_per_block(table.ggml_type), EMBED_THREADS), m)
         self._launch(f"embed_{table.suffix}", grid, (EMBED_THREADS, 1, 1), table.ptr, ids_dev, out.ptr, d,
                      table.row_bytes)
+        if self.alloc_per_op:
+            del ids_owner                          # freed after the op, as the article did
+        return out
+
+    def _embed_on_host(self, table: HostEmbedding, ids) -> DeviceArray:
+        """The article's lookup: the rows dequantized by the CPU, then [M, n_embd] float32
+        across the bus (the id that came back from the argmax went the other way)."""
+        rows = np.ascontiguousarray(dequantize_rows(table.tensor, ids), dtype=np.float32)
+        out = self._empty(rows.shape)
+        self._htod(out.ptr, rows)
         return out
 
     def matmul(self, x, w):
@@ -628,10 +695,17 @@ class CudaBackend(Backend):
                                     f"cuda stage: per-kernel time from CUDA events ({self.device.name})")
 
     def memory_summary(self) -> dict:
-        return {"device_allocs": self.device_allocs, "device_bytes": self.device_bytes,
+        return {"device_allocs": self.device_allocs, "device_frees": self.device_frees,
+                "device_bytes": self.device_bytes, "alloc_per_op": self.alloc_per_op,
+                "host_embedding": self.host_embedding,
                 "arena_bytes": self.arena.nbytes if self.arena else 0,
                 "arena_high_water": self.arena.high_water if self.arena else 0,
                 "max_batch": self.max_batch}
+
+
+def _switch(value: bool | None, env: str) -> bool:
+    """An explicit True/False, else the environment variable (1 = on)."""
+    return bool(value) if value is not None else os.environ.get(env, "") == "1"
 
 
 def _chunks_per_block(ggml_type) -> int:

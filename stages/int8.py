@@ -19,8 +19,9 @@ products and the scales are applied once per block. This stage does the same
   from the assembly). Where a CPU lacks AVX2 + F16C the loops run; without VNNI the helpers use
   vpmaddubsw. The variant `int8-loops` (stages/registry.py) keeps the loops everywhere, so the
   two can be measured side by side: `python scripts/bench_vs_llama.py --engines int8,int8-loops`.
-* Prefill multiplies the rounded activations, d * q, with the threads stage's float panels:
-  llama.cpp's numbers, float arithmetic. An integer GEMM built from loops ran slower than the
+* Prefill multiplies the rounded activations, d * q, with the threads stage's float panels
+  (plus the Q4_1/Q5_1 offsets times Q8_1's float16 sums, as ggml takes them): llama.cpp's
+  numbers, float arithmetic. An integer GEMM built from loops ran slower than the
   float panels (LLVM forms vpmaddwd only from single-use operands, and a register-blocked tile
   shares each operand between products), and the rounding itself costs prefill time.
 
@@ -41,11 +42,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from common.gguf import GGMLType
 from stages.kernels.int8 import ACTIVATION_BLOCK, dequantize_q8, matvec_int8, matvec_int8_auto, quantize_q8
 from stages.kernels.toolkit import F16_TO_F32
 from stages.quantized import QuantMatrix
 from stages.threads import ThreadsBackend
 
+# ggml types whose blocks carry an offset m after the scale d (value = d * q + m), by block bytes
+OFFSET_TYPES = {int(GGMLType.Q4_1): 20, int(GGMLType.Q5_1): 24}
 LOGIT_TOLERANCE = 2.0           # logits, max |int8 - float64 reference| per position: see above
 
 
@@ -56,6 +60,7 @@ class Int8Backend(ThreadsBackend):
     def __init__(self, threads: int | None = None):
         super().__init__(threads)
         self._last = None                # (x, block size, its quantized blocks): q, k, v share x
+        self._offsets = {}               # id(weight blocks) -> its Q4_1/Q5_1 block offsets m [N, K/32]
 
     def quantize_activations(self, x, qk: int):
         """x [M, K] -> llama.cpp's 8-bit blocks (q, d, s, sums), once per input: the graph
@@ -76,7 +81,22 @@ class Int8Backend(ThreadsBackend):
         if x.shape[0] == 1:                                   # decode: integer dot products
             self._pool()
             return self.matvec(q[0], d[0], s[0], sums[0], w.data, w.kind, F16_TO_F32, self.threads)[None, :]
-        return super().matmul(dequantize_q8(q, d, qk), w)     # prefill: the float panels, on d * q
+        y = super().matmul(dequantize_q8(q, d, qk), w)        # prefill: the float panels, on d * q
+        if w.kind in OFFSET_TYPES:
+            # a block's offset m multiplies the activation block's sum, which ggml takes from
+            # Q8_1's s = float16(d * sum q), not from d * sum q: the decode kernels do, so must this
+            y += (s - d * sums) @ self._block_offsets(w).T
+        return y
+
+    def _block_offsets(self, w):
+        """The float16 offsets m of every block of a Q4_1/Q5_1 weight, as float32 [N, K/32]."""
+        m = self._offsets.get(id(w.data))
+        if m is None:
+            size = OFFSET_TYPES[w.kind]
+            blocks = w.data.reshape(w.shape[0], -1, size)              # [N, K/32, block bytes]
+            m = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[:, :, 0].astype(np.float32)
+            self._offsets[id(w.data)] = m
+        return m
 
 
 class Int8LoopsBackend(Int8Backend):

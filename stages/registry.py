@@ -91,6 +91,9 @@ REGISTRY = {s.name: s for s in (
     Stage("int8-loops", 8, "stages.int8", "Int8LoopsBackend", "threads",
           "int8 with plain integer loops for LLVM's auto-vectorizer instead of the named instructions",
           kv_cache=True, chapter="08_beyond", parallel=True, variant_of="int8"),
+    Stage("fused", 9, "stages.fused", "FusedBackend", "int8",
+          "one compiled call per token: no Python or fork/join between the ops",
+          kv_cache=True, chapter="09_fused", parallel=True),
 )}
 
 STAGES = [s.name for s in sorted(REGISTRY.values(), key=lambda s: s.number) if s.variant_of is None]

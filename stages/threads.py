@@ -22,6 +22,8 @@ What changes, and nothing else:
 * Attention: the inherited composite loops over heads in Python, four numba calls per head,
   with a scalar dot product and a transposed view of V. One fused kernel per layer replaces
   it, a (query row, head) pair per `prange` iteration, V read row by row as it lies in memory.
+  Its twin for a batch of sequences (common/batch.py) reads each row's K and V through its
+  sequence's page table, in place.
 * `--threads N` (default: the physical cores, at most numba's pool) sizes numba's thread pool
   whenever this backend runs a kernel, and is stated in every run record. Splitting work never
   changes the order of the additions inside one value, so 1 thread and N give the same logits,
@@ -40,7 +42,7 @@ import numba
 import numpy as np
 
 from common.cpu import physical_cores
-from stages.kernels.threads import attention_parallel, matvec_parallel, prefill_parallel
+from stages.kernels.threads import attention_paged_parallel, attention_parallel, matvec_parallel, prefill_parallel
 from stages.kernels.toolkit import F16_TO_F32
 from stages.quantized import PREFILL_ROWS, X_CHUNK_BYTES, QuantizedBackend, QuantMatrix
 from stages.simd import PANEL
@@ -85,3 +87,14 @@ class ThreadsBackend(QuantizedBackend):
         return attention_parallel(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k),
                                   np.ascontiguousarray(v), n_head, n_head_kv, start_pos,
                                   np.float32(1.0 / np.sqrt(hd)))
+
+    def attention_paged(self, q, k, v, n_head: int, n_head_kv: int, layer: int, batch):
+        """A batch of sequences (common/batch.py): the same fused kernel, each row reading its
+        own sequence's keys and values through its page table, in place."""
+        self._pool()
+        n, pool = batch.n_rows, batch.pool
+        self.store_kv(pool, layer, batch.slots[:n], k[:n], v[:n])
+        hd = q.shape[1] // n_head
+        return attention_paged_parallel(np.ascontiguousarray(q, dtype=np.float32), pool.k[layer], pool.v[layer],
+                                        batch.tables, batch.row_seq, batch.positions, n, n_head, n_head_kv,
+                                        np.float32(1.0 / np.sqrt(hd)))

@@ -69,3 +69,134 @@ def test_model_list_names_every_model():
     assert p.returncode == 0
     for name in ("smollm2", "tinyllama", "tinyllama-synthetic"):
         assert name in p.stdout
+
+
+# ---- bad values: refused where they are parsed, in one line, exit 2 -----------------------------
+
+BAD_VALUES = [
+    ("run", ["-n", "-1"], "-n/--n-predict", "n_predict (-n, max_tokens) = -1: must be an integer >= 1"),
+    ("run", ["-n", "0"], "-n/--n-predict", "n_predict (-n, max_tokens) = 0"),
+    ("run", ["-n", "ten"], "-n/--n-predict", "'ten' is not an integer"),
+    ("run", ["-t", "0"], "-t/--threads", "threads (-t) = 0: must be an integer >= 1"),
+    ("run", ["-t", "-4"], "-t/--threads", "threads (-t) = -4"),
+    ("run", ["-c", "0"], "-c/--ctx-size", "ctx_size (-c) = 0: must be an integer >= 1"),
+    ("run", ["--top-p", "5"], "--top-p", "top_p = 5.0: must be a number in (0, 1]"),
+    ("run", ["--top-p", "0"], "--top-p", "top_p = 0.0"),
+    ("run", ["--temp", "-1"], "--temp", "temp = -1.0: must be a number >= 0"),
+    ("run", ["--temp", "nan"], "--temp", "temp = nan"),
+    ("run", ["--temp", "warm"], "--temp", "'warm' is not a number"),
+    ("run", ["--top-k", "-1"], "--top-k", "top_k = -1: must be an integer >= 0"),
+    ("run", ["--min-p", "2"], "--min-p", "min_p = 2.0: must be a number in [0, 1]"),
+    ("run", ["--repeat-penalty", "0"], "--repeat-penalty", "repeat_penalty = 0.0: must be a number > 0"),
+    ("run", ["--repeat-last-n", "-2"], "--repeat-last-n", "repeat_last_n = -2"),
+    ("run", ["--seed", "-1"], "--seed", "seed = -1: must be an integer >= 0"),
+    ("bench", ["-n", "0"], "-n/--n-predict", "n_predict (-n, max_tokens) = 0"),
+    ("bench", ["--prompt-tokens", "0"], "--prompt-tokens", "prompt_tokens (--prompt-tokens) = 0"),
+    ("bench", ["--profile-n", "-1"], "--profile-n", "profile_n (--profile-n) = -1: must be an integer >= 0"),
+    ("bench", ["-t", "0"], "-t/--threads", "threads (-t) = 0"),
+]
+
+
+@pytest.mark.parametrize("command, args, flag, message", BAD_VALUES,
+                         ids=[f"{c} {' '.join(a)}" for c, a, _, _ in BAD_VALUES])
+def test_a_bad_value_is_one_line_and_exit_2_before_anything_loads(command, args, flag, message, capsys):
+    from common.app.cli import main
+    with pytest.raises(SystemExit) as stopped:
+        main([command, "-m", "never/opened.gguf", *args])
+    assert stopped.value.code == 2
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"error: argument {flag}: {message}"), lines[0]
+    assert captured.out == ""
+
+
+def test_n_minus_one_prints_no_timing():
+    """`-n -1` used to generate nothing and print TTFT 0.0 ms; now it is refused like any bad value."""
+    p = run("run", "--stage", "simd", "-n", "-1", timeout=120)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()] and "n_predict" in p.stderr
+    assert "TTFT" not in p.stderr and "Traceback" not in p.stderr
+
+
+def test_good_values_parse_to_the_engines_settings():
+    from common.app.cli import build_parser
+    from common.app.run import sampling_params
+    args = build_parser().parse_args(["run", "-t", "2", "-c", "512", "-n", "8", "--temp", "0.7", "--top-k", "0",
+                                      "--top-p", "1", "--min-p", "0", "--repeat-last-n", "-1", "--seed", "3"])
+    assert (args.threads, args.ctx_size, args.n_predict) == (2, 512, 8)
+    p = sampling_params(args)
+    assert (p.temp, p.top_k, p.top_p, p.min_p, p.repeat_last_n, p.seed) == (0.7, 0, 1.0, 0.0, -1, 3)
+    defaults = build_parser().parse_args(["run"])
+    assert defaults.threads is None and defaults.ctx_size is None and defaults.n_predict is None
+
+
+# ---- the test command itself: skips are visible, CI refuses unexpected ones, hangs are stopped ------
+
+SKIPPING_TESTS = '''
+import ctypes, time
+import pytest
+
+def test_runs():
+    pass
+
+def test_needs_a_gpu():
+    pytest.skip("gpu test: no NVIDIA GPU here")
+
+def test_needs_a_file():
+    pytest.skip("the default model is not there")
+
+@pytest.mark.xfail(strict=True, reason="a known gap")
+def test_known_gap():
+    assert False
+'''
+HANGING_TESTS = '''
+import ctypes, time
+
+def test_python_hang():
+    time.sleep(120)
+
+def test_compiled_hang():
+    ctypes.PyDLL(None).sleep(120)      # C code holding the interpreter lock: no Python watchdog can run
+
+def test_after():
+    pass
+'''
+
+
+def run_pytest(tmp_path, source, *args, **env):
+    """pytest on one test file beside a copy of tests/conftest.py, in a fresh process."""
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_sample.py").write_text(source)
+    environ = {k: v for k, v in os.environ.items() if k not in ("CI", "LLM_TEST_TIMEOUT", "LLM_TEST_TIMEOUT_GRACE")}
+    environ.update(PYTHONPATH=str(ROOT), **env)
+    return subprocess.run([sys.executable, "-m", "pytest", "-rfEsx", "-p", "no:cacheprovider", *args,
+                           str(tmp_path / "test_sample.py")], cwd=tmp_path, env=environ, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_skips_show_their_reasons(tmp_path):
+    p = run_pytest(tmp_path, SKIPPING_TESTS)
+    assert p.returncode == 0, p.stdout
+    assert "SKIPPED [1] test_sample.py" in p.stdout and "the default model is not there" in p.stdout
+    assert "1 passed, 2 skipped, 1 xfailed" in p.stdout
+
+
+def test_in_ci_an_unexpected_skip_fails(tmp_path):
+    p = run_pytest(tmp_path, SKIPPING_TESTS, CI="true")
+    assert p.returncode == 1, p.stdout
+    assert "FAILED test_sample.py::test_needs_a_file" in p.stdout
+    assert "unexpected skip in CI: the default model is not there" in p.stdout
+    assert "1 failed, 1 passed, 1 skipped, 1 xfailed" in p.stdout        # the gpu skip is an expected one
+
+
+def test_a_python_hang_is_stopped(tmp_path):
+    p = run_pytest(tmp_path, HANGING_TESTS, "-k", "python_hang", LLM_TEST_TIMEOUT="2")
+    assert p.returncode != 0 and "+ Timeout +" in p.stdout + p.stderr              # pytest-timeout's report
+    assert "test_python_hang" in p.stdout + p.stderr
+
+
+def test_a_compiled_hang_holding_the_interpreter_is_stopped(tmp_path):
+    p = run_pytest(tmp_path, HANGING_TESTS, "-k", "compiled_hang", LLM_TEST_TIMEOUT="1", LLM_TEST_TIMEOUT_GRACE="2")
+    assert p.returncode != 0
+    assert "Timeout (0:00:03)!" in p.stderr and "test_compiled_hang" in p.stderr     # faulthandler's dump

@@ -4,11 +4,14 @@
                     architecture, the "what is missing" messages, the CLI's one-line error
     nvcc present    stages/kernels/cuda.cu compiles for every architecture nvcc lists from sm_75
                     up, warnings as errors (the GPU compiles the same file at run time)
-    g++ present     the kernels themselves on the CPU emulator (scripts/cuda_emulator.*): every
-                    block decoder bit-exact with common.quants, every op against numpy, the whole
-                    graph on a tiny synthetic model against the float64 reference and the CPU
-                    stages, the arena reused with no allocation per token, 4 bytes each way per
-                    greedy token
+    g++ present     the kernels themselves on the CPU emulator (scripts/cuda_emulator.*), whose
+                    checked build fails a launch on a race, a read of memory nothing wrote, an
+                    access outside an allocation, a launch beyond a kernel's __launch_bounds__ or
+                    arguments that do not match its signature (tests/test_emulator.py shows each
+                    caught): every block decoder bit-exact with common.quants, every op against
+                    numpy, the same bits under several thread schedules, the whole graph on a
+                    tiny synthetic model against the float64 reference and the CPU stages, the
+                    arena reused with no allocation per token, 4 bytes each way per greedy token
     a GPU (marker gpu, skipped with the reason elsewhere)
                     the same kernel and model checks through PyCUDA, plus the default model's
                     logits and greedy tokens when models/ has it
@@ -532,26 +535,56 @@ def test_argmax(device):
     assert b.argmax(b.upload(x)) == 0
 
 
-def test_reverse_thread_order_changes_nothing(emulator):
-    """The emulator runs a block's threads in order up to each barrier; in reverse order, a
-    missing __syncthreads would show from the other side."""
+SCHEDULES = [("reverse", 0, 0.0), ("random", 1, 0.1), ("random", 2, 0.5)]
+SCHEDULE_IDS = ["reverse", "random1", "random2"]
+
+
+def _kernels_with_barriers(device):
     rng = np.random.default_rng(8)
     x = rng.normal(0, 1, (3, 700)).astype(np.float32)
     q = rng.normal(0, 1, (2, 4 * 64)).astype(np.float32)
     k = rng.normal(0, 1, (9, 2 * 64)).astype(np.float32)
-    results = []
-    for reverse in (0, 1):
-        emulator.lib.emu_set_reverse(reverse)
-        try:
-            b = make_backend(emulator)
-            b.new_forward()
-            w = b.prepare_table(np.ones(700, np.float32))
-            results.append((b.to_host(b.rms_norm(x, w, 1e-5)), b.to_host(b.attention(q, k, k, 4, 2, 7)),
-                            b.argmax(b.upload(x[:1]))))
-        finally:
-            emulator.lib.emu_set_reverse(0)
-    for a, r in zip(*results):
+    t, _ = weight(GGMLType.Q4_K, 13, 512, rng)
+    b = make_backend(device)
+    w = b.prepare_matrix(t)
+    b.new_forward()
+    norm = b.prepare_table(np.ones(700, np.float32))
+    prefill = rng.normal(0, 1, (11, 512)).astype(np.float32)
+    return [b.to_host(b.rms_norm(x, norm, 1e-5)), b.to_host(b.attention(q, k, k, 4, 2, 7)),
+            np.array([b.argmax(b.upload(x[:1]))]), b.to_host(b.matmul(prefill, w))]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=SCHEDULE_IDS)
+def test_another_thread_schedule_changes_nothing(emulator, schedule):
+    """The kernels with barriers and shuffles (norm, attention, argmax, the prefill matmul's
+    reduction) give the same bits whichever thread runs first, and (checked build) none races:
+    threads in reverse, in a random order, and switched before random loads and stores."""
+    want = _kernels_with_barriers(emulator)
+    emulator.set_schedule(*schedule)
+    try:
+        got = _kernels_with_barriers(emulator)
+    finally:
+        emulator.set_schedule("forward")
+    for a, r in zip(got, want):
         np.testing.assert_array_equal(a, r)
+
+
+def test_the_emulator_is_the_checked_build(emulator):
+    """The kernel tests here run with every access checked (unless CUDA_EMULATOR_ASAN=1 chose
+    the AddressSanitizer build, which cannot be combined with it)."""
+    assert emulator.checked != emulator.asan
+
+
+def test_every_kernels_signature_is_the_one_python_launches_with(emulator):
+    """The emulator reads each kernel's C parameter types (P pointer, i int, f float, d double):
+    PyCUDA passes what KERNEL_ARGS says, and a float where the kernel takes a double is garbage
+    on the GPU, not an error."""
+    block = {"matmul": cs.MM_WARPS * 32, "embed": cs.EMBED_THREADS, "rms_norm": cs.NORM_THREADS,
+             "attention": cs.ATT_THREADS, "argmax": cs.ARGMAX_THREADS}
+    for name in cs.kernel_names():
+        assert emulator.lib.emu_signature(name.encode()).decode() == cs.arg_types(name), name
+        kind = name.split("_")[0] if name.startswith(("matmul_", "embed_")) else name
+        assert emulator.launch_bound(name) == block.get(kind, cs.EW_THREADS), name     # the block it is launched with
 
 
 def test_kv_store_returns_the_positions_so_far(device):
@@ -665,6 +698,18 @@ def test_tiny_model_logits_match_the_reference(device, tiny_model_path, tiny_ref
     print(f"\ntiny model on {device.name}: max |logit - reference| = {err.max():.2e} (tolerance {cs.LOGIT_TOLERANCE})")
     assert err.max() <= cs.LOGIT_TOLERANCE, f"max |logit - reference| per position {np.round(err, 6)}"
     check_guards(device)
+
+
+def test_tiny_model_under_a_random_schedule(emulator, tiny_model_path):
+    """The whole graph with threads in a random order and switched before random accesses:
+    the same logits, bit for bit, as in the forward order, and no race or unwritten read."""
+    want = cached_logits(load_cuda(tiny_model_path, emulator), TINY_TOKENS, N_SPLIT)
+    emulator.set_schedule("random", 7, 0.05)
+    try:
+        got = cached_logits(load_cuda(tiny_model_path, emulator), TINY_TOKENS, N_SPLIT)
+    finally:
+        emulator.set_schedule("forward")
+    np.testing.assert_array_equal(got, want)
 
 
 def test_tiny_model_greedy_matches_a_cpu_stage(device, tiny_model_path):

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import struct
 import subprocess
@@ -973,3 +974,76 @@ def test_inspect_bad_file_exits_2_with_one_line(tmp_path, default_model_path, ki
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+# ---- model metadata: what the llama graph needs, checked before anything is built ------------------
+
+LLAMA_MD = {"general.architecture": "llama", "llama.context_length": 2048, "llama.embedding_length": 576,
+            "llama.block_count": 30, "llama.feed_forward_length": 1536, "llama.attention.head_count": 9,
+            "llama.attention.head_count_kv": 3, "llama.vocab_size": 49152, "llama.rope.freq_base": 100000.0,
+            "llama.attention.layer_norm_rms_epsilon": 1e-5}
+
+
+def _config(**changes):
+    """LlamaConfig.from_gguf on SmolLM2's metadata with some keys changed (None: removed)."""
+    from types import SimpleNamespace
+
+    from common.model import LlamaConfig
+    md = {**LLAMA_MD, **{k.replace("__", "."): v for k, v in changes.items()}}
+    md = {k: v for k, v in md.items() if v is not None}
+    return LlamaConfig.from_gguf(SimpleNamespace(architecture=md.get("general.architecture"), metadata=md,
+                                                 tensors={}))
+
+
+def test_smollm2_metadata_gives_its_geometry():
+    cfg = _config()
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_vocab) == (30, 576, 9, 3, 64, 49152)
+
+
+METADATA_ERRORS = [
+    ({"llama__attention__head_count": 0}, "'llama.attention.head_count' is 0: it must be positive"),
+    ({"llama__attention__head_count_kv": 0}, "'llama.attention.head_count_kv' is 0: it must be positive"),
+    ({"llama__attention__head_count_kv": 4}, "head_count 9 is not a multiple of head_count_kv 4"),
+    ({"llama__attention__head_count": 7}, "embedding_length 576 is not a multiple of head_count 7"),
+    ({"llama__embedding_length": 0}, "'llama.embedding_length' is 0: it must be positive"),
+    ({"llama__block_count": 0}, "'llama.block_count' is 0: it must be positive"),
+    ({"llama__block_count": None}, "required metadata key 'llama.block_count' is missing"),
+    ({"llama__feed_forward_length": 0}, "'llama.feed_forward_length' is 0: it must be positive"),
+    ({"llama__context_length": 0}, "'llama.context_length' is 0: it must be positive"),
+    ({"llama__vocab_size": 0}, "'llama.vocab_size' is 0: it must be positive"),
+    ({"llama__attention__layer_norm_rms_epsilon": 0.0}, "layer_norm_rms_epsilon' is 0.0: it must be a positive"),
+    ({"llama__attention__layer_norm_rms_epsilon": float("nan")}, "layer_norm_rms_epsilon' is nan"),
+    ({"llama__attention__layer_norm_rms_epsilon": float("inf")}, "layer_norm_rms_epsilon' is inf"),
+    ({"llama__attention__layer_norm_rms_epsilon": None}, "'llama.attention.layer_norm_rms_epsilon' is missing"),
+    ({"llama__attention__key_length": 63, "llama__attention__value_length": 63}, "head dimension 63 is odd"),
+    ({"llama__attention__value_length": 32}, "value_length differs from key_length"),
+    ({"llama__rope__dimension_count": 32}, "rope.dimension_count 32 != head dim 64"),
+    ({"llama__rope__freq_base": 0.0}, "'llama.rope.freq_base' is 0.0: it must be "),
+    ({"llama__rope__scaling__type": "yarn"}, "rope scaling 'yarn' is not supported"),
+    ({"llama__attention__head_count": "nine"}, "'llama.attention.head_count' is 'nine': not a int"),
+    ({"llama__attention__head_count_kv": [3, 3, 1]}, "'llama.attention.head_count_kv' varies per layer"),
+    ({"general__architecture": "gpt2"}, "architecture 'gpt2' is not supported"),
+    ({"llama__rope__freq_base": float("nan")}, "'llama.rope.freq_base' is nan: it must be a positive number"),
+    ({"llama__rope__freq_base": float("inf")}, "'llama.rope.freq_base' is inf: it must be a positive number"),
+    ({"llama__rope__scaling__factor": -2.0}, "'llama.rope.scaling.factor' is -2.0: it must be a positive number"),
+]
+
+
+@pytest.mark.parametrize("changes, message", METADATA_ERRORS, ids=[str(c) for c, _ in METADATA_ERRORS])
+def test_bad_model_metadata_is_a_gguf_error_naming_the_key(changes, message):
+    with pytest.raises(GGUFError, match=re.escape(message)):
+        _config(**changes)
+
+
+def test_a_model_with_zero_heads_is_one_line_at_the_command_line(tmp_path):
+    """head_count = 0 once raised ZeroDivisionError; now `run` says which key, in one line, exit 2."""
+    path = tmp_path / "zero-heads.gguf"
+    w = GGUFWriter(path)
+    for key, value in {**LLAMA_MD, "llama.attention.head_count": 0}.items():
+        w.add(key, value, ValueType.STRING if isinstance(value, str) else
+              ValueType.FLOAT32 if isinstance(value, float) else ValueType.UINT32)
+    w.write()
+    r = _run_common("run", "--stage", "simd", "-m", path, "-n", "1")
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert lines == ["error: 'llama.attention.head_count' is 0: it must be positive"], r.stderr

@@ -1,10 +1,13 @@
 """The notebooks: built from their sources, committed without outputs, and every one of them runs
 top to bottom in a fresh kernel with the quick settings (LLM_NOTEBOOK_QUICK=1). A cell that
-raises fails its notebook's test. Each notebook's time is printed at the end of the run.
+raises fails its notebook's test, and so does a finding that is NaN or infinite (nb.Findings
+refuses it where it is set) or a findings list that lacks what the chapter's source always sets.
+Each notebook's time is printed at the end of the run.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import sys
@@ -120,6 +123,7 @@ def jupyter_path(tmp_path_factory):
     return d
 
 
+@pytest.mark.timeout(3 * CELL_TIMEOUT_S, method="thread")       # a chapter, with a cold numba cache
 @pytest.mark.parametrize("name", CHAPTERS)
 def test_notebook_runs(name, monkeypatch, timings, jupyter_path, default_model_path):
     pytest.importorskip("ipykernel", reason="ipykernel is in requirements-test.txt")
@@ -137,3 +141,59 @@ def test_notebook_runs(name, monkeypatch, timings, jupyter_path, default_model_p
     assert last.cell_type == "code" and "findings.show()" in last.source, "a chapter ends with its findings"
     shown = "".join(o.get("data", {}).get("text/markdown", "") for o in last.outputs)
     assert "What we measured here" in shown
+    check_findings(name, [o["data"]["application/json"] for o in last.outputs
+                          if "application/json" in o.get("data", {})])
+
+
+def finding_names(name: str) -> tuple[set, set]:
+    """(names every run sets, names some run may set): `findings["..."] = ...` in the chapter's
+    source, at the top level (every run) or inside an if/for/try (some runs)."""
+    tree = ast.parse((NOTEBOOK_DIR / "src" / f"{name}.py").read_text())
+    always, every = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == "findings" \
+                        and isinstance(t.slice, ast.Constant):
+                    every.add(t.slice.value)
+                    if node in tree.body:
+                        always.add(t.slice.value)
+    return always, every
+
+
+def check_findings(name: str, shown: list):
+    """The findings a chapter showed: one list, every name from the chapter's source (those set
+    at its top level all there), every value a sentence with no NaN or infinity in it."""
+    from notebooks.nb.text import NOT_A_NUMBER
+    assert len(shown) == 1, f"{name}: the findings' JSON output is missing or repeated"
+    found = shown[0]["findings"]
+    always, every = finding_names(name)
+    assert found and always, f"{name}: no findings"
+    assert always <= set(found) <= every, (f"{name}: missing {sorted(always - set(found))}, "
+                                           f"unknown {sorted(set(found) - every)}")
+    for key, value in found.items():
+        assert isinstance(value, str) and value.strip() and value != "None", f"{name}: finding '{key}' = {value!r}"
+        assert not NOT_A_NUMBER.search(value), f"{name}: finding '{key}' = {value!r}"
+
+
+def test_findings_refuse_what_is_not_a_measurement():
+    from notebooks.nb.text import Findings
+    f = Findings()
+    f["decode"] = "12.5 ms/token, 3.0x the naive loop; informative, infinitely so"
+    f["count"] = 3
+    for bad in (float("nan"), f"{float('nan'):.1f} ms", f"{float('inf'):.0f}x", "-inf", "", None, True):
+        with pytest.raises((ValueError, TypeError)):
+            f["bad"] = bad
+    with pytest.raises(ValueError, match="a finding needs a name"):
+        f[""] = "x"
+    with pytest.raises(ValueError, match="holds 'nan'"):
+        f.update(other="nan ms")
+    assert list(f) == ["decode", "count"]
+    with pytest.raises(ValueError, match="no findings"):
+        Findings().show()
+
+
+def test_finding_names_are_read_from_the_source():
+    always, every = finding_names("06_cuda")
+    assert "this machine" in always and "PCIe per token" in always
+    assert "recorded" in every - always                          # set inside an if

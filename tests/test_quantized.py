@@ -235,24 +235,3 @@ def test_type_without_kernel_fails_at_load_naming_tensor_and_type(tmp_path):
         load("quantized", tmp_path / "tiny-with-q3k.gguf")
     with pytest.raises(ValueError, match="IQ4_NL"):                  # and through the backend directly
         QuantizedBackend().prepare_matrix(tensor_from_raw(np.zeros(2 * 18, np.uint8), GGMLType.IQ4_NL, (2, 32)))
-
-
-@pytest.fixture(scope="module")
-def tinyllama_synthetic_path():
-    from common.app.models import MODELS
-    path = MODELS["tinyllama-synthetic"].path
-    if not path.exists():
-        pytest.skip(f"{path} is not there: `python -m common model tinyllama-synthetic` writes it")
-    return path
-
-
-def test_tinyllama_synthetic_matches_the_reference(tinyllama_synthetic_path):
-    """TinyLlama's geometry and Q4_K/Q6_K mix (random weights), 6 tokens, against float64.
-    Slow (about a minute): the reference dequantizes 1.1B weights to float64."""
-    tokens = [1, 450, 4996, 17354, 1701, 29916]
-    want = reference.forward(GGUFFile(tinyllama_synthetic_path), tokens)
-    got = stage_logits(load("quantized", tinyllama_synthetic_path), tokens, split=3)
-    assert np.isfinite(got).all()
-    err = np.abs(got - want).max(axis=1)
-    assert err.max() < 5e-3, f"max |logit - reference| per position {np.round(err, 5)}"
-    assert (got.argmax(axis=1) == want.argmax(axis=1)).all()

@@ -196,3 +196,40 @@ def test_simd_matmul_is_vectorized():
     assert len(packed.findall(simd_asm)) >= 4, "no packed FMA in the simd matmul"
     assert not packed.findall(naive_asm), "the naive loop should not be vectorized"
 
+
+
+# ---- TinyLlama's geometry (synthetic weights): the article's scale ------------------------------
+
+TINYLLAMA_TOKENS = [1, 450, 4996, 17354, 1701, 29916]
+QUANTIZED_WEIGHT_STAGES = ["quantized", "threads", "int8"]      # those that keep the 1.1B weights in their blocks
+
+
+@pytest.fixture(scope="module")
+def tinyllama_synthetic():
+    """TinyLlama 1.1B's geometry and Q4_K/Q6_K mix with random weights, written if it is not
+    there yet (common/app/synthetic.py; it needs only llama.cpp's vocabulary file, which `make
+    test` fetches), and its float64 reference logits."""
+    from common.app.models import fetch
+    path = fetch("tinyllama-synthetic")
+    return path, reference.forward(GGUFFile(path), TINYLLAMA_TOKENS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [s for s in QUANTIZED_WEIGHT_STAGES if s in STAGES])
+def test_tinyllama_geometry_matches_the_reference(stage, tinyllama_synthetic):
+    """22 layers of 2048, 32 query heads on 4 KV heads, Q4_K and Q6_K blocks: prefill then
+    decode against float64, at the stage's tolerance, and the same argmax at every position
+    (the float stages; int8 where the reference's top two are clearly apart). Slow: the
+    reference dequantizes 1.1B weights to float64."""
+    path, want = tinyllama_synthetic
+    engine = load(stage, path)
+    engine.reset()
+    split = 3
+    got = np.concatenate([engine.forward(TINYLLAMA_TOKENS[:split], 0)] +
+                         [engine.forward(TINYLLAMA_TOKENS[i:i + 1], i) for i in range(split, len(TINYLLAMA_TOKENS))])
+    assert np.isfinite(got).all()
+    err = np.abs(got - want).max(axis=1)
+    assert err.max() <= tolerance(stage), f"{stage}: max |logit - reference| per position {np.round(err, 5)}"
+    top2 = np.sort(want, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > (NEAR_TIE if tolerance(stage) > DEFAULT_TOLERANCE else 0)
+    assert (got.argmax(axis=1)[clear] == want.argmax(axis=1)[clear]).all()

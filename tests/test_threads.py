@@ -29,6 +29,14 @@ POOL = numba.config.NUMBA_NUM_THREADS
 TYPES = list(CPU_KERNEL_TYPES)
 
 
+def thread_counts() -> list[int]:
+    """1 and numba's whole pool, which must be at least 2 threads: comparing one thread with one
+    thread would pass whatever the parallel code does."""
+    assert POOL >= 2, (f"numba's pool has {POOL} thread (NUMBA_NUM_THREADS={POOL}): the tests comparing 1 thread "
+                       "with N need N >= 2; set NUMBA_NUM_THREADS=2 or more (it may exceed the cores)")
+    return [1, POOL]
+
+
 def close(got, want, x, w64):
     """Equal up to the order of float additions: relative to sum |x||w| (as test_quantized)."""
     scale = np.abs(x).astype(np.float64) @ np.abs(w64).T
@@ -73,11 +81,11 @@ def test_fused_attention_against_numpy(n_head, n_kv, hd, m, start):
     want = attention_numpy(q, k, v, n_head, n_kv, start)
     scale = np.float32(1.0 / np.sqrt(hd))
     results = []
-    for threads in sorted({1, POOL}):
+    for threads in thread_counts():
         numba.set_num_threads(threads)
         results.append(attention_parallel(q, k, v, n_head, n_kv, start, scale))
         np.testing.assert_allclose(results[-1], want, rtol=1e-4, atol=1e-5)
-    assert all(np.array_equal(r, results[0]) for r in results)
+    assert len(results) == 2 and np.array_equal(results[0], results[1])
 
 
 def test_thread_count_is_the_backends():
@@ -88,7 +96,7 @@ def test_thread_count_is_the_backends():
     assert ThreadsBackend().threads == default_threads()
     assert ThreadsBackend(threads=1).threads == 1
     assert ThreadsBackend(threads=10 * POOL).threads == POOL          # no more than numba's pool
-    for n in sorted({1, POOL}):
+    for n in thread_counts():
         b = ThreadsBackend(threads=n)
         numba.set_num_threads(1 if n > 1 else POOL)                     # someone else's setting
         b.attention(np.ones((1, 8), np.float32), np.ones((2, 8), np.float32), np.ones((2, 8), np.float32),
@@ -98,25 +106,28 @@ def test_thread_count_is_the_backends():
 
 @pytest.fixture(scope="module")
 def engines(default_model_path):
-    return {n: load("threads", default_model_path, threads=n) for n in sorted({1, POOL})}
+    return {n: load("threads", default_model_path, threads=n) for n in thread_counts()}
 
 
 def test_one_thread_and_all_give_the_same_logits(engines):
-    """Prefill, then decode steps: bit-identical logits on 1 thread and on all of them."""
+    """Prefill, then decode steps: bit-identical logits on 1 thread and on all of them (and each
+    run really had its thread count: the backend sets numba's, which is read back after it)."""
     tokens = [1, 504, 3287, 282, 1790, 314, 253, 2730, 30]
     runs = []
     for n, engine in engines.items():
         engine.reset()
         rows = [engine.forward(tokens[:6], 0)] + [engine.forward(tokens[i:i + 1], i) for i in range(6, len(tokens))]
+        assert numba.get_num_threads() == n
         engine.reset()
         runs.append(np.concatenate(rows))
     assert np.isfinite(runs[0]).all()
-    assert all(np.array_equal(r, runs[0]) for r in runs[1:])
+    assert len(runs) == 2 and np.array_equal(runs[0], runs[1])
 
 
 def test_run_record_states_the_threads(engines):
     from common.app.bench import run_record
     from common.generate import generate
+    assert sorted(engines) == thread_counts()
     for n, engine in engines.items():
         gen = generate(engine, [1, 504, 3287], 2, ignore_eos=True)
         assert run_record(engine, "threads", gen, "", 0.0)["threads"] == n

@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from common.app.bench import add_context, bench_prompt, model_summary, write_record
+from common.app.counters import Counters
 from common.app.machine import rusage
 from common.app.models import DEFAULT_MODEL, resolve
 from common.gguf import GGUFFile
@@ -54,15 +55,16 @@ def measure_llama_cpp(model_path, prompt_ids, n_predict: int, threads: int = 1, 
     llm.eval(list(prompt_ids[:4]))        # warm-up: first-use costs (thread pool, buffers)
     llm.reset()
     tokens, decode_ms = [], []
-    t0 = time.perf_counter()
-    llm.eval(list(prompt_ids))
-    tokens.append(pick())
-    ttft_ms = (time.perf_counter() - t0) * 1e3
-    for _ in range(n_predict - 1):
+    with Counters() as counted:           # the timed region's counters, as a stage's record has
         t0 = time.perf_counter()
-        llm.eval([tokens[-1]])
+        llm.eval(list(prompt_ids))
         tokens.append(pick())
-        decode_ms.append((time.perf_counter() - t0) * 1e3)
+        ttft_ms = (time.perf_counter() - t0) * 1e3
+        for _ in range(n_predict - 1):
+            t0 = time.perf_counter()
+            llm.eval([tokens[-1]])
+            tokens.append(pick())
+            decode_ms.append((time.perf_counter() - t0) * 1e3)
     rec = {
         "stage": "llama.cpp", "kind": "baseline", "model": os.path.basename(os.fspath(model_path)),
         "prompt_tokens": list(prompt_ids), "n_prompt": len(prompt_ids), "tokens": tokens,
@@ -73,7 +75,7 @@ def measure_llama_cpp(model_path, prompt_ids, n_predict: int, threads: int = 1, 
         "tokens_per_s": 1e3 / float(np.median(decode_ms)) if decode_ms else float("nan"),
         "load_s": load_s, "jit_s": 0.0, "threads": threads, "n_ctx": n_ctx,
         "llama_cpp_version": llama_cpp.__version__,
-        "stop_reason": "length",
+        "stop_reason": "length", "counters": counted.result,
     }
     rec.update(rusage())
     return rec

@@ -13,11 +13,24 @@ record holds the timings (TTFT, decode median/mean/spread), load and JIT time, p
 faults, the settings, the model's type mix, the machine, the package versions and the code
 that ran (common/app/provenance.py). Records of `make report` go to
 profiles/results/<machine>/<model>/<stage>.json; charts and tables are drawn from them only.
+
+Counters (common/app/counters.py): `counters` holds those of the timed region (task clock,
+context switches, page faults, and instructions, cycles and cache misses where the machine has
+a PMU, else the reason it has none); `cold_start` those of loading the model again after its
+file was evicted from the page cache, and of the first forward pass that follows (a recorded
+run measures it after its timings, so it cannot disturb them).
+
+A stage too slow for the whole model (a `max_params` in the registry below the model's size:
+naive and tiling on TinyLlama's 1.1B) is measured on its first few layers (layers_to_measure)
+and on none, and extrapolated to every layer; the record says so (`extrapolated`: the method and
+every figure measured) and the tables mark it.
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import math
 import os
 import subprocess
 import sys
@@ -27,11 +40,13 @@ from pathlib import Path
 
 import numpy as np
 
+from common.app import roofline
+from common.app.counters import Counters, evict
 from common.app.machine import machine_id, machine_info, rusage
 from common.app.models import resolve
 from common.app.profile import OpProfiler
 from common.app.provenance import provenance
-from common.generate import Sampler, generate
+from common.generate import Generation, Sampler, generate
 from common.model import LlamaConfig, flops_per_token, n_params
 from stages import info, load
 from stages.registry import REPORT_PROMPT_TOKENS
@@ -39,6 +54,10 @@ from stages.registry import REPORT_PROMPT_TOKENS
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "profiles" / "results"
 BASELINE = "llama.cpp"
+# The fewest layers a stage too slow for the whole model runs before its time is extrapolated
+# to all of them (more where a layer's weights are small: see layers_to_measure).
+EXTRAPOLATED_LAYERS = 1
+ZERO_LAYER_RUNS = 3
 
 # The benchmark prompt: plain English, long enough for any prompt length asked for (it is
 # repeated if need be); only its token ids matter, and those are recorded.
@@ -67,8 +86,9 @@ def model_summary(gguf) -> dict:
             "type_mix_bytes": dict(mix)}
 
 
-def run_record(engine, stage, gen, text, jit_s) -> dict:
-    """The figures every run and benchmark reports (see the measurement protocol)."""
+def run_record(engine, stage, gen, text, jit_s, counters: dict | None = None) -> dict:
+    """The figures every run and benchmark reports (see the measurement protocol); counters:
+    those of the timed region (common/app/counters.py), when it was counted."""
     rec = {
         "stage": stage, "model": engine.gguf.path.split("/")[-1],
         "prompt_tokens": gen.prompt_tokens, "n_prompt": len(gen.prompt_tokens),
@@ -85,6 +105,8 @@ def run_record(engine, stage, gen, text, jit_s) -> dict:
         "kv_bytes_per_position": 2 * engine.config.n_layer * engine.config.kv_dim * 4,
     }
     rec.update(rusage())
+    if counters is not None:
+        rec["counters"] = counters
     return rec
 
 
@@ -100,12 +122,23 @@ def settings_for(stage: str, prompt_tokens: int | None, n_predict: int | None) -
     return prompt_tokens or REPORT_PROMPT_TOKENS, n_predict or info(stage).tokens.report
 
 
+def counted_generate(engine, prompt, n_predict: int):
+    """generate() by the protocol, with the counters of exactly that region: (Generation, counters)."""
+    with Counters() as counted:
+        gen = generate(engine, prompt, n_predict, Sampler(), ignore_eos=True)
+    return gen, counted.result
+
+
 def measure(engine, stage: str, prompt_tokens: int, n_predict: int) -> dict:
     """Run the protocol on a loaded engine and return its record (not written)."""
     prompt = bench_prompt(engine.tokenizer, prompt_tokens)
     jit_s = engine.warmup()
-    gen = generate(engine, prompt, n_predict, Sampler(), ignore_eos=True)
-    rec = run_record(engine, stage, gen, engine.tokenizer.decode(gen.tokens), jit_s)
+    gen, counters = counted_generate(engine, prompt, n_predict)
+    rec = run_record(engine, stage, gen, engine.tokenizer.decode(gen.tokens), jit_s, counters)
+    return _finish(rec, engine, gen, prompt_tokens, n_predict)
+
+
+def _finish(rec: dict, engine, gen, prompt_tokens: int, n_predict: int) -> dict:
     d = np.asarray(gen.decode_ms) if gen.decode_ms else np.asarray([np.nan])
     rec.update({
         "kind": "stage",
@@ -113,6 +146,10 @@ def measure(engine, stage: str, prompt_tokens: int, n_predict: int) -> dict:
         "decode_ms_min": float(d.min()), "decode_ms_max": float(d.max()),
         "model_info": model_summary(engine.gguf),
     })
+    n = len(gen.prompt_tokens)
+    modelled = roofline.traffic(rec["stage"], engine.config, n, 1 if engine.uses_kv_cache else n + 1)
+    if modelled:                            # naive, tiling: the roofline places them by it
+        rec["traffic"] = modelled
     return add_context(rec, {"prompt_tokens": prompt_tokens, "n_predict": n_predict, "sampling": "greedy",
                              "ignore_eos": True, "threads": engine.backend.threads, "n_ctx": engine.n_ctx})
 
@@ -168,16 +205,100 @@ def profile_run(engine, stage: str, prompt_tokens: int, n_predict: int) -> list[
     return rows
 
 
+def too_slow_for(stage: str, params: int) -> bool:
+    """Whether the registry says the stage takes minutes per token on a model this size."""
+    limit = info(stage).max_params
+    return limit is not None and params > limit
+
+
+def layers_to_measure(engine) -> int:
+    """Enough layers that their weights are twice the last-level cache: then, as in the whole
+    model, no layer's weights are still cached when its next pass starts (one small layer run
+    again and again would be timed from the cache, and extrapolate too fast)."""
+    layer_bytes = sum(engine.backend.weight_bytes(w) for w in vars(engine.layers[0]).values())
+    llc = max(roofline.cache_bytes().values(), default=0)
+    return min(len(engine.layers), max(EXTRAPOLATED_LAYERS, math.ceil(2 * llc / max(layer_bytes, 1))))
+
+
+def measure_extrapolated(engine, stage: str, prompt_tokens: int, n_predict: int, n_layers: int | None = None) -> dict:
+    """The protocol on the model cut to its first n_layers layers and to none, each timing
+    extrapolated linearly to every layer: t(L) = t(0) + L * (t(n) - t(0)) / n. Every layer has
+    the same shapes, so each costs the same; t(0) is what no layer costs (the embedding, the
+    final norm, the output matrix), the fastest of ZERO_LAYER_RUNS runs. Returns the record (not
+    written), labelled `extrapolated`."""
+    prompt = bench_prompt(engine.tokenizer, prompt_tokens)
+    n_layers = n_layers or layers_to_measure(engine)
+    every_layer = engine.layers
+    n_total = len(every_layer)
+    runs = {}
+    try:
+        for k in (0, n_layers):
+            engine.layers = every_layer[:k]          # the graph runs the layers it is given
+            jit_s = engine.warmup()
+            # t(0) is short, and its noise is multiplied by L/n below: the fastest of a few runs
+            tries = [counted_generate(engine, prompt, n_predict) for _ in range(ZERO_LAYER_RUNS if k == 0 else 1)]
+            gen = min(tries, key=lambda t: t[0].ttft_ms + sum(t[0].decode_ms))
+            runs[k] = (*gen, jit_s)
+    finally:
+        engine.layers = every_layer
+    (gen0, _, jit0), (genk, counters, jitk) = runs[0], runs[n_layers]
+
+    def whole(t0: float, tk: float) -> float:
+        return t0 + (tk - t0) * n_total / n_layers
+
+    gen = Generation(prompt_tokens=genk.prompt_tokens, tokens=genk.tokens, stop_reason=genk.stop_reason,
+                     ttft_ms=whole(gen0.ttft_ms, genk.ttft_ms),
+                     decode_ms=[whole(a, b) for a, b in zip(gen0.decode_ms, genk.decode_ms)])
+    rec = run_record(engine, stage, gen, engine.tokenizer.decode(gen.tokens), jit0 + jitk, counters)
+    rec["extrapolated"] = {
+        "method": (f"timed with the first {n_layers} of {n_total} layers and with none (the fastest of "
+                   f"{ZERO_LAYER_RUNS} runs); each figure "
+                   f"extrapolated as t(0) + {n_total} x (t({n_layers}) - t(0)) / {n_layers} (every layer has "
+                   f"the same shapes); tokens, text and counters are those of the {n_layers}-layer run"),
+        "layers_measured": n_layers, "n_layer": n_total,
+        "measured": {str(k): {"ttft_ms": g.ttft_ms, "decode_ms_all": g.decode_ms} for k, (g, _, _) in runs.items()},
+    }
+    return _finish(rec, engine, gen, prompt_tokens, n_predict)
+
+
+def cold_start(stage: str, model_path, prompt_tokens: int, n_ctx=None, threads=None, layers=None) -> dict:
+    """The article's cold start: the model file evicted from the page cache, then loaded and run
+    once over the prompt, each counted (page faults, major ones from the disk, per second).
+    layers: run the first forward pass on that many layers (a stage measured by extrapolation)."""
+    eviction = evict(model_path)
+    with Counters() as loading:
+        engine = load(stage, model_path, n_ctx=n_ctx, threads=threads)
+    every_layer = engine.layers
+    engine.layers = every_layer[:layers] if layers is not None else every_layer
+    prompt = bench_prompt(engine.tokenizer, prompt_tokens)
+    with Counters() as first:
+        engine.greedy_next(prompt, 0)
+    return {"eviction": eviction.as_dict(), "load": loading.result, "first_forward": first.result,
+            "prompt_tokens": len(prompt), "layers": len(engine.layers), "n_layer": len(every_layer)}
+
+
 def bench_stage(stage: str, model, prompt_tokens=None, n_predict=None, threads=None, ctx_size=None,
-                out_dir=None, profile_n: int = 0, write: bool = True):
+                out_dir=None, profile_n: int = 0, write: bool = True, cold: bool | None = None):
     """Load, measure and (unless write=False) record one stage or variant; with profile_n, add a
-    per-op profile of a run of profile_n tokens. Returns (record, path or None)."""
+    per-op profile of a run of profile_n tokens; with cold (default: when writing), the cold
+    start. A stage too slow for the model is measured by extrapolation (measure_extrapolated).
+    Returns (record, path or None)."""
     prompt_tokens, n_predict = settings_for(stage, prompt_tokens, n_predict)
-    engine = load(stage, resolve(model), n_ctx=ctx_size, threads=threads, progress=True)
-    rec = measure(engine, stage, prompt_tokens, n_predict)
-    if profile_n:
-        rec["profile"] = profile_run(engine, stage, prompt_tokens, profile_n)
-        rec["profile_settings"] = {"prompt_tokens": prompt_tokens, "n_predict": profile_n}
+    path = resolve(model)
+    engine = load(stage, path, n_ctx=ctx_size, threads=threads, progress=True)
+    layers = layers_to_measure(engine) if too_slow_for(stage, n_params(engine.config)) else None
+    if layers:
+        rec = measure_extrapolated(engine, stage, prompt_tokens, n_predict, layers)
+    else:
+        rec = measure(engine, stage, prompt_tokens, n_predict)
+        if profile_n:
+            rec["profile"] = profile_run(engine, stage, prompt_tokens, profile_n)
+            rec["profile_settings"] = {"prompt_tokens": prompt_tokens, "n_predict": profile_n}
+    if (write if cold is None else cold):
+        n_ctx, threads = engine.n_ctx, engine.backend.threads
+        del engine                                   # unmapped, so that its pages can be evicted
+        gc.collect()
+        rec["cold_start"] = cold_start(stage, path, prompt_tokens, n_ctx, threads, layers)
     return rec, (write_record(rec, out_dir) if write else None)
 
 

@@ -76,7 +76,7 @@ def load_results(folder, expected=None, why_missing=None) -> Results:
                 res.baselines.append(rec)
             else:
                 res.problems.append(f"{path.name}: llama.cpp figures missing or NaN; left out")
-        elif "stage" in rec:
+        elif "stage" in rec and rec.get("kind", "stage") == "stage":
             recs[rec["stage"]] = rec
     machine = folder.parent / "machine.json"
     if machine.exists():
@@ -128,7 +128,8 @@ def _ratio(x: float) -> str:
 
 def _bar_name(r: dict) -> str:
     threads = (r.get("settings") or {}).get("threads") or r.get("threads") or 1
-    return f"{r['stage']}\n{threads} thread{'s' if threads > 1 else ''}"
+    extrapolated = "\nextrapolated" if r.get("extrapolated") else ""
+    return f"{r['stage']}\n{threads} thread{'s' if threads > 1 else ''}{extrapolated}"
 
 
 def _settings_note(res: Results, rows: list[dict]) -> str:
@@ -266,23 +267,33 @@ def ops_markdown(res: Results) -> str:
 
 
 def roofline_points(rec: dict) -> list[tuple]:
-    """[(label, intensity FLOP/byte, achieved GFLOP/s)] for a stage's prefill and decode."""
+    """[(kind, intensity FLOP/byte, achieved GFLOP/s)] for a stage's prefill and decode. The
+    bytes are the weights read once plus the KV cache, or, where the record carries the traffic
+    its loop order causes (`traffic`, modelled by common/app/roofline.py), that instead."""
     w = rec.get("weights_stream_bytes") or 0
     f1 = rec.get("flops_per_token")
     if not (w and f1):
         return []
     kv_row = rec.get("kv_bytes_per_position", 0)
+    traffic = rec.get("traffic") or {}
     p = rec["n_prompt"]
     pts = []
     if _finite(rec.get("ttft_ms")):
         flops = f1 * p
-        pts.append(("prefill", flops / (w + kv_row * p), flops / (rec["ttft_ms"] / 1e3) / 1e9))
+        weights = traffic.get("prefill_bytes") or w
+        pts.append(("prefill", flops / (weights + kv_row * p), flops / (rec["ttft_ms"] / 1e3) / 1e9))
     if _finite(rec.get("decode_ms")):
         ctx = p + 1
         rows = 1 if rec.get("uses_kv_cache") else ctx        # without a cache: the whole text again
         flops = f1 * rows
-        pts.append(("decode", flops / (w + kv_row * ctx), flops / (rec["decode_ms"] / 1e3) / 1e9))
+        weights = traffic.get("decode_bytes") or w
+        pts.append(("decode", flops / (weights + kv_row * ctx), flops / (rec["decode_ms"] / 1e3) / 1e9))
     return pts
+
+
+def roofline_basis(rec: dict) -> str:
+    """What a stage's roofline intensity counts: 'modelled traffic' or 'minimum bytes'."""
+    return f"{rec['traffic']['method']} traffic" if rec.get("traffic") else "minimum bytes"
 
 
 def roofline_chart(res: Results, path):
@@ -300,12 +311,14 @@ def roofline_chart(res: Results, path):
     markers = {"prefill": "o", "decode": "^"}
     for i, rec in enumerate(res.stages):
         color = f"C{i}"
+        basis = " (modelled traffic)" if rec.get("traffic") else ""
         for kind, x, y in roofline_points(rec):
             ax.scatter([x], [y], marker=markers[kind], color=color, s=60, zorder=3,
-                       label=f"{rec['stage']} {kind}")
+                       label=f"{rec['stage']} {kind}{basis}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP per byte of weights + KV read)")
+    ax.set_xlabel("arithmetic intensity (FLOP per byte of weights + KV read; naive and tiling: the bytes their "
+                  "loop order moves, modelled, where recorded)", fontsize=8)
     ax.set_ylabel("achieved GFLOP/s")
     ax.grid(which="both", alpha=0.2)
     ax.legend(fontsize=7, ncol=2, loc="lower right")
@@ -330,7 +343,8 @@ def results_table(res: Results) -> str:
     for r, (vs_naive, vs_prev) in zip(res.stages, ups):
         s = r.get("settings") or {}
         threads = s.get("threads") or r.get("threads") or 1
-        name = r["stage"] + (f" ({threads} threads)" if threads > 1 else "")
+        name = r["stage"] + (f" ({threads} threads)" if threads > 1 else "") + \
+            (" (extrapolated)" if r.get("extrapolated") else "")
         lines.append(f"| {name} | {_fmt(r['ttft_ms'])} | {_fmt(r['decode_ms'])} | {_fmt(r['tokens_per_s'])} "
                      f"| {_fmt(vs_naive) + 'x' if vs_naive else '-'} | {_fmt(vs_prev, 2) + 'x' if vs_prev else '-'} "
                      f"| {_fmt(r.get('peak_rss_mb'), 0)} | {s.get('prompt_tokens', r['n_prompt'])} / "
@@ -340,6 +354,12 @@ def results_table(res: Results) -> str:
         lines.append(f"| llama.cpp ({t} thread{'s' if t > 1 else ''}) | {_fmt(b['ttft_ms'])} | {_fmt(b['decode_ms'])} "
                      f"| {_fmt(b['tokens_per_s'])} | - | - | {_fmt(b.get('peak_rss_mb'), 0)} "
                      f"| {b['n_prompt']} / {b['n_generated']} |")
+    extrapolated = [r for r in res.stages if r.get("extrapolated")]
+    if extrapolated:
+        e = extrapolated[0]["extrapolated"]
+        lines.append(f"\n_extrapolated: {', '.join(r['stage'] for r in extrapolated)} ran {e['layers_measured']} "
+                     f"of {e['n_layer']} layers (and none), their times extrapolated to every layer (the records "
+                     f"say how)_")
     for p in res.problems:
         lines.append(f"\n_{p}_")
     return "\n".join(lines) + "\n"

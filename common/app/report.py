@@ -1,7 +1,9 @@
 """`make report`: measure every stage this machine can run, then redraw the charts, the README
-table and the generated pages from the JSON records.
+table, the generated pages and the lessons ledger from the JSON records.
 
     python -m common report [-m MODEL] [--stages naive,simd] [--draw-only] [--no-baseline]
+    python -m common report --article          the article's workload, every stage (see below)
+    python -m common report --perplexity       also the perplexity comparison (perplexity.json)
 
 Each stage is measured in its own process (clean peak RSS, its own JIT warm-up) through the
 one harness (common/app/bench.py), with the registry's settings (stages/registry.py): the same
@@ -15,6 +17,22 @@ llama-cpp-python is installed (`make baseline`).
 profiles/<model>/. On a model larger than a stage's `max_params` in the registry (naive and
 tiling: LARGE_MODEL_PARAMS) the stage is left out unless named in --stages.
 
+`--article` measures the article's setting: TinyLlama 1.1B (the real file where models/ has it,
+else its geometry with synthetic weights, `make model name=tinyllama-synthetic`, labelled so) with
+a 512-token prompt, every stage, into profiles/results/<machine>/<model>-prompt512/ with its
+charts and results.md under profiles/<model>-prompt512/. The stages without a KV cache generate
+2 tokens (a prompt pass and one decode step, each a 512-token pass), the others 16; naive and
+tiling would take tens of minutes per pass there, so they run a few layers and extrapolate
+(common/app/bench.py says how; their records and rows say so). Expect it to take a while, most
+of it naive's and tiling's few layers of 512-token passes.
+
+`--perplexity` adds the comparison of common/app/perplexity.py (`python -m common perplexity
+--compare`) on the default model: every float stage, int8, and the model requantized to four
+types, on the committed text (minutes per row).
+
+Every drawing also writes profiles/lessons.md and lessons.png (common/app/lessons.py): each of
+the article's claims beside this machine's records.
+
 Every record says which code it measured (common/app/provenance.py); the report warns when the
 records it draws were measured with other code than the code checked out now.
 """
@@ -26,15 +44,16 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
-from common.app import charts, roofline
+from common.app import charts, lessons, perplexity, roofline
 from common.app.baseline import llama_cpp_version
 from common.app.bench import BASELINE, measure_in_child, results_dir
 from common.app.machine import machine_info
-from common.app.models import DEFAULT_MODEL, resolve
+from common.app.models import DEFAULT_MODEL, MODELS, FetchError, resolve
 from common.app.pages import redraw_pages
 from common.app.provenance import provenance, stale
 from common.cpu import physical_cores
@@ -47,16 +66,52 @@ ROOT = Path(__file__).resolve().parents[2]
 PROFILES = ROOT / "profiles"
 
 
-def measure_stage(stage: str, model: Path, out_dir: Path, threads=None) -> dict:
-    s = info(stage)
-    return measure_in_child(stage, model, REPORT_PROMPT_TOKENS, s.tokens.report, threads=threads,
-                            out_dir=out_dir, profile_n=s.tokens.profile)
+# The article's workload: tokens generated after its 512-token prompt.
+ARTICLE_TOKENS_CACHED = 16          # stages with a KV cache (and llama.cpp)
+ARTICLE_TOKENS_RECOMPUTING = 2      # the others: a prompt pass and one decode step, each 512 tokens
 
 
-def measure_baseline(model: Path, out_dir: Path, threads: int = 1) -> dict:
+@dataclass(frozen=True)
+class Workload:
+    """What a report measures: the registry's settings, or the article's."""
+    prompt_tokens: int = REPORT_PROMPT_TOKENS
+    article: bool = False
+
+    def n_predict(self, stage: str) -> int:
+        if not self.article:
+            return info(stage).tokens.report
+        return ARTICLE_TOKENS_CACHED if info(stage).kv_cache else ARTICLE_TOKENS_RECOMPUTING
+
+    def profile_n(self, stage: str) -> int:
+        return 0 if self.article else info(stage).tokens.profile      # no profiled run of 512-token passes
+
+    @property
+    def baseline_tokens(self) -> int:
+        return ARTICLE_TOKENS_CACHED if self.article else Tokens().report
+
+
+REPORT = Workload()
+ARTICLE = Workload(lessons.ARTICLE_PROMPT_TOKENS, article=True)
+
+
+def measure_stage(stage: str, model: Path, out_dir: Path, threads=None, workload: Workload = REPORT) -> dict:
+    return measure_in_child(stage, model, workload.prompt_tokens, workload.n_predict(stage), threads=threads,
+                            out_dir=out_dir, profile_n=workload.profile_n(stage))
+
+
+def measure_baseline(model: Path, out_dir: Path, threads: int = 1, workload: Workload = REPORT) -> dict:
     """llama.cpp's row, same prompt ids as the stages, as many tokens as the KV-cache stages."""
-    return measure_in_child(BASELINE, model, REPORT_PROMPT_TOKENS, Tokens().report, threads=threads,
+    return measure_in_child(BASELINE, model, workload.prompt_tokens, workload.baseline_tokens, threads=threads,
                             out_dir=out_dir)
+
+
+def article_model() -> Path:
+    """TinyLlama 1.1B Q4_K_M where models/ has it, else its synthetic geometry."""
+    for name in lessons.ARTICLE_MODELS:
+        if name in MODELS and MODELS[name].path.exists():
+            return MODELS[name].path
+    raise FetchError("the article's workload needs TinyLlama 1.1B: `make model name=tinyllama-synthetic` writes "
+                     "its geometry with synthetic weights (a few minutes), or `make model name=tinyllama`")
 
 
 def model_params(model: Path) -> int:
@@ -105,13 +160,18 @@ def draw(folder: Path, charts_dir: Path, update_readme_table: bool, why_missing=
     return written
 
 
-def run(model=None, stages=None, draw_only=False, baseline=True, remeasure_machine=False):
-    model = resolve(model)
+def run(model=None, stages=None, draw_only=False, baseline=True, remeasure_machine=False, article=False,
+        with_perplexity=False):
+    workload = ARTICLE if article else REPORT
+    model = article_model() if article else resolve(model)
     folder = results_dir(model.name)
-    is_default = model.resolve() == DEFAULT_MODEL.path.resolve()
+    is_default = model.resolve() == DEFAULT_MODEL.path.resolve() and not article
     charts_dir = PROFILES if is_default else PROFILES / model.stem
+    if article:
+        folder = folder.parent / lessons.article_folder_name(model.stem)
+        charts_dir = PROFILES / folder.name
     params = model_params(model)
-    left_out = too_large(params)
+    left_out = [] if article else too_large(params)      # the article's workload extrapolates them
     if not draw_only:
         todo = stages or runnable_stages()
         for s in STAGES:
@@ -130,23 +190,29 @@ def run(model=None, stages=None, draw_only=False, baseline=True, remeasure_machi
             bar.set_postfix_str(stage)
             t0 = time.perf_counter()
             try:
-                rec = measure_stage(stage, model, folder)
+                rec = measure_stage(stage, model, folder, workload=workload)
             except RuntimeError as e:
                 tqdm.write(f"{e}")
                 continue
             tqdm.write(f"{stage:>10}: TTFT {rec['ttft_ms']:9.1f} ms, decode {rec['decode_ms']:8.1f} ms/token "
-                       f"({time.perf_counter() - t0:.0f} s)")
+                       f"({time.perf_counter() - t0:.0f} s)" + (" extrapolated" if rec.get("extrapolated") else ""))
         if baseline:
             if llama_cpp_version():
                 for threads in sorted({1, physical_cores()}):     # the article's 1 thread; all cores
-                    rec = measure_baseline(model, folder, threads)
+                    rec = measure_baseline(model, folder, threads, workload)
                     print(f"{BASELINE:>10}: TTFT {rec['ttft_ms']:9.1f} ms, decode {rec['decode_ms']:8.1f} "
                           f"ms/token ({threads} thread{'s' if threads > 1 else ''})", file=sys.stderr)
             else:
                 print("llama.cpp row: llama-cpp-python not installed (`make baseline` adds it)", file=sys.stderr)
+        if with_perplexity:
+            print("perplexity: every float stage, int8 and four requantized models ...", file=sys.stderr)
+            rec = perplexity.compare(DEFAULT_MODEL.path, progress=lambda line: print(line, file=sys.stderr))
+            written_ppl = perplexity.write(rec, results_dir(DEFAULT_MODEL.filename))
+            print(f"wrote {os.path.relpath(written_ppl, ROOT)}", file=sys.stderr)
     why_missing = {s: "too slow on a model this size; --stages names it to measure it" for s in left_out}
     written = draw(folder, charts_dir, update_readme_table=is_default, why_missing=why_missing)
     written += redraw_pages(PROFILES / "bench")
+    written += lessons.write(PROFILES)
     for path in written:
         print(f"wrote {os.path.relpath(path, ROOT)}", file=sys.stderr)
 
@@ -159,5 +225,10 @@ def add_commands(sub):
     p.add_argument("--draw-only", action="store_true", help="redraw from the records without measuring")
     p.add_argument("--no-baseline", action="store_true", help="skip llama.cpp's rows")
     p.add_argument("--remeasure-machine", action="store_true", help="measure bandwidth and peak FLOP/s again")
+    p.add_argument("--article", action="store_true",
+                   help="the article's workload: TinyLlama 1.1B (or its synthetic geometry), 512-token prompt, "
+                        "every stage (naive and tiling extrapolated from a few layers)")
+    p.add_argument("--perplexity", action="store_true",
+                   help="also the perplexity comparison of the stages and requantized models (tens of minutes)")
     p.set_defaults(func=lambda a: run(a.model, a.stages.split(",") if a.stages else None, a.draw_only,
-                                      not a.no_baseline, a.remeasure_machine))
+                                      not a.no_baseline, a.remeasure_machine, a.article, a.perplexity))

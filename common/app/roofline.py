@@ -14,19 +14,34 @@ Both ceilings are measured here with small numba kernels, single-threaded and on
 - bandwidth: summing a 512 MiB float32 array (far larger than any cache), vectorized;
 - peak: a register-blocked matmul (the simd stage's 4x4 kernel) on data that stays in L1/L2,
   i.e. the best FLOP/s this numba code reaches when memory is not in the way.
+
+Where a stage sits on it: by default its intensity counts the fewest bytes a forward pass can
+read (every weight once, plus the KV cache). The textbook loop orders of naive and tiling read
+much more where a matrix does not fit the last-level cache: `traffic()` models the bytes their
+loop order brings from memory (from the matrix shapes and this machine's L2 and L3 sizes), and
+the chart places them by that model, labelled "modelled".
 """
 
 from __future__ import annotations
 
+import math
+import re
 import statistics
 import time
 
 import numpy as np
-from numba import get_num_threads, njit, prange, set_num_threads
+from numba import get_num_threads, njit, parallel_chunksize, prange, set_num_threads
 
+from common.app.machine import machine_info
 from common.cpu import physical_cores
 from stages.kernels.toolkit import FASTMATH
 from stages.simd import matmul_panels
+from stages.tiling import TILE_I
+
+CACHE_LINE = 64
+METHOD = ["- bandwidth: summing a 512 MiB float32 array (far larger than any cache), vectorized;",
+          "- peak: a register-blocked matmul (the simd stage's 4x4 kernel) on data that stays in L1/L2,",
+          "  i.e. the best FLOP/s this numba code reaches when memory is not in the way."]
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -59,8 +74,9 @@ def _peak_parallel(A, W, reps, n_threads):
     return out
 
 
-def _best(fn, reps: int = 5) -> float:
-    """Fastest of reps runs, in seconds: the ceiling is what the machine can do when left alone."""
+def _best(fn, reps: int = 5) -> tuple[float, float]:
+    """(fastest, median) of reps runs, in seconds: the ceiling is what the machine can do when
+    left alone."""
     fn()
     times = []
     for _ in range(reps):
@@ -68,6 +84,24 @@ def _best(fn, reps: int = 5) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return min(times), statistics.median(times)
+
+
+def bandwidth_gbs(a: np.ndarray, threads: int = 1, reps: int = 5) -> tuple[float, float]:
+    """(best, median) GB/s of summing `a` on that many threads: eight contiguous chunks per
+    thread, each taken by whichever thread is free."""
+    if threads == 1:
+        best, med = _best(lambda: _sum(a), reps)
+    else:
+        old = get_num_threads()
+        set_num_threads(threads)
+        try:
+            # chunks handed out one at a time as threads come free, not split up front: a thread
+            # that loses its core for a while (another process) leaves its chunks to the others
+            with parallel_chunksize(1):
+                best, med = _best(lambda: _sum_parallel(a, threads * 8), reps)
+        finally:
+            set_num_threads(old)
+    return a.nbytes / best / 1e9, a.nbytes / med / 1e9
 
 
 def measure(threads: int | None = None, size_mib: int = 512) -> dict:
@@ -81,9 +115,8 @@ def measure(threads: int | None = None, size_mib: int = 512) -> dict:
     flops_one = 2 * 16 * 64 * 512
     reps = 2000
     out = {"bandwidth_gbs": {}, "peak_gflops": {}, "bandwidth_gbs_median": {}, "peak_gflops_median": {},
-           "method": __doc__.strip().splitlines()[-3:]}
-    best, med = _best(lambda: _sum(a))
-    out["bandwidth_gbs"]["1"], out["bandwidth_gbs_median"]["1"] = a.nbytes / best / 1e9, a.nbytes / med / 1e9
+           "method": METHOD}
+    out["bandwidth_gbs"]["1"], out["bandwidth_gbs_median"]["1"] = bandwidth_gbs(a, 1)
 
     def peak1():
         for _ in range(reps):
@@ -92,15 +125,71 @@ def measure(threads: int | None = None, size_mib: int = 512) -> dict:
     out["peak_gflops"]["1"], out["peak_gflops_median"]["1"] = flops_one * reps / best / 1e9, \
         flops_one * reps / med / 1e9
     if threads > 1:
+        out["bandwidth_gbs"][str(threads)], out["bandwidth_gbs_median"][str(threads)] = bandwidth_gbs(a, threads)
         old = get_num_threads()
         set_num_threads(threads)
         try:
-            best, med = _best(lambda: _sum_parallel(a, threads * 8))
-            out["bandwidth_gbs"][str(threads)] = a.nbytes / best / 1e9
-            out["bandwidth_gbs_median"][str(threads)] = a.nbytes / med / 1e9
             best, med = _best(lambda: _peak_parallel(A, W, reps, threads), 5)
             out["peak_gflops"][str(threads)] = flops_one * reps * threads / best / 1e9
             out["peak_gflops_median"][str(threads)] = flops_one * reps * threads / med / 1e9
         finally:
             set_num_threads(old)
     return out
+
+
+# ---- the bytes a loop order really moves ------------------------------------------------------
+
+def cache_bytes(caches: dict | None = None) -> dict:
+    """{'L1d': bytes, 'L2': .., 'L3': ..} from the machine record's sizes ('48K', '32768K', '1M')."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+    out = {}
+    for name, size in (caches if caches is not None else machine_info()["caches"]).items():
+        m = re.fullmatch(r"(\d+)\s*([KMG]?)i?B?", str(size).strip())
+        if m and name != "L1i":
+            out[name] = int(m.group(1)) * units[m.group(2)]
+    return out
+
+
+def matrix_shapes(cfg) -> list[tuple[int, int, int]]:
+    """(K inputs, N outputs, rows it multiplies: 'all' = -1 or 'last' = 1) of every matrix of a
+    forward pass: the layers' seven, each on every row, and the output matrix on the last row
+    only (a greedy step needs one row of logits)."""
+    q, kv = cfg.n_head * cfg.head_dim, cfg.kv_dim
+    per_layer = [(cfg.n_embd, q), (cfg.n_embd, kv), (cfg.n_embd, kv), (q, cfg.n_embd),
+                 (cfg.n_embd, cfg.n_ff), (cfg.n_embd, cfg.n_ff), (cfg.n_ff, cfg.n_embd)]
+    return [(k, n, -1) for k, n in per_layer * cfg.n_layer] + [(cfg.n_embd, cfg.n_vocab, 1)]
+
+
+def loop_order_bytes(stage: str, k: int, n: int, rows: int, caches: dict) -> int | None:
+    """Bytes of a float32 [K, N] matrix brought from memory to multiply `rows` rows by it in the
+    stage's loop order; None for a stage without a model here (it reads each weight once).
+
+    naive (i, j, k): each row walks every column of B, K cache lines apart. The 16 columns of a
+    line reuse it only while the K lines of one walk stay in L2; and the next row finds B in the
+    last-level cache only if all of it fits there. Else every row reads B from memory again.
+    tiling (i0, j0, k0 blocks): a 64 x 64 tile of B is reused by TILE_I rows from L1, so B is
+    read once per TILE_I rows when it does not fit the last-level cache."""
+    if stage not in ("naive", "tiling"):
+        return None
+    nbytes = 4 * k * n
+    llc = caches.get("L3") or caches.get("L2") or 0
+    passes = 1 if nbytes <= llc else (rows if stage == "naive" else math.ceil(rows / TILE_I))
+    per_pass = nbytes
+    if stage == "naive" and k * CACHE_LINE > caches.get("L2", 0):
+        per_pass = nbytes * (CACHE_LINE // 4)               # each line fetched once per column
+    return passes * per_pass
+
+
+def traffic(stage: str, cfg, prefill_rows: int, decode_rows: int, caches: dict | None = None) -> dict | None:
+    """The modelled memory traffic of a prefill and a decode step, for the roofline; None for a
+    stage that reads each weight once (the chart then counts the minimum bytes)."""
+    caches = cache_bytes() if caches is None else caches
+    if loop_order_bytes(stage, 1, 1, 1, caches) is None:
+        return None
+
+    def one_pass(rows: int) -> int:
+        return sum(loop_order_bytes(stage, k, n, rows if r < 0 else r, caches) for k, n, r in matrix_shapes(cfg))
+
+    return {"method": "modelled", "prefill_bytes": one_pass(prefill_rows), "decode_bytes": one_pass(decode_rows),
+            "caches": {k: v for k, v in caches.items() if k in ("L2", "L3")},
+            "model": " ".join(loop_order_bytes.__doc__.split("\n\n")[1].split())}

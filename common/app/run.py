@@ -9,9 +9,20 @@ import sys
 
 from common.app import bench
 from common.app.chat import chat_loop
+from common.app.counters import Counters
 from common.app.models import DEFAULT_MODEL, resolve
 from common.app.profile import format_table
-from common.generate import ParameterError, Sampler, SamplingParams, Session, check_fits, check_n_predict
+from common.generate import (
+    ParameterError,
+    Sampler,
+    SamplingParams,
+    Session,
+    check_count,
+    check_ctx_size,
+    check_fits,
+    check_n_predict,
+    check_threads,
+)
 from common.gguf import GGUFFile
 from common.model import LlamaConfig, context_size
 from common.tokenizer import Tokenizer
@@ -56,27 +67,65 @@ def chosen_stage(name: str) -> str:
     return stage
 
 
+# ---- arguments, checked where they are parsed (common/generate.py's checks, shared with the server) -----
+
+def checked(check, parse=int):
+    """An argparse type: parse the text, then apply the engine's check; a bad value becomes
+    argparse's error (one line, exit 2: see one_line_errors) before anything is loaded."""
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            kind = "an integer" if parse is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+        try:
+            check(value)
+        except ParameterError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+    convert.__name__ = getattr(check, "__name__", "value")
+    return convert
+
+
+def sampling_check(name: str):
+    """SamplingParams' own rule for one field."""
+    def check(value):
+        SamplingParams(**{name: value})
+    check.__name__ = name
+    return check
+
+
+def one_line_errors(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """argparse prints its usage (many lines) before an error; here the error alone, then exit 2."""
+    def error(message):
+        p.exit(2, f"error: {message} (`{p.prog} --help` lists the options)\n")
+    p.error = error
+    return p
+
+
 def add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--stage", "-s", default="fastest",
                    help=f"{' | '.join(STAGES)} (default: the fastest this machine can run; "
                         f"`python -m common stages` lists them)")
     p.add_argument("-m", "--model", default=str(DEFAULT_MODEL.path),
                    help="GGUF file or model name (default: %(default)s)")
-    p.add_argument("-c", "--ctx-size", type=int, default=None,
+    p.add_argument("-c", "--ctx-size", type=checked(check_ctx_size), default=None,
                    help="context window in tokens (default: min(model's, 2048))")
-    p.add_argument("-t", "--threads", type=int, default=None,
+    p.add_argument("-t", "--threads", type=checked(check_threads), default=None,
                    help="threads for stages that use several (default: physical cores)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("sampling (llama.cpp's chain: penalties, top-k, top-p, min-p, temperature)")
-    g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default: 0)")
-    g.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens (default: 40; 0 = off)")
-    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default: 0.95; 1 = off)")
-    g.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min_p x the best (default: 0.05)")
-    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalize recent tokens (default: 1.0 = off)")
-    g.add_argument("--repeat-last-n", type=int, default=64, help="window of the repeat penalty (default: 64)")
-    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    def arg(flag, name, parse, default, text):
+        g.add_argument(flag, dest=name, type=checked(sampling_check(name), parse), default=default, help=text)
+    arg("--temp", "temp", float, 0.0, "temperature; 0 = greedy (default: 0)")
+    arg("--top-k", "top_k", int, 40, "keep the k most likely tokens (default: 40; 0 = off)")
+    arg("--top-p", "top_p", float, 0.95, "nucleus sampling (default: 0.95; 1 = off)")
+    arg("--min-p", "min_p", float, 0.05, "drop tokens below min_p x the best (default: 0.05)")
+    arg("--repeat-penalty", "repeat_penalty", float, 1.0, "penalize recent tokens (default: 1.0 = off)")
+    arg("--repeat-last-n", "repeat_last_n", int, 64, "window of the repeat penalty (default: 64; -1 = all)")
+    arg("--seed", "seed", int, None, "random seed for sampling")
 
 
 def sampling_params(args) -> SamplingParams:
@@ -132,11 +181,12 @@ def cmd_run(args):
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
     profiler = bench.start_profile(engine) if args.profile else None
-    gen = session.generate(prompt, n_predict, Sampler(params), stop_ids=tok.eog_ids,
-                           on_token=on_token)
+    with Counters() as counted:
+        gen = session.generate(prompt, n_predict, Sampler(params), stop_ids=tok.eog_ids,
+                               on_token=on_token)
     if echo:
         sys.stdout.write(stream.flush() + "\n")
-    rec = bench.run_record(engine, stage, gen, tok.decode(gen.tokens), jit_s)
+    rec = bench.run_record(engine, stage, gen, tok.decode(gen.tokens), jit_s, counted.result)
     if profiler:
         rec["profile"] = bench.stop_profile(engine, profiler)
     if args.json:
@@ -178,12 +228,13 @@ def cmd_stages(args):
 
 def add_commands(sub):
     run_tokens = ", ".join(f"{s} {info(s).tokens.run}" for s in STAGES)
-    p = sub.add_parser("run", help="generate text with one stage, then print its timings",
-                       description="Generate a completion with one stage, streaming the text, then print TTFT, "
-                                   "decode ms/token, tokens/s, load and JIT time, peak RSS and page faults.")
+    p = one_line_errors(sub.add_parser(
+        "run", help="generate text with one stage, then print its timings",
+        description="Generate a completion with one stage, streaming the text, then print TTFT, "
+                    "decode ms/token, tokens/s, load and JIT time, peak RSS and page faults."))
     add_model_args(p)
     p.add_argument("-p", "--prompt", default="The meaning of life is", help="prompt text")
-    p.add_argument("-n", "--n-predict", type=int, default=None,
+    p.add_argument("-n", "--n-predict", type=checked(check_n_predict), default=None,
                    help=f"tokens to generate (default, by stage: {run_tokens})")
     p.add_argument("--chat", action="store_true",
                    help="interactive chat with the model's template (stages with a KV cache); /reset, Ctrl-D")
@@ -193,19 +244,22 @@ def add_commands(sub):
     add_sampling_args(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("bench", help="measure one stage (fixed prompt, greedy) into profiles/results/",
-                       description="Measure one stage (or a variant) on a fixed prompt of exactly --prompt-tokens "
-                                   "tokens, greedy, generating exactly -n tokens (EOS ignored); JIT warmed up "
-                                   "first. Writes one JSON record (timings, RSS, page faults, machine, versions, "
-                                   "the code that ran). Defaults: `make report`'s settings (stages/registry.py).")
+    p = one_line_errors(sub.add_parser(
+        "bench", help="measure one stage (fixed prompt, greedy) into profiles/results/",
+        description="Measure one stage (or a variant) on a fixed prompt of exactly --prompt-tokens "
+                    "tokens, greedy, generating exactly -n tokens (EOS ignored); JIT warmed up "
+                    "first. Writes one JSON record (timings, RSS, page faults, machine, versions, "
+                    "the code that ran). Defaults: `make report`'s settings (stages/registry.py)."))
     add_model_args(p)
-    p.add_argument("--prompt-tokens", type=int, default=None, help="prompt length in tokens (default: the report's)")
-    p.add_argument("-n", "--n-predict", type=int, default=None, help="tokens to generate (default: by stage)")
+    p.add_argument("--prompt-tokens", type=checked(lambda n: check_count("prompt_tokens (--prompt-tokens)", n)),
+                   default=None, help="prompt length in tokens (default: the report's)")
+    p.add_argument("-n", "--n-predict", type=checked(check_n_predict), default=None,
+                   help="tokens to generate (default: by stage)")
     p.add_argument("--out", default=None, help="folder for the record (default: profiles/results/<machine>/<model>/)")
     p.add_argument("--no-write", action="store_true", help="measure without writing a record")
     p.add_argument("--json", action="store_true", help="print the record (one JSON line) instead of a summary")
-    p.add_argument("--profile-n", type=int, default=0,
-                   help="after measuring, profile a run of this many tokens per op and add it to the record")
+    p.add_argument("--profile-n", type=checked(lambda n: check_count("profile_n (--profile-n)", n, minimum=0)),
+                   default=0, help="after measuring, profile a run of this many tokens per op and add it to the record")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("stages", help="list the stages: number, lesson, what each builds on",

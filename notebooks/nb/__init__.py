@@ -6,11 +6,13 @@ only its own story; a helper that two chapters need lives here, never in a noteb
     measure.py    load, measure, profile (the harness of common/app/bench.py), memory, records
     asm.py        the assembly of a kernel and the FMAs in it
     plots.py      live runs beside recorded ones, op shares, roofline, lines and bars
+    article.py    the article's claims beside the live figures and the recorded verdicts
 
 Measurements reuse the application's own tools, so a chapter's live figure and a recorded one
 are the same kind of figure.
 """
 
+from notebooks.nb import article
 from notebooks.nb.asm import fma_counts, hot_loop, kernel_asm
 from notebooks.nb.measure import (
     MatmulWork,
@@ -59,6 +61,7 @@ from notebooks.nb.text import (
 )
 
 __all__ = [
+    "article",
     "Findings", "MODEL_ENV", "MatmulWork", "QUICK_ENV", "ROOT", "Recorded", "Settings", "bar_chart", "best_seconds",
     "cache_sizes", "ceilings", "class_source_from_file", "faults_between", "find_kernels", "find_records",
     "fma_counts", "hot_loop", "human_bytes", "is_quick", "kernel_asm", "line_chart", "load", "matmul_share",

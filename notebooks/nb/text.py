@@ -124,12 +124,46 @@ def show_image(path) -> bool:
     return True
 
 
+# a number that is not one, as str() or an f-string writes it: nan, -inf, "nan ms", "infx" ("{r:.1f}x")
+NOT_A_NUMBER = re.compile(r"(?<![\w.])[-+]?(nan|inf|infinity)x?(?![A-Za-z0-9_])", re.I)
+
+
 class Findings(dict):
     """What a chapter measured, in the order it measured it; `show()` renders the list that
-    closes the chapter (every figure in it computed by the cells above, none typed in)."""
+    closes the chapter (every figure in it computed by the cells above, none typed in).
+
+    A finding is a name and a sentence (or a number). One that holds NaN or an infinity is a
+    measurement that went wrong, not a finding: setting it raises, so the chapter fails where
+    the figure was computed instead of printing "nan ms" at its end."""
+
+    def __setitem__(self, key, value):
+        if not isinstance(key, str) or not key.strip():
+            raise ValueError(f"a finding needs a name, not {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise TypeError(f"finding '{key}': a sentence or a number, not {type(value).__name__}")
+        text = str(value)
+        if not text.strip():
+            raise ValueError(f"finding '{key}' is empty")
+        bad = NOT_A_NUMBER.search(text)
+        if bad:
+            raise ValueError(f"finding '{key}' holds '{bad.group(0)}' (a measurement that failed): {text}")
+        super().__setitem__(key, value)
+
+    def update(self, *args, **kw):
+        for k, v in dict(*args, **kw).items():
+            self[k] = v
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
 
     def show(self, title: str = "What we measured here"):
+        """The list as Markdown, and the same findings as JSON beside it (tests read that)."""
+        if not self:
+            raise ValueError("no findings to show: a chapter ends with what it measured")
         cfg = settings()
         lines = [f"### {title}", "", f"_{cfg.describe()}; model `{model_path().name}`._", ""]
         lines += [f"- **{k}**: {v}" for k, v in self.items()]
-        md("\n".join(lines))
+        display({"text/markdown": "\n".join(lines),
+                 "application/json": {"title": title, "findings": {k: str(v) for k, v in self.items()}}}, raw=True)

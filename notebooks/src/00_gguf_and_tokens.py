@@ -85,6 +85,22 @@ findings["parameters"] = f"{s['parameters'] / 1e6:.1f} M in a {nb.human_bytes(g.
                          f"({8 * g.file_size / s['parameters']:.2f} bits per weight on average)"
 
 # %% [markdown]
+# ## Beside the article: what float32 would cost
+#
+# The article's model, TinyLlama 1.1B in Q4_K_M, is a file of about 700 MB that its engine turned
+# into float32 at load, 2.8 GB by its account. Its own arithmetic does not add up: 1.1 billion
+# weights at 4 bytes each are 4.4 GB. The same arithmetic for this file, before loading anything
+# (chapter 01 measures what a stage really holds):
+
+# %%
+float32_bytes = 4 * s["parameters"]
+print(f"{s['parameters']:,} weights x 4 bytes = {nb.human_bytes(float32_bytes)} as float32, "
+      f"{float32_bytes / g.file_size:.1f}x the {nb.human_bytes(g.file_size)} file")
+nb.article.beside("ram_balloon", float32_bytes / g.file_size, "parameters x 4 bytes / file size (arithmetic)")
+findings["float32 would be"] = (f"{nb.human_bytes(float32_bytes)}, {float32_bytes / g.file_size:.1f}x the file "
+                                f"(the article's 2.8 GB from 700 MB is 4x; its 1.1 B weights x 4 bytes are 4.4 GB)")
+
+# %% [markdown]
 # ## Opening is free: the file is mapped, not read
 #
 # The reader maps the whole file into memory (`mmap`) and hands every tensor out as a view of

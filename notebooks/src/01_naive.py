@@ -66,6 +66,15 @@ findings["RAM balloon"] = (f"a {nb.human_bytes(file_size)} file became {nb.human
                            f"{after['rss_mb'] - before['rss_mb']:.0f} MiB of resident memory")
 
 # %% [markdown]
+# The article saw the same balloon, with figures of its own that do not add up: TinyLlama's
+# 1.1 billion weights take 4.4 GB as float32, more than the process it reported. Here the ratio
+# is the file's bits per weight against 32 (and, where the output matrix is tied to the
+# embedding, this stage holds that matrix twice: once per layout).
+
+# %%
+nb.article.beside("ram_balloon", held / file_size, f"{nb.human_bytes(held)} held / {nb.human_bytes(file_size)} file")
+
+# %% [markdown]
 # ## Running it
 #
 # One generation by the measurement protocol (`common/app/bench.py`): fixed prompt ids, greedy,
@@ -81,6 +90,23 @@ print(f"reading the float32 weights once at {ceil['bandwidth_gbs']:.1f} GB/s tak
       f"decode is {live['decode_ms'] / lower_bound_ms:.1f}x that floor")
 findings["naive, live"] = (f"TTFT {live['ttft_ms']:.0f} ms, decode {live['decode_ms']:.0f} ms/token; "
                            f"the memory floor for one token is {lower_bound_ms:.0f} ms")
+
+# %% [markdown]
+# The run's counters (`common/app/counters.py`) came with it: task clock, context switches, page
+# faults, and, where the machine exposes a performance monitoring unit, instructions and cycles.
+# The article counted 0.98 instructions per cycle for its naive engine: a core that can retire
+# four or more per cycle, mostly waiting.
+
+# %%
+counted = live["counters"]
+pmu = counted["pmu"]
+print(f"timed region: {counted['wall_ms']:.0f} ms wall, {counted['task_clock_ms']:.0f} ms task clock, "
+      f"{counted['context_switches']} context switches, {counted['minor_faults']:,} minor / "
+      f"{counted['major_faults']:,} major faults")
+nb.article.beside("ipc_naive", pmu.get("ipc") if pmu["available"] else None,
+                  "this run's counters" if pmu["available"] else pmu["reason"])
+findings["IPC"] = (f"{pmu['ipc']:.2f} instructions per cycle ({pmu['cache_miss_rate']:.1%} of cache references "
+                   f"missed)" if pmu["available"] else f"not measured here: {pmu['reason']}")
 
 # %% [markdown]
 # ## Where the time goes
@@ -114,10 +140,46 @@ findings["cost vs length"] = (f"one step grows from {step[0]:.0f} ms at {lengths
                               f"at {lengths[-1]}: about {slope:.0f} ms per token of text")
 
 # %% [markdown]
+# ## A cold start: the article's page faults
+#
+# The article counted over a million page faults in a naive run. Two kinds hide in that figure.
+# A *major* fault waits for the disk: the model file's page was not in memory. A *minor* one only
+# maps a page already there, or a fresh page of memory touched for the first time, which is what
+# filling float32 copies of every weight does, once per 4 KiB. To see both, the model file is
+# evicted from the page cache (`posix_fadvise`, no root needed: `counters.evict`), then the stage
+# loads and runs one forward pass, each counted.
+
+# %%
+import gc
+
+from common.app import bench
+
+del engine
+gc.collect()                                  # unmapped, so that the file's pages can be evicted
+cold = bench.cold_start("naive", nb.model_path(), cfg.prompt_tokens)
+load_c, first_c = cold["load"], cold["first_forward"]
+nb.show_table(["", "wall", "minor faults", "major faults", "faults per second"],
+              [(name, f"{c['wall_ms']:,.0f} ms", f"{c['minor_faults']:,}", f"{c['major_faults']:,}",
+                f"{c['faults_per_s']:,.0f}") for name, c in (("load (dequantize every weight)", load_c),
+                                                             ("first forward pass", first_c))])
+ev = cold["eviction"]
+print(f"file resident before eviction {ev['resident_before']:.0%}, after {ev['resident_after']:.0%}"
+      + (f": {ev['note']}" if ev["note"] else ""))
+faults = sum(c["minor_faults"] + c["major_faults"] for c in (load_c, first_c))
+pages = held / 4096
+nb.article.beside("page_faults", float(faults),
+                  f"load + first pass after eviction; the float32 weights are {pages:,.0f} pages of 4 KiB")
+findings["cold start"] = (f"{faults:,} page faults ({load_c['major_faults'] + first_c['major_faults']:,} major) in "
+                          f"loading and one pass after evicting the file; {pages:,.0f} pages of float32 weights")
+
+# %% [markdown]
 # ## On the roofline
 #
 # Each run is a point: FLOP per byte read (x) against FLOP/s achieved (y). Prefill processes all
-# prompt rows per weight read, so it sits further right than a single token would.
+# prompt rows per weight read, so it sits further right than a single token would. The bytes are
+# those the textbook loop order really brings from memory, modelled from the matrix shapes and
+# this machine's cache sizes (`roofline.traffic`, in the run's record): a matrix larger than the
+# last-level cache is read again for every row.
 
 # %%
 from common.app.charts import roofline_points

@@ -144,6 +144,66 @@ if not missing:
     nb.ops_chart({"quantized (live)": rows}, "quantized: where the time goes")
 
 # %% [markdown]
+# ## Beside the article: time to first token
+#
+# The article's quantized kernels made its time to first token 4 times faster. Prefill multiplies
+# every weight by all the prompt's rows: if it reads each weight once per prompt token it waits on
+# memory, and 4-bit weights cut that wait; if it multiplies each weight into every row at once
+# (as these stages do) it is bound by arithmetic, which decoding 4-bit blocks does not shorten.
+
+# %%
+if missing:
+    nb.md(f"_Skipped: {missing}._")
+else:
+    nb.article.beside("quantized_ttft_speedup", live[0]["ttft_ms"] / live[1]["ttft_ms"],
+                      f"TTFT of kv_cache / quantized, {cfg.prompt_tokens}-token prompt, live")
+    findings["vs the article, TTFT"] = f"quantized TTFT {live[0]['ttft_ms'] / live[1]['ttft_ms']:.2f}x kv_cache's"
+
+# %% [markdown]
+# ## What 4 bits cost: perplexity
+#
+# The article said the precision 4-bit weights lose "matters little", and did not measure it.
+# Perplexity measures it: how surprised the model is by a text it did not write, exp of the mean
+# negative log-likelihood of each next token (`python -m common perplexity`, llama.cpp's method;
+# tests/test_perplexity.py holds it to llama.cpp's figure on the same tokens). The text is the
+# first chapters of *Alice's Adventures in Wonderland* (public domain, `tests/fixtures/text/`).
+#
+# What can be compared: this file's own weights (Q4_1 and Q8_0; the original float weights are
+# not in it, so **they are the reference**, not the model as trained), the same weights with
+# every activation rounded to 8 bits (int8), and the same weights rounded *again* to other ggml
+# types (`perplexity.requantize`: dequantized, then quantized). A second rounding to 4 bits is
+# what a 4-bit format loses on top of what this file already lost. A row whose length is not a
+# multiple of 256 cannot hold K-quant blocks and falls back, as llama-quantize does (Q4_K to Q4_1
+# here, Q6_K to Q8_0): SmolLM2's 576-wide rows do, so its "Q4_K" is mostly Q4_1 rounded again,
+# ffn_down alone in Q4_K. The full comparison takes
+# many minutes (`python -m common perplexity --compare`, recorded in `perplexity.json`); this
+# chapter runs a few chunks of it, fewer in quick mode.
+
+# %%
+from common.app import perplexity as ppl
+from stages import runnable_stages
+
+ctx, n_chunks = (64, 2) if cfg.quick else (512, 4)
+types = ("Q8_0", "Q4_0") if cfg.quick else ppl.REQUANTIZED_TYPES
+rows_ppl = {}
+for stage in [s for s in ("quantized", "int8") if s in runnable_stages()]:
+    rows_ppl[f"{stage}, the file's weights"] = ppl.perplexity(stage, nb.model_path(), ppl.DEFAULT_TEXT, ctx, n_chunks)
+for t in types:
+    path = ppl.requantize(nb.model_path(), t)            # written once under models/requantized/, then reused
+    rows_ppl[f"requantized to {t}"] = ppl.perplexity("quantized", path, ppl.DEFAULT_TEXT, ctx, n_chunks)
+ref = rows_ppl["quantized, the file's weights"]["ppl"]
+nb.show_table(["weights / activations", "perplexity", "vs the file's weights"],
+              [(name, f"{r['ppl']:.3f}", f"{(r['ppl'] / ref - 1) * 100:+.2f}%") for name, r in rows_ppl.items()])
+nb.bar_chart({name.replace(", ", "\n"): r["ppl"] for name, r in rows_ppl.items()}, "perplexity (lower is better)",
+             f"{n_chunks} chunks of {ctx} tokens", fmt="{:.2f}")
+four_bit = {t: rows_ppl[f"requantized to {t}"]["ppl"] for t in types if t.startswith("Q4")}
+worst = max(four_bit, key=four_bit.get)
+nb.article.beside("precision_loss_small", (four_bit[worst] / ref - 1) * 100,
+                  f"{worst}, {n_chunks} chunks of {ctx} tokens, live")
+findings["perplexity"] = (f"{ref:.2f} with the file's weights, {four_bit[worst]:.2f} requantized to {worst} "
+                          f"({(four_bit[worst] / ref - 1) * 100:+.1f}%), over {n_chunks} chunks of {ctx} tokens")
+
+# %% [markdown]
 # ## Against the record
 
 # %%

@@ -10,6 +10,9 @@ Three parallel kernels, each a `prange` loop around work the earlier stages alre
                                                            thread on its own panels
     attention_parallel(q, k, v, n_head, n_head_kv, ...)   attention fused into one kernel, one
                                                            (query row, head) pair per iteration
+    attention_paged_parallel(q, k_pages, v_pages, ...)    the same for a batch of sequences, each
+                                                           row reading its own sequence's keys and
+                                                           values through its page table
 
 The first two call the quantized stage's kernels (stages/kernels/quantized.py) and the simd
 stage's matmul: nothing about a block format is written twice. One compiled signature each
@@ -36,7 +39,7 @@ from stages.kernels.quantized import dequantize_rows, matvec_any
 from stages.kernels.toolkit import FASTMATH, guard_cache
 from stages.simd import PANEL, matmul_panels
 
-__all__ = ["matvec_parallel", "prefill_parallel", "attention_parallel"]
+__all__ = ["matvec_parallel", "prefill_parallel", "attention_parallel", "attention_paged_parallel"]
 
 
 # ---- decode: one activation row, the weight's rows split between the threads ------------------
@@ -134,5 +137,54 @@ def attention_parallel(q, k, v, n_head, n_head_kv, start_pos, scale):
     return out
 
 
-guard_cache(__name__, [matvec_parallel, prefill_parallel, attention_parallel],
+# ---- attention for a batch of sequences, through their page tables (common/paged_kv.py) --------
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def attention_paged_parallel(q, k_pages, v_pages, tables, row_seq, positions, n_rows, n_head, n_head_kv, scale):
+    """attention_parallel for rows of many sequences: q [M, H*hd], row i at position
+    positions[i] of sequence row_seq[i], whose position t lies in page tables[row_seq[i],
+    t // P], slot t % P of k_pages, v_pages [n_pages, P, Hkv*hd] (one layer of the pool).
+    Rows from n_rows on are padding and come back 0. Per (row, head) the loops are
+    attention_parallel's, in the same order, so a row gets the bits it would get there."""
+    M = q.shape[0]
+    hd = q.shape[1] // n_head
+    group = n_head // n_head_kv
+    P = k_pages.shape[1]
+    out = np.zeros((M, n_head * hd), dtype=np.float32)
+    for item in prange(n_rows * n_head):
+        i = item // n_head
+        h = item - i * n_head
+        kvh = h // group
+        qh = q[i, h * hd:(h + 1) * hd]
+        table = tables[row_seq[i]]
+        n_vis = positions[i] + 1                          # causal: its own positions 0 .. pos
+        scores = np.empty(n_vis, dtype=np.float32)
+        mx = np.float32(-np.inf)
+        for t in range(n_vis):
+            kt = k_pages[table[t // P], t % P, kvh * hd:(kvh + 1) * hd]
+            s = np.float32(0.0)
+            for d in range(hd):
+                s += qh[d] * kt[d]
+            s *= scale
+            scores[t] = s
+            mx = max(mx, s)
+        total = np.float32(0.0)
+        for t in range(n_vis):
+            e = np.exp(scores[t] - mx)
+            scores[t] = e
+            total += e
+        acc = np.zeros(hd, dtype=np.float32)
+        for t in range(n_vis):
+            p = scores[t]
+            vt = v_pages[table[t // P], t % P, kvh * hd:(kvh + 1) * hd]
+            for d in range(hd):
+                acc[d] += p * vt[d]
+        inv = np.float32(1.0) / total
+        o = out[i, h * hd:(h + 1) * hd]
+        for d in range(hd):
+            o[d] = acc[d] * inv
+    return out
+
+
+guard_cache(__name__, [matvec_parallel, prefill_parallel, attention_parallel, attention_paged_parallel],
             [quantized_kernels.__file__, toolkit.__file__, Path(__file__).parents[1] / "simd.py"])

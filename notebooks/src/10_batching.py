@@ -1,0 +1,251 @@
+# Source of notebooks/10_batching.ipynb (build with: python notebooks/build.py).
+
+# %% [markdown]
+# # 10 · Many users at once: batching, paged KV, a server
+#
+# Everything so far ran one sequence. A decode step then reads **every weight** to make one
+# token, two FLOPs per weight: deep in the memory-bound corner of the roofline. Serve B users
+# in the same step and each weight byte, read once, feeds 2B FLOPs; the step costs about the
+# same until the arithmetic catches up with the bandwidth. That is the other half of the
+# roofline, and the reason every production server batches.
+#
+# Three pieces make it work (and `python -m common serve` is built on them):
+#
+# | piece | file | what it does |
+# |---|---|---|
+# | batched forward | `common/model.py` (`forward_batch`), `common/batch.py` | one step carries every running sequence's newest token as a row of one matrix, each row at its own position |
+# | paged KV cache | `common/paged_kv.py` | one pool of 16-position pages; a page table per sequence; shared prefixes by reference |
+# | continuous batching | `common/app/scheduler.py` | requests join and leave between steps; long prompts in chunks; admission by free pages |
+
+# %%
+import numpy as np
+
+from common.batch import Batch, Segment
+from common.paged_kv import PagePool, PageTable
+
+findings = nb.Findings()
+stage = next((s for s in ("threads", "quantized", "kv_cache") if not nb.missing_stage(s)), None)
+print(f"stage used in this chapter: {stage}")
+engine = nb.load(stage)
+mc = engine.config
+prompt = nb.prompt_ids(engine, cfg.prompt_tokens)
+
+# %% [markdown]
+# ## One step, B sequences
+#
+# B sequences, each with its own prompt already in the cache, then decode steps that carry one
+# row per sequence. The time of a step barely moves while B is small: the weights are read
+# once per step whoever is in it.
+
+# %%
+import time
+
+batches = (1, 2, 4, 8) if cfg.quick else (1, 2, 4, 8, 16, 32)
+steps = 3 if cfg.quick else 10
+pool = PagePool(mc.n_layer, mc.kv_dim, n_pages=max(batches) * (len(prompt) + steps + 16) // 16 + 8)
+
+
+def step_time(B: int) -> float:
+    """Median seconds of a decode step with B sequences (their prompts prefilled first)."""
+    tables = []
+    for i in range(B):
+        t = PageTable(pool)
+        ids = [i + 3] + prompt                                # a different first token: no shared prefix
+        assert t.admit(ids, len(ids) + steps + 1) is not None
+        b = Batch(pool, [Segment(t, ids)], engine.backend.row_block)
+        engine.forward_batch(b)
+        b.finish()
+        tables.append(t)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        b = Batch(pool, [Segment(t, [5]) for t in tables], engine.backend.row_block)
+        engine.forward_batch(b)
+        times.append(time.perf_counter() - t0)
+    for t in tables:
+        t.release()
+    return float(np.median(times))
+
+
+step_s = {B: step_time(B) for B in batches}
+nb.show_table(["sequences B", "step (ms)", "tokens/s, all sequences", "vs B = 1"],
+              [(B, f"{s * 1e3:.1f}", f"{B / s:.0f}", f"{B / s / (1 / step_s[1]):.2f}x") for B, s in step_s.items()])
+findings["batched decode (live)"] = ", ".join(f"B={B}: {B / s:.0f} tokens/s" for B, s in step_s.items()) + \
+    f" ({stage}; {max(batches) / step_s[max(batches)] * step_s[1]:.1f}x at B={max(batches)})"
+
+# %% [markdown]
+# ## Where it flattens: the roofline, per step
+#
+# A step reads the weights once (W bytes) and computes B tokens (F FLOPs each). It cannot beat
+# either ceiling: B x bandwidth / W tokens/s while memory is the limit, peak / F once the
+# arithmetic is. The measured curve rises with the first and bends toward the second.
+
+# %%
+from common.model import flops_per_token
+
+ceil = nb.ceilings()
+W = engine.weight_stream_bytes()
+F = flops_per_token(mc, len(prompt))
+roof_mem = [B * ceil["bandwidth_gbs"] * 1e9 / W for B in batches]
+roof_flop = ceil["peak_gflops"] * 1e9 / F
+nb.line_chart({f"{stage}, measured (this machine)": (list(batches), [B / step_s[B] for B in batches]),
+               "bandwidth ceiling, B x bandwidth / weight bytes": (list(batches), roof_mem),
+               "compute ceiling, peak / FLOPs per token": (list(batches), [roof_flop] * len(batches))},
+              "sequences per step (B)", "tokens/s", "Decode throughput vs batch (one thread's ceilings)", logy=True)
+nb.md(f"_Ceilings: {ceil['source']}. Weights read per step: {nb.human_bytes(W)}; "
+      f"{F / 1e6:.0f} MFLOP per token._")
+findings["the roofline per step"] = (f"bandwidth ceiling {roof_mem[0]:.0f} tokens/s at B=1, rising with B; "
+                                     f"compute ceiling {roof_flop:.0f} tokens/s (one thread)")
+
+# %% [markdown]
+# ## A sequence's numbers must not depend on its neighbours
+#
+# The multi-row matmul (the simd stage's 4 x 4 register block, which every later CPU stage
+# reuses for prompt rows) multiplies rows four at a time and the rows left over one at a time.
+# The two paths add a row's products in different orders, so the same row gets different last
+# bits depending on how many rows came with it. In a server that would make a user's text
+# depend on who else was connected. The fix is in `common/backend.py`: a batch is padded to a
+# multiple of `row_block` rows, so every row takes the four-row path.
+
+# %%
+from stages.simd import matmul_panels
+
+rng = np.random.default_rng(0)
+Wp = rng.standard_normal((64, mc.n_embd)).astype(np.float32)
+X = rng.standard_normal((5, mc.n_embd)).astype(np.float32)
+alone = matmul_panels(X[:1], Wp)[0]                        # one row: the leftover path
+in_five = matmul_panels(X, Wp)[0]                          # the same row among five: the 4 x 4 block
+padded = matmul_panels(np.vstack([X[:1], np.zeros((3, mc.n_embd), np.float32)]), Wp)[0]
+nb.show_table(["the same row, computed", "max |difference| from it among five rows"],
+              [("alone (1 row)", f"{np.abs(alone - in_five).max():.2e}"),
+               ("alone, padded to 4 rows", f"{np.abs(padded - in_five).max():.2e}")])
+findings["row paths"] = (f"a row alone differs from itself in a batch by up to {np.abs(alone - in_five).max():.1e}; "
+                         f"padded to 4 rows by {np.abs(padded - in_five).max():.1e}")
+
+# %% [markdown]
+# And the whole engine: one sequence generated alone, then again among others that are at
+# other positions and partly still in their prompts, its prompt cut into other chunks.
+
+# %%
+from common.app.scheduler import Request, Scheduler
+
+
+class Keep:
+    """Greedy, keeping every logits row it is given."""
+
+    def __init__(self):
+        self.rows = []
+
+    def __call__(self, logits, history=()):
+        self.rows.append(np.array(logits))
+        return int(np.argmax(logits))
+
+
+def run(sched, texts, n):
+    reqs = []
+    for text in texts:
+        r = Request(prompt=engine.tokenizer.encode(text), max_tokens=n)
+        sched.submit(r)
+        r.sampler = Keep()
+        reqs.append(r)
+    log = []
+    while sched.running or sched.waiting:
+        log.append(sched.step())
+    return reqs, log
+
+
+n_gen = 4 if cfg.quick else 16
+target = "The quick brown fox jumps over the lazy dog. Then it"
+crowd_texts = ["Once upon a time, in a kingdom by the sea, there lived a princess who", "1, 2, 3,", target,
+               "The capital of France is"]
+(solo,), _ = run(Scheduler(engine, kv_pages=64), [target], n_gen)
+crowd, rows_per_step = run(Scheduler(engine, kv_pages=64, prefill_chunk=5), crowd_texts, n_gen)
+same = all(np.array_equal(a, b) for a, b in zip(solo.sampler.rows, crowd[2].sampler.rows))
+print("rows per step in the crowded run:", rows_per_step)
+print("alone:   ", engine.tokenizer.decode(solo.generated))
+print("in crowd:", engine.tokenizer.decode(crowd[2].generated))
+findings["batch invariance"] = (f"logits alone and among {len(crowd_texts) - 1} others: "
+                                f"{'identical, bit for bit' if same else 'DIFFERENT'} at every step")
+
+# %% [markdown]
+# Against the single-sequence path (what `run -p` does) the batched rows agree to rounding
+# only: decode there uses the one-row kernels, which sum in yet another order. A greedy token
+# can differ only where the top two candidates are nearly tied; tests/test_batch.py measures
+# that margin at every step.
+
+# %%
+engine.reset()
+single = [engine.forward(solo.prompt, 0, all_logits=False)[0]]
+for i, t in enumerate(solo.generated[:-1]):
+    single.append(engine.forward([t], len(solo.prompt) + i)[0])
+diff = max(float(np.abs(a - b).max()) for a, b in zip(single, solo.sampler.rows))
+agree = [int(np.argmax(a)) for a in single] == solo.generated
+findings["vs the single-sequence path"] = (f"logits within {diff:.1e}; greedy tokens "
+                                           f"{'the same' if agree else 'different at a near-tie'}")
+engine.reset()
+
+# %% [markdown]
+# ## Paged KV: memory for what is used
+#
+# The single-sequence arena reserves every position of the context for every layer. A pool of
+# pages holds what the running sequences actually use, and a page table per sequence maps
+# position t to page `table[t // 16]`, slot `t % 16`. Attention reads K and V through it.
+
+# %%
+nb.show_source(PageTable.append_slots)
+P = pool.page_size
+arena_per_seq = 2 * mc.n_layer * engine.n_ctx * mc.kv_dim * 4
+users, length = 32, len(prompt) + 64
+paged = users * -(-length // P) * pool.page_bytes
+nb.show_table(["KV memory for", "arena (context reserved)", "pages (what is used)"],
+              [(f"{users} users, {length} tokens each, context {engine.n_ctx}", nb.human_bytes(users * arena_per_seq),
+                nb.human_bytes(paged))])
+findings["paged vs arena"] = (f"{users} users x {length} tokens: {nb.human_bytes(paged)} of pages against "
+                              f"{nb.human_bytes(users * arena_per_seq)} of arenas")
+
+# %% [markdown]
+# ## Shared prefixes
+#
+# A page whose 16 positions are written holds K and V that depend only on the tokens up to its
+# end. The pool registers it under (previous page, its tokens); a later sequence whose prompt
+# begins with the same full pages takes them by reference. Counted here on a system prompt:
+
+# %%
+sched = Scheduler(engine, kv_pages=64)
+system = ("You are a careful assistant. Answer in one short sentence, and say when you do not know. "
+          "Question: ")
+first = Request(prompt=engine.tokenizer.encode(system + "What is the capital of Italy?"), max_tokens=8)
+second = Request(prompt=engine.tokenizer.encode(system + "Who wrote Hamlet?"), max_tokens=8)
+sched.submit(first)
+sched.step()
+sched.submit(second)
+sched.step()
+common = next((i for i, (a, b) in enumerate(zip(first.prompt, second.prompt)) if a != b), 0)
+shared = sched.pool.n_shared
+print(f"common prefix: {common} tokens = {common // P} full pages; pages shared now: {shared}")
+while sched.running:
+    sched.step()
+findings["prefix sharing"] = f"{common}-token common prefix: {shared} pages held once for both requests"
+
+# %% [markdown]
+# ## The server, and the load test
+#
+# `make serve` (`python -m common serve`) puts this behind OpenAI's HTTP API; `make loadtest`
+# (`scripts/loadtest.py`) runs 1 to 32 clients of the official `openai` package against it and
+# against llama.cpp's own server, and draws `profiles/batching.png` from its record
+# (`profiles/bench/batching.json`, table `profiles/bench/batching.md`):
+
+# %%
+chart = nb.ROOT / "profiles" / "batching.png"
+if nb.show_image(chart):
+    import json
+    rec = json.loads((nb.ROOT / "profiles" / "bench" / "batching.json").read_text())
+    ours = rec["engines"]["ours"]
+    findings["recorded load test"] = (f"{ours[-1]['clients']} clients: {ours[-1]['tokens_per_s']:.0f} tokens/s, "
+                                      f"{ours[-1]['tokens_per_s'] / ours[0]['tokens_per_s']:.1f}x one client "
+                                      f"(profiles/bench/batching.md)")
+else:
+    nb.md("_No load test recorded on this machine yet: `make loadtest` writes it._")
+
+# %%
+findings.show()

@@ -1,0 +1,393 @@
+"""Many clients at once: `python -m common serve` under load (and llama.cpp's llama-server beside it).
+
+    python scripts/loadtest.py                              # 1, 2, 4, ..., 32 clients; our server
+    python scripts/loadtest.py --llama-server auto          # also llama-server (built once, see below)
+    python scripts/loadtest.py --llama-server PATH          # a llama-server binary you have
+    python scripts/loadtest.py --chart-only                 # redraw the chart and table from the record
+
+For each number of concurrent clients C, the server is started with room for C sequences
+(llama-server with C parallel slots) and C clients of the official `openai` package each send
+--requests streamed completions, one after the other: greedy, exactly --max-tokens tokens each
+(`ignore_eos`, which both servers take), every prompt a different text of about --prompt-tokens
+tokens (so no request reuses another's prefix). Measured from the clients: aggregate generated
+tokens per second (all tokens / wall time of the level), time to first token and the time
+between tokens (p50, p99); from our server's /health, sampled while the level runs: KV pages in
+use. Beside them, the machine's roofline (common/app/roofline.py): a step reads the weights once
+for all B sequences (bandwidth ceiling B x bandwidth / weight bytes) and computes B tokens'
+FLOPs (compute ceiling peak / FLOPs per token), and the throughput cannot pass the lower one.
+
+Writes profiles/bench/batching.json (the record: every level, settings, machine, code) and
+draws profiles/batching.png and profiles/bench/batching.md from it. A benchmark, not a test:
+minutes, on a quiet machine.
+
+llama-server: `--llama-server auto` builds it once with cmake from the llama.cpp sources that
+llama-cpp-python's source distribution carries (the same release `make llama-cpp` installs),
+into models/llama-server/ (several minutes on 2 cores); optional, like `make baseline`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common.app import roofline  # noqa: E402
+from common.app.bench import BENCH_TEXT, add_context  # noqa: E402
+from common.app.models import DEFAULT_MODEL, LLAMA_CPP_SDIST, MODELS_DIR, fetch_pypi_dist, resolve  # noqa: E402
+from common.app.serve import serving_stage  # noqa: E402
+from common.cpu import physical_cores  # noqa: E402
+from common.gguf import GGUFFile  # noqa: E402
+from common.model import LlamaConfig, flops_per_token  # noqa: E402
+
+RECORD = ROOT / "profiles" / "bench" / "batching.json"
+CHART = ROOT / "profiles" / "batching.png"
+TABLE = ROOT / "profiles" / "bench" / "batching.md"
+LLAMA_DIR = MODELS_DIR / "llama-server"
+OURS, LLAMA = "ours", "llama-server"
+
+
+# ---- the servers ---------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 600):
+    import httpx
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited:\n{log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"the server did not get ready in {timeout:.0f} s:\n{log.read_text()[-2000:]}")
+
+
+class Server:
+    """A server process for one level: ours or llama-server, C sequences at a time."""
+
+    def __init__(self, kind: str, args, clients: int, log_dir: Path):
+        self.kind, self.port = kind, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        ctx = args.prompt_tokens + args.max_tokens + 64
+        if kind == OURS:
+            pages = clients * -(-ctx // 16) + 16
+            cmd = [sys.executable, "-m", "common", "serve", "-m", str(args.model), "--stage", args.stage,
+                   "--port", str(self.port), "--max-batch", str(clients), "--kv-pages", str(pages),
+                   "--max-queue", str(clients), "--threads", str(args.threads)]
+        else:
+            cmd = [str(args.llama_server), "-m", str(args.model), "--port", str(self.port), "-np", str(clients),
+                   "-c", str(clients * ctx), "-t", str(args.threads), "-tb", str(args.threads)]
+        self.log = log_dir / f"{kind}-{clients}.log"
+        env = dict(os.environ, NUMBA_CACHE_DIR=os.environ.get("NUMBA_CACHE_DIR", str(ROOT / ".numba_cache")))
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        wait_ready(self.url, self.proc, self.log)
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def build_llama_server() -> Path:
+    """llama-server from the llama.cpp sources inside llama-cpp-python's sdist, built once."""
+    binary = LLAMA_DIR / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    LLAMA_DIR.mkdir(parents=True, exist_ok=True)
+    src = LLAMA_DIR / "llama.cpp"
+    if not (src / "CMakeLists.txt").exists():
+        sdist = fetch_pypi_dist(LLAMA_CPP_SDIST, LLAMA_DIR)
+        prefix = None
+        with tarfile.open(sdist) as t:
+            for m in t.getmembers():
+                parts = m.name.split("/")
+                if len(parts) > 3 and parts[1:3] == ["vendor", "llama.cpp"] and (m.isfile() or m.isdir()):
+                    prefix = "/".join(parts[:3])
+                    m.name = "/".join(parts[3:])
+                    if hasattr(tarfile, "data_filter"):
+                        t.extract(m, src, filter="data")
+                    else:
+                        t.extract(m, src)
+        if prefix is None:
+            raise SystemExit(f"{sdist.name} has no vendor/llama.cpp")
+    flags = ["-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+             "-DLLAMA_BUILD_SERVER=ON", "-DCMAKE_BUILD_TYPE=Release"]
+    if platform.machine() == "x86_64":         # as the Makefile's llama-cpp target: no AMX tiles
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        flags += [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
+    build = LLAMA_DIR / "build"
+    print(f"building llama-server in {build} (several minutes)...", file=sys.stderr)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), *flags], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)],
+                   check=True)
+    if not binary.exists():
+        raise SystemExit(f"the build ended without {binary}")
+    return binary
+
+
+# ---- one level: C clients ------------------------------------------------------------------------
+
+def prompts(n: int, words: int) -> list[str]:
+    """n different prompts of about `words` words: a numbered request, then the bench text."""
+    text = (BENCH_TEXT * 4).split()
+    return [f"Request {i}: " + " ".join(text[i % 40:i % 40 + words]) for i in range(n)]
+
+
+def percentile(xs, q):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+class PagesSampler(threading.Thread):
+    """Our /health, sampled every 50 ms while a level runs: KV pages in use."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.used, self.stop = url, [], threading.Event()
+
+    def run(self):
+        import httpx
+        with httpx.Client(timeout=2) as c:
+            while not self.stop.is_set():
+                try:
+                    h = c.get(self.url + "/health").json()
+                    self.used.append(h["kv_pages_total"] - h["kv_pages_free"])
+                except (httpx.HTTPError, KeyError, ValueError):
+                    pass
+                self.stop.wait(0.05)
+
+
+async def run_level(url: str, clients: int, args) -> dict:
+    import openai
+    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    model = (await c.models.list()).data[0].id
+    texts = prompts(clients * args.requests + 1, args.prompt_tokens * 3 // 4)
+    kw = dict(model=model, max_tokens=args.max_tokens, temperature=0, stream=True,
+              stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    ttft, itl, tokens = [], [], []
+
+    async def request(text):
+        t0 = time.perf_counter()
+        last, n, usage = None, 0, None
+        async for ch in await c.completions.create(prompt=text, **kw):
+            if ch.usage is not None:
+                usage = ch.usage.completion_tokens
+            if ch.choices and ch.choices[0].text:
+                now = time.perf_counter()
+                if last is None:
+                    ttft.append(now - t0)
+                else:
+                    itl.append(now - last)
+                last, n = now, n + 1
+        tokens.append(usage if usage is not None else n)
+
+    async def client(i):
+        for r in range(args.requests):
+            await request(texts[1 + i * args.requests + r])
+
+    await request(texts[0])                          # warm: the first request pays for nothing later
+    ttft.clear(), itl.clear(), tokens.clear()
+    t0 = time.perf_counter()
+    await asyncio.gather(*[client(i) for i in range(clients)])
+    wall = time.perf_counter() - t0
+    await c.close()
+    ms = [x * 1e3 for x in ttft], [x * 1e3 for x in itl]
+    return {"clients": clients, "requests": clients * args.requests, "tokens": sum(tokens), "wall_s": wall,
+            "tokens_per_s": sum(tokens) / wall,
+            "ttft_ms_p50": percentile(ms[0], 50), "ttft_ms_p99": percentile(ms[0], 99),
+            "itl_ms_p50": percentile(ms[1], 50), "itl_ms_p99": percentile(ms[1], 99),
+            "itl_ms_mean": statistics.fmean(ms[1]) if ms[1] else float("nan")}
+
+
+def measure(kind: str, args, log_dir: Path) -> list[dict]:
+    rows = []
+    for clients in args.clients:
+        server = Server(kind, args, clients, log_dir)
+        sampler = PagesSampler(server.url) if kind == OURS else None
+        try:
+            if sampler:
+                sampler.start()
+            row = asyncio.run(run_level(server.url, clients, args))
+        finally:
+            if sampler:
+                sampler.stop.set()
+                sampler.join()
+            server.close()
+        if sampler and sampler.used:
+            row["kv_pages_used_max"] = max(sampler.used)
+            row["kv_pages_used_mean"] = statistics.fmean(sampler.used)
+        rows.append(row)
+        print(f"{kind:>12} {clients:>3} clients: {row['tokens_per_s']:7.1f} tokens/s, TTFT p50 "
+              f"{row['ttft_ms_p50']:.0f} ms, between tokens p50 {row['itl_ms_p50']:.1f} ms", file=sys.stderr)
+    return rows
+
+
+# ---- the record, its chart and table -------------------------------------------------------------
+
+def ceilings(rec: dict, clients) -> list[float]:
+    """tokens/s the roofline allows at batch B: min(B x bandwidth / bytes per step, peak / FLOPs)."""
+    r = rec["roofline"]
+    bw = r["bandwidth_gbs"] * 1e9
+    peak = r["peak_gflops"] * 1e9
+    return [min(b * bw / r["weight_bytes"], peak / r["flops_per_token"]) for b in clients]
+
+
+def draw(rec: dict, chart: Path = CHART, table: Path = TABLE):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    style = {OURS: ("o", "C0", f"this engine ({rec['settings']['stage']})"),
+             LLAMA: ("s", "C1", "llama.cpp's llama-server")}
+    every = sorted({row["clients"] for rows in rec["engines"].values() for row in rows})
+    for kind, rows in rec["engines"].items():
+        marker, color, label = style[kind]
+        xs = [row["clients"] for row in rows]
+        ax.plot(xs, [row["tokens_per_s"] for row in rows], marker + "-", color=color, label=label)
+        ax2.plot(xs, [row["itl_ms_p50"] for row in rows], marker + "-", color=color,
+                 label=f"{label}: between tokens, p50")
+        ax2.plot(xs, [row["ttft_ms_p50"] for row in rows], marker + "--", color=color, alpha=0.5,
+                 label=f"{label}: first token, p50")
+    roof = ceilings(rec, every)
+    r = rec["roofline"]
+    ax.plot(every, roof, "k--", lw=1,
+            label=f"roofline: min(B x {r['bandwidth_gbs']:.0f} GB/s / {r['weight_bytes'] / 2**20:.0f} MiB, "
+                  f"{r['peak_gflops']:.0f} GFLOP/s / {r['flops_per_token'] / 1e6:.0f} MFLOP)")
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        a.set_xticks(every, [str(x) for x in every])
+        a.set_xlabel("concurrent clients (sequences per step)")
+        a.grid(alpha=0.3, which="both")
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("generated tokens/s, all clients")
+    ax.set_title("Throughput rises with the batch until compute caps it")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("ms")
+    ax2.set_title("What each client waits")
+    ax.legend(fontsize=7)
+    ax2.legend(fontsize=7)
+    s, m = rec["settings"], rec["machine"]
+    threads = f"{s['threads']} thread" + ("s" if s["threads"] != 1 else "")
+    fig.suptitle(f"{s['model']} on {m.get('cpu', '?')} ({threads}): {s['requests']} requests per "
+                 f"client, {s['max_tokens']} tokens each, ~{s['prompt_tokens']}-token prompts; "
+                 f"commit {str(rec['provenance'].get('commit', '?'))[:7]}", fontsize=9)
+    fig.tight_layout()
+    chart.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(chart, dpi=110)
+    plt.close(fig)
+
+    lines = [f"Drawn from `{table.with_suffix('.json').name}` by `scripts/loadtest.py` "
+             f"({s['model']}, {threads}, commit {str(rec['provenance'].get('commit', '?'))[:7]}).", "",
+             "| server | clients | tokens/s | vs 1 client | roofline tokens/s | TTFT p50 / p99 (ms) | "
+             "between tokens p50 / p99 (ms) | KV pages used (max) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for kind, rows in rec["engines"].items():
+        base = rows[0]["tokens_per_s"]
+        for row, ceil in zip(rows, ceilings(rec, [r["clients"] for r in rows])):
+            lines.append(f"| {style[kind][2]} | {row['clients']} | {row['tokens_per_s']:.1f} | "
+                         f"{row['tokens_per_s'] / base:.2f}x | {ceil:.0f} | {row['ttft_ms_p50']:.0f} / "
+                         f"{row['ttft_ms_p99']:.0f} | {row['itl_ms_p50']:.1f} / {row['itl_ms_p99']:.1f} | "
+                         f"{row.get('kv_pages_used_max', '-')} |")
+    if LLAMA in rec["engines"]:
+        theirs = {r["clients"]: r["tokens_per_s"] for r in rec["engines"][LLAMA]}
+        lines += ["", "| clients | this engine / llama-server |", "|---:|---:|"]
+        for row in rec["engines"][OURS]:
+            if row["clients"] in theirs:
+                lines.append(f"| {row['clients']} | {row['tokens_per_s'] / theirs[row['clients']]:.2f}x |")
+    else:
+        lines += ["", f"_llama-server: {rec.get('llama_server_missing', 'not measured')}_"]
+    table.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", default=str(DEFAULT_MODEL.path), help="GGUF file or model name")
+    p.add_argument("--stage", default="fastest",
+                   help="our server's stage (default: the one `serve` picks, common/app/serve.py)")
+    p.add_argument("--clients", default="1,2,4,8,16,32", help="concurrency levels (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=4, help="requests per client per level (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="about this many prompt tokens (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=physical_cores(), help="threads, both servers (default: cores)")
+    p.add_argument("--llama-server", default=None,
+                   help="'auto' (build it from the llama-cpp-python sdist once) or a llama-server binary")
+    p.add_argument("--chart-only", action="store_true", help="redraw the chart and table from the record")
+    p.add_argument("--out", type=Path, default=RECORD, help="the record (default: %(default)s)")
+    args = p.parse_args(argv)
+    # elsewhere than the default record (a trial run), the chart and table go beside it
+    chart, table = (CHART, TABLE) if args.out == RECORD else (args.out.with_suffix(".png"), args.out.with_suffix(".md"))
+    if args.chart_only:
+        draw(json.loads(args.out.read_text()), chart, table)
+        print(f"drew {chart} and {table}", file=sys.stderr)
+        return 0
+    args.model = resolve(args.model)
+    args.stage = serving_stage(args.stage)
+    args.clients = [int(c) for c in args.clients.split(",")]
+    missing = None
+    if args.llama_server == "auto":
+        args.llama_server = build_llama_server()
+    elif args.llama_server:
+        args.llama_server = Path(shutil.which(args.llama_server) or args.llama_server)
+        if not args.llama_server.exists():
+            p.error(f"no llama-server at {args.llama_server}")
+    else:
+        missing = "not measured (--llama-server auto builds it)"
+
+    with GGUFFile(args.model) as g:
+        cfg = LlamaConfig.from_gguf(g)
+        weight_bytes = sum(t.nbytes for name, t in g.tensors.items() if name != "token_embd.weight") \
+            + (g.tensors["token_embd.weight"].nbytes if "output.weight" not in g.tensors else 0)
+    print("measuring the roofline...", file=sys.stderr)
+    ceil = roofline.measure(threads=args.threads)
+    key = str(args.threads) if str(args.threads) in ceil["bandwidth_gbs"] else "1"
+    log_dir = Path(tempfile.mkdtemp(prefix="loadtest-"))          # the servers' logs
+    engines = {OURS: measure(OURS, args, log_dir)}
+    if args.llama_server:
+        engines[LLAMA] = measure(LLAMA, args, log_dir)
+    rec = {"kind": "batching", "engines": engines,
+           "roofline": {"bandwidth_gbs": ceil["bandwidth_gbs"][key], "peak_gflops": ceil["peak_gflops"][key],
+                        "weight_bytes": weight_bytes,
+                        "flops_per_token": flops_per_token(cfg, args.prompt_tokens + args.max_tokens // 2),
+                        "method": ceil["method"]}}
+    if missing:
+        rec["llama_server_missing"] = missing
+    add_context(rec, {"model": args.model.name, "stage": args.stage, "clients": args.clients,
+                      "requests": args.requests, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
+                      "threads": args.threads, "sampling": "greedy", "ignore_eos": True,
+                      "llama_server": str(args.llama_server) if args.llama_server else None})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rec, indent=1, default=float))
+    draw(rec, chart, table)
+    print(f"wrote {args.out}, {chart} and {table}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""Stage 9, fused: one compiled call per token; the cost of dispatch.
+
+The lesson: between two small kernels an interpreter and a thread pool spend time the roofline
+does not show, the CPU's kernel-launch overhead. The int8 stage pays it at every op: Python
+calls each matmul, norm and attention, and each parallel kernel forks numba's pool and joins it
+(8 parallel kernels per layer: the 7 matmuls and attention). This stage removes both:
+
+* The layer stack is one call (`forward_layers`, the hook in common/model.py): one numba
+  `prange` with one iteration per thread, which stays inside for every op of every layer and
+  meets the others at a spin barrier between dependent ops (stages/kernels/sync.py). Per token:
+  one fork/join for the layers and one for the output head, instead of one per op; the count
+  of barriers is OPS_PER_LAYER per layer (stages/kernels/fused.py lists the ops). The work of
+  an op is handed out in items from an atomic counter, so a thread slowed by another process
+  takes fewer.
+* Fused projections: Wq, Wk, Wv are one list of row chunks over one rounded activation, RoPE
+  and the KV cache write on the way out; W_gate and W_up in one pass with silu(gate) * up
+  applied as they finish; residual adds folded into Wo and W_down.
+* Integer tiles (stages/kernels/fused_ir.py): each block's integer sum is scaled into a float
+  vector accumulator, one horizontal add per row (the int8 stage adds per block); prefill runs
+  them register-blocked, 4 weight rows x 4 prompt rows (1 x 8 for the K-quants), so each
+  loaded block serves several products: an integer GEMM where int8 multiplied floats.
+  Without AVX2 + F16C the int8 stage's integer loops run instead (decode and prefill).
+* Decode attention is split by chunks of CHUNK positions (flash-decoding): partial softmax sums
+  per (head, chunk), merged in order, so a long context keeps every thread busy, and 1 thread
+  and N give the same bits. exp is a vectorizable polynomial instead of libm's call.
+* numba's threading layer: OpenMP where numba has it, else workqueue (THREADING_LAYERS). A
+  fork/join costs far more than a barrier on either; TBB, whose work stealing may run two
+  iterations of the region on one thread (a barrier would wait forever), is not used.
+
+Numerics are int8's: the same rounded activations; only the order of float additions differs
+(LOGIT_TOLERANCE is int8's). What limits it: decode still streams every weight once per token,
+so the bandwidth floor remains; the barriers serialize small ops (norms, rounding) that one
+thread does while the others wait; KV stays float32 where llama.cpp keeps float16.
+Python's share of a step is measured by `kernel_seconds` (the notebook chapter 09_fused).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numba
+import numpy as np
+
+from stages.int8 import LOGIT_TOLERANCE, Int8Backend
+from stages.kernels.fused import OPS_PER_LAYER, matmul_rows, run_layers
+from stages.kernels.sync import new_sync
+from stages.kernels.toolkit import F16_TO_F32
+from stages.quantized import QuantMatrix
+
+__all__ = ["FusedBackend", "LOGIT_TOLERANCE", "OPS_PER_LAYER", "THREADING_LAYERS"]
+
+# numba's threading layers in the order it should try them (set before numba starts its pool: it
+# cannot change later). The first two give each iteration of a parallel loop its own thread, as
+# the barriers need; TBB, last, only where neither exists, and then the region runs one thread.
+THREADING_LAYERS = ["omp", "workqueue", "tbb"]
+numba.config.THREADING_LAYER_PRIORITY = THREADING_LAYERS
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+class _Plan:
+    """What the compiled layer stack reads, gathered once per model: `blob` uint8 holding every
+    layer matrix (the mapped file itself when they all come from it, else a copy), `mats`
+    [n_layer * 7, 4] (byte offset, rows, bytes per row, ggml type) of wq wk wv wo gate up down,
+    `norms` [n_layer, 2, D] (attn_norm, ffn_norm)."""
+
+    def __init__(self, model):
+        mats = [m for L in model.layers for m in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down)]
+        roots = {id(_root(m.data)): _root(m.data) for m in mats}
+        root = next(iter(roots.values()))
+        if len(roots) == 1 and root.dtype == np.uint8 and root.ndim == 1 and root.flags.c_contiguous:
+            self.blob = root
+            offsets = [_address(m.data) - _address(root) for m in mats]
+        else:                                   # matrices from several buffers: one copy of them all
+            self.blob = np.concatenate([m.data.reshape(-1) for m in mats])
+            offsets = np.cumsum([0] + [m.data.nbytes for m in mats[:-1]]).tolist()
+        self.mats = np.array([[o, m.shape[0], m.data.shape[1], m.kind] for o, m in zip(offsets, mats)], np.int64)
+        self.norms = np.ascontiguousarray(np.stack([np.stack([L.attn_norm, L.ffn_norm]) for L in model.layers]),
+                                          dtype=np.float32)
+
+
+class FusedBackend(Int8Backend):
+    name = "fused"
+
+    def __init__(self, threads: int | None = None):
+        super().__init__(threads)
+        self._plan = None
+        self._single = {}               # id(weight) -> (blob, [[0, rows, bytes per row, type]])
+        self.kernel_seconds = 0.0       # time inside the compiled calls, for Python's share
+
+    def _threads(self) -> int:
+        """The region's iterations: numba's pool size as the backend set it (a barrier needs
+        one thread per iteration; TBB gives no such promise, so it runs one)."""
+        self._pool()
+        if numba.threading_layer() == "tbb":
+            return 1
+        return numba.get_num_threads()
+
+    def forward_layers(self, model, tokens, start_pos: int):
+        """Every layer in one compiled call: h [M, D] before the final norm."""
+        if self._plan is None:
+            self._plan = _Plan(model)
+        cfg, p, kv = model.config, self._plan, model.kv
+        h = self.embed(model.token_embd, tokens)
+        self._pool()
+        nt = self._threads()
+        sync = new_sync()
+        t0 = time.perf_counter()
+        run_layers(h, p.blob, p.mats, p.norms, cfg.eps, model.rope_cos, model.rope_sin, start_pos, kv.k, kv.v,
+                   cfg.n_head, cfg.n_head_kv, cfg.n_ff, np.float32(1.0 / np.sqrt(cfg.head_dim)), sync, F16_TO_F32,
+                   nt)
+        self.kernel_seconds += time.perf_counter() - t0
+        if sync[1]:
+            raise RuntimeError(f"the fused stage's {nt} threads did not all run (a barrier gave up): "
+                               "numba's threading layer must give each parallel iteration its own thread")
+        return h
+
+    def matmul(self, x, w):
+        """The output head (the one matmul the graph still calls): one compiled call."""
+        if not isinstance(w, QuantMatrix):
+            return super().matmul(x, w)
+        single = self._single.get(id(w))
+        if single is None:           # the weight's own blocks as the blob, its one row of `mats`
+            rows, row_bytes = w.data.shape
+            single = self._single[id(w)] = (w.data.reshape(-1), np.array([[0, rows, row_bytes, w.kind]], np.int64))
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        nt = self._threads()
+        t0 = time.perf_counter()
+        y = matmul_rows(x, single[0], single[1], F16_TO_F32, nt)
+        self.kernel_seconds += time.perf_counter() - t0
+        return y

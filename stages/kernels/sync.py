@@ -1,0 +1,191 @@
+"""Threads that stay inside one parallel region and meet at barriers (the fused stage's dispatch).
+
+A numba `prange` loop is a parallel region: the pool's threads are woken, run their share, and
+the caller waits for the last one (a fork and a join). The fused stage opens one region per
+forward pass, with one iteration per thread, and separates the ops inside it by barriers:
+
+    next_item(counters, op, t, nt, n)   the next work item of an op for thread t: its own
+                                        contiguous range first, then the others' (atomic adds)
+    barrier(sync, nt, k)           wait until all nt threads have arrived at barrier k (a counter
+                                   that only grows: barrier k is reached at k * nt arrivals)
+
+A barrier spins (`pause` between reads) and, after SPINS reads, yields the core to the OS at each
+read, so a thread waiting for one that the OS has descheduled gives its core back. It needs
+every iteration of the region on its own thread, which numba's workqueue and OpenMP layers do
+with one iteration per thread (TBB may run two on one thread: stages/fused.py chooses the layer).
+If the others never come (sync[2] yields: GIVE_UP unless a test asks for less), it raises the
+abort flag sync[1] and every thread leaves at its next barrier: the caller reports the error
+instead of hanging. `new_sync()` makes the array.
+
+The atomics are LLVM's (atomicrmw add, load/store with acquire/release ordering): numba has none
+for the CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+SPINS = 1000            # pause-reads (tens of microseconds) before a waiting thread yields its core
+GIVE_UP = 20_000_000    # yields (seconds at the least) before a barrier gives up: the abort flag
+
+
+def new_sync(give_up: int = GIVE_UP) -> np.ndarray:
+    """[arrivals, abort flag, yields before giving up], int64."""
+    return np.array([0, 0, give_up], dtype=np.int64)
+
+
+def _slot(context, builder, arrty, arr, idx, idxty):
+    a = context.make_array(arrty)(context, builder, arr)
+    return builder.gep(a.data, [context.cast(builder, idx, idxty, types.intp)])
+
+
+@intrinsic
+def atomic_add(typingctx, arr, idx, value):
+    """arr[idx] += value as one atomic step (int64 array); returns the old value."""
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[2], sig.args[2], types.int64)
+        return builder.atomic_rmw("add", _slot(context, builder, sig.args[0], args[0], args[1], sig.args[1]), v,
+                                  "seq_cst")
+    return types.int64(arr, idx, value), codegen
+
+
+@intrinsic
+def atomic_add2(typingctx, arr, i, j, value):
+    """arr[i, j] += value as one atomic step (a C-contiguous 2-D int64 array); the old value."""
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        i, j = (context.cast(builder, args[k], sig.args[k], types.intp) for k in (1, 2))
+        cols = builder.extract_value(a.shape, 1)
+        slot = builder.gep(a.data, [builder.add(builder.mul(i, cols), j)])
+        v = context.cast(builder, args[3], sig.args[3], types.int64)
+        return builder.atomic_rmw("add", slot, v, "seq_cst")
+    return types.int64(arr, i, j, value), codegen
+
+
+@intrinsic
+def atomic_load(typingctx, arr, idx):
+    """arr[idx] read with acquire ordering: what other threads wrote before they released it."""
+    def codegen(context, builder, sig, args):
+        return builder.load_atomic(_slot(context, builder, sig.args[0], args[0], args[1], sig.args[1]), "acquire", 8)
+    return types.int64(arr, idx), codegen
+
+
+@intrinsic
+def atomic_store(typingctx, arr, idx, value):
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[2], sig.args[2], types.int64)
+        builder.store_atomic(v, _slot(context, builder, sig.args[0], args[0], args[1], sig.args[1]), "release", 8)
+        return context.get_dummy_value()
+    return types.none(arr, idx, value), codegen
+
+
+@intrinsic
+def cpu_relax(typingctx):
+    """x86 `pause`: a spinning core tells the CPU so (less power, no memory-order flush on exit)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                            "llvm.x86.sse2.pause")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+@intrinsic
+def yield_core(typingctx):
+    """sched_yield(2): let the OS run another thread on this core (the symbol is libc's, resolved
+    when numba links the kernel, so the cached machine code holds no address)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+@njit(cache=True)
+def next_item(counters, op, t, nt, n):
+    """The next work item (0 <= item < n) of op `op` for thread t of nt, or -1 when none is left.
+    The items are cut into nt contiguous ranges, one per thread, each with its own counter
+    (counters[op, r]): a thread takes its own range front to back, so it reads weight rows in
+    one long sequential stream, as the memory prefetchers follow best, and when it is done it
+    takes from the others' ranges, so a thread another process slows down takes fewer."""
+    for k in range(nt):
+        r = t + k if t + k < nt else t + k - nt
+        start, end = r * n // nt, (r + 1) * n // nt
+        if start < end:
+            i = start + atomic_add2(counters, op, r, 1)
+            if i < end:
+                return i
+    return -1
+
+
+@njit(cache=True)
+def barrier(sync, nt, k):
+    """All nt threads past barrier k (sync[0] counts arrivals), or False if the region aborted."""
+    atomic_add(sync, 0, 1)
+    target = k * nt
+    spins = 0
+    while atomic_load(sync, 0) < target:
+        if atomic_load(sync, 1) != 0:
+            return False
+        spins += 1
+        if spins < SPINS:
+            cpu_relax()
+        else:
+            yield_core()
+            if spins > SPINS + sync[2]:
+                atomic_store(sync, 1, 1)
+                return False
+    return atomic_load(sync, 1) == 0
+
+
+# ---- what a fork/join and a barrier cost (the fused stage's chapter measures them) -------------
+
+@njit(cache=True, parallel=True)
+def empty_regions(out, n, nt):
+    """n parallel regions in a row, each of nt iterations doing almost nothing: n forks and joins."""
+    for _ in range(n):
+        for t in prange(nt):
+            out[t] += 1.0
+    return out
+
+
+@njit(cache=True)
+def _rounds(t, sync, out, n, nt):
+    for k in range(n):
+        out[t] += 1.0
+        if not barrier(sync, nt, k + 1):
+            return
+
+
+@njit(cache=True, parallel=True)
+def barrier_rounds(sync, out, n, nt):
+    """One parallel region of nt iterations meeting at n barriers in a row. (The loop body is a
+    call: a `return` inside a prange loop would make numba run it serially.)"""
+    for t in prange(nt):
+        _rounds(t, sync, out, n, nt)
+    return out
+
+
+def dispatch_costs(threads: int, n: int = 2000) -> dict:
+    """Microseconds per fork/join (an empty parallel region) and per barrier on `threads`
+    threads, in this process's numba threading layer: the best of 3 runs of n each."""
+    import time
+
+    import numba
+    numba.set_num_threads(threads)
+    out = np.zeros(threads)
+    costs = {}
+    for name, run in (("fork_join_us", lambda: empty_regions(out, n, threads)),
+                      ("barrier_us", lambda: barrier_rounds(new_sync(), out, n, threads))):
+        run()
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t0)
+        costs[name] = best / n * 1e6
+    return {"layer": numba.threading_layer(), "threads": threads, **costs}

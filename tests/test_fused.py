@@ -1,0 +1,314 @@
+"""The fused stage: the integer tiles against the int8 stage's loops for every type and shape,
+the activation blocks against int8's, the flash-decoding split against numpy, the barrier that
+gives up instead of hanging, one compiled call per token, and the model: 1 thread and N bit for
+bit, within int8's tolerance of the float64 reference, int8's greedy tokens but at near-ties.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numba
+import numpy as np
+import pytest
+
+from common import reference
+from common.gguf import GGMLType, GGUFFile
+from stages import load
+from stages.int8 import LOGIT_TOLERANCE as INT8_TOLERANCE
+from stages.kernels import fused as F
+from stages.kernels import fused_ir
+from stages.kernels.int8 import ACTIVATION_BLOCK, dequantize_q8, matvec_int8_auto, quantize_q8
+from stages.kernels.sync import new_sync
+from stages.kernels.toolkit import F16_TO_F32
+from tests.test_int8 import activations
+from tests.test_quantized import MIXED_TYPES, n_cols_for, random_blocks, stage_logits, write_tiny_llama
+from tests.util import attention_numpy
+
+F32 = np.float32
+POOL = numba.config.NUMBA_NUM_THREADS
+INT_TYPES = [GGMLType(t) for t in ACTIVATION_BLOCK]
+NO_TILES = "this CPU (or numba's target) has no AVX2 + F16C: the fused stage runs the int8 stage's loops"
+
+
+def packs_of(x, K):
+    """The fused kernels' activation packs for rows x [M, K]: both formats."""
+    P32, PK = F.new_packs(x.shape[0], K)
+    _quantize_all(x, P32, PK, K % 256 == 0)
+    return P32, PK
+
+
+@numba.njit
+def _quantize_all(x, P32, PK, with_k):
+    for m in range(x.shape[0]):
+        F.quantize_row(x[m], m, x.shape[1], True, with_k, P32, PK)
+
+
+def test_activation_blocks_are_int8s():
+    """Q8_0/Q8_1 and Q8_K blocks written row by row into the packs are quantize_q8's, bit for bit
+    (which tests/test_int8.py holds to ggml's), and the 32-value sums are pairs of 16-value ones."""
+    x = activations(np.random.default_rng(0), 3, 512)
+    x[1, :256] = 0.0
+    P32, PK = packs_of(x, 512)
+    q, d, s, sums = quantize_q8(x, 32)
+    for got, want in zip(P32, (q, d, s, sums)):
+        assert np.array_equal(got, want)
+    q, d, _, sums = quantize_q8(x, 256)
+    assert np.array_equal(PK[0], q) and np.array_equal(PK[1], d)
+    assert np.array_equal(PK[2][:, :32], sums) and np.array_equal(PK[3], sums.reshape(3, 16, 2).sum(axis=2))
+
+
+def _weights(ggml_type, n_rows, seed):
+    rng = np.random.default_rng(seed)
+    K = 2 * n_cols_for(ggml_type)
+    raw = random_blocks(rng, ggml_type, n_rows, K)
+    raw.flags.writeable = False
+    return raw, K, rng
+
+
+def _int8_rows(x, raw, ggml_type):
+    """The int8 stage's integer loops, row by row of x, and the size of each sum (|x| @ |w|)."""
+    from common import quants as Q
+    q, d, s, sums = quantize_q8(x, ACTIVATION_BLOCK[int(ggml_type)])
+    want = np.stack([matvec_int8_auto(q[m], d[m], s[m], sums[m], raw, int(ggml_type), F16_TO_F32, 1)
+                     for m in range(len(x))])
+    xq = dequantize_q8(q, d, ACTIVATION_BLOCK[int(ggml_type)]).astype(np.float64)
+    w64 = Q.dequantize(raw, ggml_type, (raw.shape[0], x.shape[1])).astype(np.float64)
+    return want, np.abs(xq) @ np.abs(w64).T
+
+
+def _matmul(x, raw, ggml_type, threads):
+    mat = np.array([[0, raw.shape[0], raw.shape[1], int(ggml_type)]], np.int64)
+    numba.set_num_threads(threads)
+    return F.matmul_rows(np.ascontiguousarray(x), raw.reshape(-1), mat, F16_TO_F32, threads)
+
+
+@pytest.mark.parametrize("ggml_type", INT_TYPES, ids=lambda t: t.name)
+def test_tiles_against_the_int8_loops(ggml_type):
+    """Decode (1 row) and prefill (5 and 11 rows: whole tiles and the rows left over) against
+    the int8 stage's plain integer loops: the same integer sums, scaled in another order, so
+    float32 rounding is all that differs; 1 thread and all give the same bits."""
+    raw, K, rng = _weights(ggml_type, 13, 40 + int(ggml_type))        # 13 rows: 4 x 4 tiles and leftovers
+    for M in (1, 5, 11):
+        x = activations(rng, M, K)
+        want, scale = _int8_rows(x, raw, ggml_type)
+        runs = [_matmul(x, raw, ggml_type, n) for n in sorted({1, POOL})]
+        assert all(np.array_equal(r, runs[0]) for r in runs)
+        err = np.abs(runs[0] - want) / np.maximum(scale, 1e-30)
+        assert np.isfinite(runs[0]).all() and err.max() < 2e-6, f"{ggml_type.name} M={M}: {err.max():.2e}"
+
+
+def test_float_weights_are_multiplied_in_float():
+    from common import quants as Q
+    rng = np.random.default_rng(5)
+    for ggml_type in (GGMLType.F16, GGMLType.BF16, GGMLType.F32):
+        w = rng.standard_normal((9, 64)).astype(F32)
+        raw = Q.quantize(w, ggml_type) if ggml_type != GGMLType.F32 else w.view(np.uint8)
+        raw = np.ascontiguousarray(raw).reshape(9, -1)
+        raw.flags.writeable = False
+        x = rng.standard_normal((3, 64)).astype(F32)
+        want = x.astype(np.float64) @ Q.dequantize(raw, ggml_type, (9, 64)).astype(np.float64).T
+        np.testing.assert_allclose(_matmul(x, raw, ggml_type, 1), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(fused_ir.ISA is None, reason="the tiles are what the loops are compared with: " + NO_TILES)
+def test_the_loops_fallback_equals_the_tiles():
+    """Where a CPU has no AVX2 the stage runs the int8 stage's loops instead of the tiles
+    (_chunk_loops): the same products."""
+    for ggml_type in INT_TYPES:
+        raw, K, rng = _weights(ggml_type, 6, 60 + int(ggml_type))
+        x = activations(rng, 3, K)
+        P32, PK = packs_of(x, K)
+        out = np.zeros((3, 6), F32)
+        F._chunk_loops(int(ggml_type), raw.reshape(-1), 0, raw.shape[1], 0, 6, 3, P32, PK, out, 0, F16_TO_F32)
+        want, scale = _int8_rows(x, raw, ggml_type)
+        assert (np.abs(out - want) / np.maximum(scale, 1e-30)).max() < 2e-6, ggml_type.name
+
+
+def _tile_runner(kind):
+    """A fresh 1 x 1 tile and a fresh rows kernel of one type, compiled now (so with the ISA
+    fused_ir holds now), as one jitted function."""
+    tile, rows = fused_ir._tile(kind, 1, 1), fused_ir._rows(kind)
+
+    @numba.njit
+    def run(w, rb, nb, P, out):
+        for n in range(out.shape[1] - 1):
+            tile(w, n * rb, rb, nb, P[0], P[1], P[2], P[3], 0, out, n)
+        n = out.shape[1] - 1
+        rows(w, n * rb, rb, nb, P[0], P[1], P[2], P[3], 1, out, n, 1)
+    return run
+
+
+@pytest.mark.skipif(fused_ir.ISA != "vnni", reason="the AVX2 form is compared with the VNNI one here; this CPU "
+                    + ("has no AVX2" if fused_ir.ISA is None else "runs the AVX2 form itself"))
+def test_the_avx2_form_on_a_vnni_cpu(monkeypatch):
+    """CPUs with AVX2 but no VNNI take vpmaddubsw + vpmaddwd for the byte products: compiled here
+    in that form too, the same integer sums (the same bits) and no vpdpbusd in the code."""
+    for ggml_type in INT_TYPES:
+        raw, K, rng = _weights(ggml_type, 5, 80 + int(ggml_type))
+        x = activations(rng, 2, K)
+        P32, PK = packs_of(x, K)
+        P = PK if int(ggml_type) in fused_ir.TYPES_K else P32
+        nb = raw.shape[1] // fused_ir.BLOCK_BYTES[int(ggml_type)]
+        results = []
+        for isa in ("vnni", "avx2"):
+            monkeypatch.setattr(fused_ir, "ISA", isa)
+            run = _tile_runner(int(ggml_type))
+            out = np.zeros((2, 5), F32)
+            run(raw.reshape(-1), raw.shape[1], nb, P, out)
+            results.append(out)
+            asm = "\n".join(run.inspect_asm().values())
+            assert ("vpdpbusd" in asm) == (isa == "vnni" and int(ggml_type) in fused_ir.TYPES_32), ggml_type.name
+        assert np.array_equal(results[0], results[1]), ggml_type.name
+
+
+def test_fast_exp_is_close_to_exp():
+    """The vectorizable exp: within a few float32 ulp of exp over softmax's and silu's range."""
+    x = np.concatenate([np.linspace(-87, 88, 200001), [0.0, -1e-30, -86.99, 87.9]]).astype(F32)
+    got = _exp_all(x).astype(np.float64)
+    want = np.exp(x.astype(np.float64))
+    assert (np.abs(got - want) / want).max() < 4e-7
+
+
+@numba.njit
+def _exp_all(x):
+    out = np.empty_like(x)
+    for i in range(x.shape[0]):
+        out[i] = F.fast_exp(x[i])
+    return out
+
+
+@numba.njit
+def _attend(items, H, n_chunks, p0, y, kc, vc, group, hd, scale, part, out):
+    scores = np.zeros(F.CHUNK if n_chunks > 1 else p0 + y.shape[0], np.float32)
+    for item in items:
+        F.attend_item(item, H, n_chunks, p0, y, kc, vc, group, hd, scale, scores, part)
+    for m in range(y.shape[0]):
+        F.merge_row(part[m], n_chunks, hd, out[m])
+
+
+@pytest.mark.parametrize("p0,M", [(700, 1), (F.CHUNK - 1, 1), (F.CHUNK, 1), (0, 9), (5, 3)])
+def test_attention_split_by_positions_against_numpy(p0, M):
+    """Decode at long contexts splits each head's positions in chunks of CHUNK (flash-decoding)
+    and merges them; prefill takes each row's positions whole. Against float64 numpy, and the
+    items taken in any order give the same bits (whichever thread takes which)."""
+    rng = np.random.default_rng(p0 + M)
+    H, Hkv, hd = 9, 3, 64
+    T = p0 + M
+    n_chunks = (T + F.CHUNK - 1) // F.CHUNK if M == 1 else 1
+    q = rng.standard_normal((M, H * hd)).astype(F32)
+    k = rng.standard_normal((T, Hkv * hd)).astype(F32)
+    v = rng.standard_normal((T, Hkv * hd)).astype(F32)
+    want = attention_numpy(q, k, v, H, Hkv, p0)
+    runs = []
+    for order in (1, -1):
+        items = np.arange(M * H * n_chunks)[::order].copy()
+        part = np.zeros((M, H, n_chunks, hd + 2), F32)
+        out = np.zeros((M, H * hd), F32)
+        _attend(items, H, n_chunks, p0, q, k, v, H // Hkv, hd, F32(1 / np.sqrt(hd)), part, out)
+        runs.append(out)
+    np.testing.assert_allclose(runs[0], want, rtol=1e-4, atol=1e-5)
+    assert np.array_equal(runs[0], runs[1])
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("fused") / "tiny-mixed.gguf",
+                            {**MIXED_TYPES, "attn_k": GGMLType.Q5_1, "attn_v": GGMLType.F16,
+                             "attn_output": GGMLType.Q4_0, "ffn_up": GGMLType.Q4_1})
+
+
+def test_tiny_model_of_every_type_against_the_reference(tiny_path):
+    """Every integer type and float weights inside the layers (attn_v F16) and around them (F16
+    embedding, BF16 output), prefill then decode, 1 thread and all: against float64 within the
+    relative size int8 is held to, the same bits on any thread count, and the threads stage's
+    greedy choices wherever its own top two are apart."""
+    tokens = [3, 17, 42, 5, 63, 0, 8, 21, 9, 30]
+    want = reference.forward(GGUFFile(tiny_path), tokens)
+    runs = [stage_logits(load("fused", tiny_path, threads=n), tokens, split=6) for n in sorted({1, POOL})]
+    got = runs[0]
+    assert np.isfinite(got).all() and all(np.array_equal(r, got) for r in runs)
+    rel = np.sqrt(((got - want) ** 2).mean() / (want ** 2).mean())
+    assert rel < 0.05, f"relative RMS difference {rel:.4f}"
+    floats = stage_logits(load("threads", tiny_path), tokens, split=6)
+    top2 = np.sort(floats, axis=1)[:, -2:]
+    apart = top2[:, 1] - top2[:, 0] > 0.1 * np.abs(floats).max()
+    assert (got.argmax(axis=1)[apart] == floats.argmax(axis=1)[apart]).all()
+
+
+def test_a_barrier_gives_up_instead_of_hanging(tiny_path, monkeypatch):
+    """Two iterations of the region on one thread (numba's pool at 1): the first waits at a
+    barrier for the second, which cannot start. The barrier gives up, every thread leaves, and
+    the stage says why instead of hanging."""
+    import stages.fused as fused_stage
+    engine = load("fused", tiny_path, threads=1)
+    monkeypatch.setattr(fused_stage, "new_sync", lambda: new_sync(give_up=1000))
+    monkeypatch.setattr(type(engine.backend), "_threads", lambda self: 2)
+    numba.set_num_threads(1)
+    with pytest.raises(RuntimeError, match="barrier gave up"):
+        engine.forward([1, 2, 3], 0)
+
+
+def test_one_compiled_call_per_token_for_the_layers(tiny_path, monkeypatch):
+    """A decode step is one call of the layer stack and one of the output head, each one parallel
+    region; the layers are OPS_PER_LAYER ops with a barrier after each."""
+    import stages.fused as fused_stage
+    engine = load("fused", tiny_path, threads=POOL)
+    calls = {"run_layers": 0, "matmul_rows": 0}
+    for name in calls:
+        real = getattr(fused_stage, name)
+
+        def counted(*args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*args)
+        monkeypatch.setattr(fused_stage, name, counted)
+    engine.reset()
+    engine.greedy_next([1, 2, 3], 0)
+    calls.update(run_layers=0, matmul_rows=0)
+    before = engine.backend.kernel_seconds
+    engine.greedy_next([4], 3)
+    assert calls == {"run_layers": 1, "matmul_rows": 1}
+    assert engine.backend.kernel_seconds > before
+    assert inspect.getsource(F.run_layers.py_func).count("prange(") == 1
+    assert F.OPS_PER_LAYER == 9
+
+
+@pytest.fixture(scope="module")
+def default_engines(default_model_path):
+    return {n: load("fused", default_model_path, threads=n, n_ctx=512) for n in sorted({1, POOL})}
+
+
+def test_one_thread_and_all_give_the_same_logits(default_engines):
+    """Prefill, then decode steps past CHUNK positions (the attention split in chunks): the same
+    bits on 1 thread and on all of them."""
+    tokens = [int(t) for t in np.random.default_rng(1).integers(100, 40000, F.CHUNK + 40)]
+    runs = []
+    for engine in default_engines.values():
+        runs.append(stage_logits(engine, tokens, split=F.CHUNK - 2))
+    assert np.isfinite(runs[0]).all()
+    assert all(np.array_equal(r, runs[0]) for r in runs[1:])
+
+
+def test_greedy_tokens_are_int8s_but_at_near_ties(default_model_path, default_engines):
+    """Teacher-forced on the int8 stage's 16 greedy tokens: the fused stage's argmax is int8's
+    pick wherever int8's own top two are more than NEAR_TIE apart; and its logits stay within
+    int8's tolerance of the float64 reference (tests/test_stages.py: at every position)."""
+    from common.generate import generate
+    from tests.test_stages import NEAR_TIE, PROMPT
+    int8 = load("int8", default_model_path)
+    prompt = int8.tokenizer.encode(PROMPT)
+    cont = generate(int8, prompt, 16, ignore_eos=True).tokens
+    ids = prompt + cont
+    ours = stage_logits(default_engines[1], ids, split=len(prompt))[len(prompt) - 1:-1]
+    theirs = stage_logits(int8, ids, split=len(prompt))[len(prompt) - 1:-1]
+    top2 = np.sort(theirs, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > NEAR_TIE
+    assert clear.sum() >= 10, "the prompt should have mostly clear choices"
+    assert (ours.argmax(axis=1)[clear] == np.array(cont)[clear]).all()
+    want = reference.forward(GGUFFile(default_model_path), ids)[len(prompt) - 1:-1]
+    assert np.abs(ours - want).max() <= INT8_TOLERANCE
+
+
+def test_the_tolerance_is_int8s():
+    from stages.fused import LOGIT_TOLERANCE
+    assert LOGIT_TOLERANCE == INT8_TOLERANCE
