@@ -186,7 +186,11 @@ class PagesSampler(threading.Thread):
 
 async def run_level(url: str, clients: int, args) -> dict:
     import openai
-    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    # A fresh connection per request ("Connection: close"): a pooled keep-alive connection that the
+    # server closes just as it is reused ends the request with "Server disconnected" (seen with
+    # llama-server), and with no retries (a retry would hide a real failure) that ends the level.
+    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600,
+                           default_headers={"Connection": "close"})
     model = (await c.models.list()).data[0].id
     texts = prompts(clients * args.requests + 1, args.prompt_tokens * 3 // 4)
     kw = dict(model=model, max_tokens=args.max_tokens, temperature=0, stream=True,

@@ -43,7 +43,14 @@ from __future__ import annotations
 import numpy as np
 
 from common.gguf import GGMLType
-from stages.kernels.int8 import ACTIVATION_BLOCK, dequantize_q8, matvec_int8, matvec_int8_auto, quantize_q8
+from stages.kernels.int8 import (
+    ACTIVATION_BLOCK,
+    add_block_offsets,
+    dequantize_q8,
+    matvec_int8,
+    matvec_int8_auto,
+    quantize_q8,
+)
 from stages.kernels.toolkit import F16_TO_F32
 from stages.quantized import QuantMatrix
 from stages.threads import ThreadsBackend
@@ -60,7 +67,6 @@ class Int8Backend(ThreadsBackend):
     def __init__(self, threads: int | None = None):
         super().__init__(threads)
         self._last = None                # (x, block size, its quantized blocks): q, k, v share x
-        self._offsets = {}               # id(weight blocks) -> its Q4_1/Q5_1 block offsets m [N, K/32]
 
     def quantize_activations(self, x, qk: int):
         """x [M, K] -> llama.cpp's 8-bit blocks (q, d, s, sums), once per input: the graph
@@ -85,18 +91,9 @@ class Int8Backend(ThreadsBackend):
         if w.kind in OFFSET_TYPES:
             # a block's offset m multiplies the activation block's sum, which ggml takes from
             # Q8_1's s = float16(d * sum q), not from d * sum q: the decode kernels do, so must this
-            y += (s - d * sums) @ self._block_offsets(w).T
+            add_block_offsets(y, (s - d * sums).astype(np.float32), w.data.reshape(w.shape[0], -1),
+                              OFFSET_TYPES[w.kind], F16_TO_F32, self.threads)
         return y
-
-    def _block_offsets(self, w):
-        """The float16 offsets m of every block of a Q4_1/Q5_1 weight, as float32 [N, K/32]."""
-        m = self._offsets.get(id(w.data))
-        if m is None:
-            size = OFFSET_TYPES[w.kind]
-            blocks = w.data.reshape(w.shape[0], -1, size)              # [N, K/32, block bytes]
-            m = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[:, :, 0].astype(np.float32)
-            self._offsets[id(w.data)] = m
-        return m
 
 
 class Int8LoopsBackend(Int8Backend):

@@ -240,6 +240,8 @@ def page_faults(sources: Sources) -> Row:
            f"evicting the file ({faults / seconds:,.0f} a second); one 4 KiB page of float32 weights is "
            f"{weights / 4096:,.0f} faults, the article's count scaled to this model is {1e6 * scale:,.0f}: the faults "
            f"come from first touching the float32 copies, and only the major ones from reading the file"
+           + ("; fewer than one per 4 KiB page, most likely because numpy asks the kernel for transparent huge "
+              "pages on large arrays (madvise), and one fault then maps 2 MiB" if faults < weights / 4096 / 2 else "")
            + (f"; {resident:.0%} of the file stayed cached (mapped by another process)" if resident and resident > 0.01
               else "") + f" [{_workload(res, sources)}]")
     return Row("page_faults", claim, 1e6, text, float(faults), "page faults", verdict, why,

@@ -349,6 +349,29 @@ def matvec_int8_auto(a, da, sa, sums, w, kind, f16, n_chunks):
     return y
 
 
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def add_block_offsets(y, c, w, size, f16, n_chunks):
+    """Prefill's share of ggml's m_w * s_a term for Q4_1/Q5_1: y [M, N] += c [M, K/32] m.T,
+    m the float16 offset at bytes 2:4 of each block of W (w [N, K/32 * size] bytes) and
+    c = s - d * sum(q) per activation block. In numba, not numpy's matmul: BLAS threads left
+    spinning after a call take the cores that the next parallel kernel's threads wait for."""
+    M, B = c.shape
+    N = y.shape[1]
+    per = (N + n_chunks - 1) // n_chunks
+    for t in prange(n_chunks):
+        m = np.empty(B, dtype=np.float32)                    # one weight row's offsets
+        for n in range(t * per, min(N, (t + 1) * per)):
+            row = w[n]
+            for b in range(B):
+                m[b] = read_f16(row, b * size + 2, f16)
+            for i in range(M):
+                acc = np.float32(0.0)
+                for b in range(B):
+                    acc += c[i, b] * m[b]
+                y[i, n] += acc
+
+
 # ---- the same dot products with the instructions named (where the CPU has them) -----------------
 #
 # LLVM's auto-vectorizer never forms vpdpbusd / vpmaddubsw from the loops above (see the module
