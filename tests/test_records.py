@@ -42,7 +42,7 @@ def test_results_tables_are_drawn_from_the_committed_records(where, block):
     assert "commit " in block and "code " in block, f"{where}: the caption should say which code was measured"
 
 
-@pytest.mark.parametrize("record", sorted(BENCH.glob("*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize("record", sorted(BENCH.rglob("*.json")), ids=lambda p: p.relative_to(BENCH).as_posix())
 def test_generated_pages_match_their_records(record):
     page = page_for(record)
     if page is None:

@@ -47,6 +47,7 @@ class Results:
     baselines: list = field(default_factory=list)       # llama.cpp records, by thread count
     machine: dict | None = None                          # roofline measurements
     problems: list = field(default_factory=list)         # sentences for the reader
+    chart_notes: list = field(default_factory=list)      # charts the records could not draw (not in tables)
     missing: dict = field(default_factory=dict)          # expected stage -> why it has no record
 
     @property
@@ -416,7 +417,7 @@ def draw_all(res: Results, out_dir) -> list[Path]:
             fn(res, out_dir / name)
             written.append(out_dir / name)
         except ValueError as e:
-            res.problems.append(f"{name} not drawn: {e}")
+            res.chart_notes.append(f"{name} not drawn: {e}")
     if any(r.get("profile") for r in res.stages):
         (out_dir / "ops.md").write_text(ops_markdown(res))
         written.append(out_dir / "ops.md")

@@ -27,7 +27,7 @@ def page_for(record_path: Path) -> str | None:
 
 def redraw_pages(folder: Path) -> list[Path]:
     written = []
-    for path in sorted(Path(folder).glob("*.json")):
+    for path in sorted(Path(folder).rglob("*.json")):
         text = page_for(path)
         if text is not None:
             out = path.with_suffix(".md")

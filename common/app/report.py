@@ -151,7 +151,7 @@ def draw(folder: Path, charts_dir: Path, update_readme_table: bool, why_missing=
         path = charts_dir / "results.md"
         path.write_text(caption + charts.results_table(res) + "\n")
         written.append(path)
-    for p in res.problems:
+    for p in res.problems + res.chart_notes:
         print(f"note: {p}", file=sys.stderr)
     old = stale(res.stages + res.baselines)
     if old:
