@@ -35,7 +35,7 @@ EXPECTED_SKIPS = {
     r"^gpu test: ": "no NVIDIA GPU, driver or PyCUDA (every gpu-marked test says which)",
     r"^nvcc not found": "no CUDA toolkit to compile the kernels with",
     r"^this machine can run the cuda stage": "the checks of the no-GPU messages, on a machine with a GPU",
-    r"llama-cpp-python not installed": "llama.cpp is optional (`make baseline` installs it)",
+    r"llama-cpp-python (is )?not installed": "llama.cpp is optional (`make baseline` installs it)",
     r"^slow test: ": "slow tests run with LLM_SLOW_TESTS=1 (`make test-all`)",
     r"\bthis CPU\b|reads x86 assembly": "vector instructions this CPU does not have",
     r"has no page \(only comparison and kernel records do\)": "records of a kind that has no page",
