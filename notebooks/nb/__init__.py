@@ -32,6 +32,7 @@ from notebooks.nb.measure import (
     profile,
     prompt_ids,
     recorded,
+    recorded_vs_llama,
     step_ms,
 )
 from notebooks.nb.plots import (
@@ -67,6 +68,6 @@ __all__ = [
     "fma_counts", "hot_loop", "human_bytes", "is_quick", "kernel_asm", "line_chart", "load", "matmul_share",
     "matmul_work", "md", "md_table", "measure", "measure_in_subprocess", "memory_now", "missing_stage", "model_path",
     "module_kernels", "ops_chart", "ops_chart_with_records", "print_profile", "profile", "prompt_ids", "recorded",
-    "rel", "roofline_chart", "settings", "show", "show_class_from_file", "show_file_excerpt", "show_image",
-    "show_source", "show_table", "stage_chart", "step_ms",
+    "recorded_vs_llama", "rel", "roofline_chart", "settings", "show", "show_class_from_file", "show_file_excerpt",
+    "show_image", "show_source", "show_table", "stage_chart", "step_ms",
 ]

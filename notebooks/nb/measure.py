@@ -227,3 +227,19 @@ def best_seconds(fn, reps: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def recorded_vs_llama(engines) -> list[tuple[str, str, str, str]]:
+    """(model, row, decode / llama.cpp, TTFT / llama.cpp) for the rows of `engines` in every
+    committed comparison record (profiles/bench/vs_llama_*.json, scripts/bench_vs_llama.py)."""
+    from common.app import compare
+    rows = []
+    for path in sorted((ROOT / "profiles" / "bench").rglob("vs_llama_*.json")):
+        record = json.loads(path.read_text())
+        if record.get("kind") != "comparison":
+            continue
+        for row, f in compare.summary(record).items():
+            if f["engine"] in engines and "decode_ms_over_llama_cpp" in f:
+                rows.append((record["model"], row, f"{f['decode_ms_over_llama_cpp']:.2f}",
+                             f"{f['ttft_ms_over_llama_cpp']:.2f}"))
+    return rows

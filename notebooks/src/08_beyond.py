@@ -316,19 +316,7 @@ if not missing["int8"]:
 # page drawn from it (`vs_llama_<model>.md`). Its ratios, if it has run:
 
 # %%
-import json
-
-from common.app import compare
-
-recorded_rows = []
-for path in sorted((nb.ROOT / "profiles" / "bench").glob("vs_llama_*.json")):
-    record = json.loads(path.read_text())
-    if record.get("kind") != "comparison":
-        continue
-    for row, f in compare.summary(record).items():
-        if f["engine"] in ("threads", "int8") and "decode_ms_over_llama_cpp" in f:
-            recorded_rows.append((record["model"], row, f"{f['decode_ms_over_llama_cpp']:.2f}",
-                                  f"{f['ttft_ms_over_llama_cpp']:.2f}"))
+recorded_rows = nb.recorded_vs_llama(["threads", "int8"])
 if recorded_rows:
     nb.show_table(["model", "row", "decode / llama.cpp", "TTFT / llama.cpp"], recorded_rows)
     behind = sum(float(r[2]) > 1 for r in recorded_rows)

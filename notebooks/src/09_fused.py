@@ -238,17 +238,7 @@ if not (missing["fused"] or missing["int8"]):
 # has measured the fused stage:
 
 # %%
-from common.app import compare
-
-recorded_rows = []
-for path in sorted((nb.ROOT / "profiles" / "bench").glob("vs_llama_*.json")):
-    record = json.loads(path.read_text())
-    if record.get("kind") != "comparison":
-        continue
-    for row, f in compare.summary(record).items():
-        if f["engine"] == "fused" and "decode_ms_over_llama_cpp" in f:
-            recorded_rows.append((record["model"], row, f"{f['decode_ms_over_llama_cpp']:.2f}",
-                                  f"{f['ttft_ms_over_llama_cpp']:.2f}"))
+recorded_rows = nb.recorded_vs_llama(["fused"])
 if recorded_rows:
     nb.show_table(["model", "row", "decode / llama.cpp", "TTFT / llama.cpp"], recorded_rows)
     findings["recorded ratios"] = ", ".join(f"{r[1]} decode {r[2]}x" for r in recorded_rows)
