@@ -5,14 +5,17 @@
     python scripts/loadtest.py --llama-server PATH          # a llama-server binary you have
     python scripts/loadtest.py --chart-only                 # redraw the chart and table from the record
 
-For each number of concurrent clients C, the server is started with room for C sequences
-(llama-server with C parallel slots) and C clients of the official `openai` package each send
---requests streamed completions, one after the other: greedy, exactly --max-tokens tokens each
-(`ignore_eos`, which both servers take), every prompt a different text of about --prompt-tokens
-tokens (so no request reuses another's prefix). Measured from the clients: aggregate generated
-tokens per second (all tokens / wall time of the level), time to first token and the time
-between tokens (p50, p99); from our server's /health, sampled while the level runs: KV pages in
-use. Beside them, the machine's roofline (common/app/roofline.py): a step reads the weights once
+For each number of concurrent clients C, both servers are started with room for C sequences
+(llama-server with C parallel slots) and, in --rounds rounds that alternate which server goes
+first, C clients of the official `openai` package each send --requests streamed completions
+to one of them, one after the other: greedy, exactly --max-tokens tokens each (`ignore_eos`,
+which both servers take), every prompt a different text of about --prompt-tokens tokens (so no
+request reuses another's prefix). Measured from the clients: aggregate generated tokens per
+second (all tokens / wall time of the round), time to first token and the time between tokens
+(p50, p99); from our server's /health: KV pages in use (sampled while the round runs) and the
+engine's share of the wall time (seconds inside forward steps, the mean step). A level's
+figures are the medians of its rounds; the ratio to llama-server is the median of the rounds'
+ratios. Beside them, the machine's roofline (common/app/roofline.py): a step reads the weights once
 for all B sequences (bandwidth ceiling B x bandwidth / weight bytes) and computes B tokens'
 FLOPs (compute ceiling peak / FLOPs per token), and the throughput cannot pass the lower one.
 
@@ -230,27 +233,73 @@ async def run_level(url: str, clients: int, args) -> dict:
             "itl_ms_mean": statistics.fmean(ms[1]) if ms[1] else float("nan")}
 
 
-def measure(kind: str, args, log_dir: Path) -> list[dict]:
-    rows = []
-    for clients in args.clients:
-        server = Server(kind, args, clients, log_dir)
-        sampler = PagesSampler(server.url) if kind == OURS else None
-        try:
-            if sampler:
-                sampler.start()
-            row = asyncio.run(run_level(server.url, clients, args))
-        finally:
-            if sampler:
-                sampler.stop.set()
-                sampler.join()
-            server.close()
-        if sampler and sampler.used:
+def engine_counters(url: str) -> dict:
+    """Our /health's step counters: steps, rows and seconds inside forward steps."""
+    import httpx
+    h = httpx.get(url + "/health", timeout=5).json()
+    return {k: h[k] for k in ("steps", "rows", "step_seconds")}
+
+
+def run_round(server: "Server", clients: int, args) -> dict:
+    """One round of one level against one server; for ours also the KV pages in use and how
+    busy the engine was (time inside forward steps / wall time: the rest is HTTP, sampling and
+    waiting for the clients, which share the machine's cores)."""
+    sampler = PagesSampler(server.url) if server.kind == OURS else None
+    before = engine_counters(server.url) if sampler else None
+    try:
+        if sampler:
+            sampler.start()
+        row = asyncio.run(run_level(server.url, clients, args))
+    finally:
+        if sampler:
+            sampler.stop.set()
+            sampler.join()
+    if sampler:
+        after = engine_counters(server.url)
+        steps, rows = after["steps"] - before["steps"], after["rows"] - before["rows"]
+        busy = after["step_seconds"] - before["step_seconds"]
+        row.update(engine_steps=steps, engine_rows_per_step=rows / max(1, steps),
+                   engine_step_ms_mean=1e3 * busy / max(1, steps), engine_busy=busy / row["wall_s"])
+        if sampler.used:
             row["kv_pages_used_max"] = max(sampler.used)
             row["kv_pages_used_mean"] = statistics.fmean(sampler.used)
-        rows.append(row)
-        print(f"{kind:>12} {clients:>3} clients: {row['tokens_per_s']:7.1f} tokens/s, TTFT p50 "
-              f"{row['ttft_ms_p50']:.0f} ms, between tokens p50 {row['itl_ms_p50']:.1f} ms", file=sys.stderr)
-    return rows
+    return row
+
+
+def summary(rounds: list[dict]) -> dict:
+    """A level's row: the median of each figure over the rounds, and the rounds themselves."""
+    row = {"clients": rounds[0]["clients"], "rounds": rounds}
+    for key in rounds[0]:
+        values = [r[key] for r in rounds if key in r]
+        if key != "clients" and values and all(isinstance(v, (int, float)) for v in values):
+            row[key] = statistics.median(values)
+    return row
+
+
+def measure(args, log_dir: Path) -> dict[str, list[dict]]:
+    """Every level: both servers started (each idle while the other runs), then --rounds
+    rounds in alternating order (ours first, then theirs first, ...)."""
+    kinds = [OURS] + ([LLAMA] if args.llama_server else [])
+    out = {k: [] for k in kinds}
+    for clients in args.clients:
+        servers = {}
+        try:
+            for k in kinds:
+                servers[k] = Server(k, args, clients, log_dir)
+            runs = {k: [] for k in kinds}
+            for r in range(args.rounds):
+                for k in kinds if r % 2 == 0 else kinds[::-1]:
+                    runs[k].append(run_round(servers[k], clients, args))
+        finally:
+            for server in servers.values():
+                server.close()
+        for k in kinds:
+            row = summary(runs[k])
+            out[k].append(row)
+            print(f"{k:>12} {clients:>3} clients: {row['tokens_per_s']:7.1f} tokens/s, TTFT p50 "
+                  f"{row['ttft_ms_p50']:.0f} ms, between tokens p50 {row['itl_ms_p50']:.1f} ms (medians of "
+                  f"{len(runs[k])} rounds)", file=sys.stderr)
+    return out
 
 
 # ---- the record, its chart and table -------------------------------------------------------------
@@ -261,6 +310,19 @@ def ceilings(rec: dict, clients) -> list[float]:
     bw = r["bandwidth_gbs"] * 1e9
     peak = r["peak_gflops"] * 1e9
     return [min(b * bw / r["weight_bytes"], peak / r["flops_per_token"]) for b in clients]
+
+
+def round_ratios(ours: dict, theirs: dict) -> list[float]:
+    """Our tokens/s over llama-server's, round by round (a record of one round per level, as
+    written before rounds existed, gives its one ratio)."""
+    a, b = ours.get("rounds", [ours]), theirs.get("rounds", [theirs])
+    return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a, b)]
+
+
+def busy(row: dict) -> str:
+    if "engine_busy" not in row:
+        return "-"
+    return f"{100 * row['engine_busy']:.0f}% ({row['engine_step_ms_mean']:.1f})"
 
 
 def draw(rec: dict, chart: Path = CHART, table: Path = TABLE):
@@ -310,21 +372,24 @@ def draw(rec: dict, chart: Path = CHART, table: Path = TABLE):
     lines = [f"Drawn from `{table.with_suffix('.json').name}` by `scripts/loadtest.py` "
              f"({s['model']}, {threads}, commit {str(rec['provenance'].get('commit', '?'))[:7]}).", "",
              "| server | clients | tokens/s | vs 1 client | roofline tokens/s | TTFT p50 / p99 (ms) | "
-             "between tokens p50 / p99 (ms) | KV pages used (max) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "between tokens p50 / p99 (ms) | KV pages used (max) | engine busy (mean step, ms) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for kind, rows in rec["engines"].items():
         base = rows[0]["tokens_per_s"]
         for row, ceil in zip(rows, ceilings(rec, [r["clients"] for r in rows])):
             lines.append(f"| {style[kind][2]} | {row['clients']} | {row['tokens_per_s']:.1f} | "
                          f"{row['tokens_per_s'] / base:.2f}x | {ceil:.0f} | {row['ttft_ms_p50']:.0f} / "
                          f"{row['ttft_ms_p99']:.0f} | {row['itl_ms_p50']:.1f} / {row['itl_ms_p99']:.1f} | "
-                         f"{row.get('kv_pages_used_max', '-')} |")
+                         f"{row.get('kv_pages_used_max', '-')} | {busy(row)} |")
     if LLAMA in rec["engines"]:
-        theirs = {r["clients"]: r["tokens_per_s"] for r in rec["engines"][LLAMA]}
-        lines += ["", "| clients | this engine / llama-server |", "|---:|---:|"]
+        theirs = {r["clients"]: r for r in rec["engines"][LLAMA]}
+        lines += ["", "| clients | this engine / llama-server (median of the rounds' ratios) | each round |",
+                  "|---:|---:|---|"]
         for row in rec["engines"][OURS]:
             if row["clients"] in theirs:
-                lines.append(f"| {row['clients']} | {row['tokens_per_s'] / theirs[row['clients']]:.2f}x |")
+                each = round_ratios(row, theirs[row["clients"]])
+                lines.append(f"| {row['clients']} | {statistics.median(each):.2f}x | "
+                             f"{', '.join(f'{x:.2f}' for x in each)} |")
     else:
         lines += ["", f"_llama-server: {rec.get('llama_server_missing', 'not measured')}_"]
     table.write_text("\n".join(lines) + "\n")
@@ -339,12 +404,16 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=4, help="requests per client per level (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
     p.add_argument("--prompt-tokens", type=int, default=32, help="about this many prompt tokens (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds per level, the servers alternating; figures are medians (default: %(default)s)")
     p.add_argument("--threads", type=int, default=physical_cores(), help="threads, both servers (default: cores)")
     p.add_argument("--llama-server", default=None,
                    help="'auto' (build it from the llama-cpp-python sdist once) or a llama-server binary")
     p.add_argument("--chart-only", action="store_true", help="redraw the chart and table from the record")
     p.add_argument("--out", type=Path, default=RECORD, help="the record (default: %(default)s)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: give at least 1")
     # elsewhere than the default record (a trial run), the chart and table go beside it
     chart, table = (CHART, TABLE) if args.out == RECORD else (args.out.with_suffix(".png"), args.out.with_suffix(".md"))
     if args.chart_only:
@@ -372,9 +441,7 @@ def main(argv=None) -> int:
     ceil = roofline.measure(threads=args.threads)
     key = str(args.threads) if str(args.threads) in ceil["bandwidth_gbs"] else "1"
     log_dir = Path(tempfile.mkdtemp(prefix="loadtest-"))          # the servers' logs
-    engines = {OURS: measure(OURS, args, log_dir)}
-    if args.llama_server:
-        engines[LLAMA] = measure(LLAMA, args, log_dir)
+    engines = measure(args, log_dir)
     rec = {"kind": "batching", "engines": engines,
            "roofline": {"bandwidth_gbs": ceil["bandwidth_gbs"][key], "peak_gflops": ceil["peak_gflops"][key],
                         "weight_bytes": weight_bytes,
@@ -383,7 +450,8 @@ def main(argv=None) -> int:
     if missing:
         rec["llama_server_missing"] = missing
     add_context(rec, {"model": args.model.name, "stage": args.stage, "clients": args.clients,
-                      "requests": args.requests, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
+                      "requests": args.requests, "rounds": args.rounds,
+                      "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                       "threads": args.threads, "sampling": "greedy", "ignore_eos": True,
                       "llama_server": str(args.llama_server) if args.llama_server else None})
     args.out.parent.mkdir(parents=True, exist_ok=True)

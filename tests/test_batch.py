@@ -16,6 +16,7 @@ shows them (pytest -s prints them).
 from __future__ import annotations
 
 import importlib
+import threading
 
 import numpy as np
 import pytest
@@ -145,3 +146,46 @@ def test_prefix_pages_are_shared_and_give_the_same_numbers(default_model_path):
     for x, y in zip(first.sampler.logits, second.sampler.logits):
         assert np.array_equal(x, y)
     assert first.generated[:N_TOKENS] == second.generated
+
+
+class StubEngine:
+    """An engine shape for the loop's own tests: uniform logits, and it notes which thread
+    ran each step."""
+
+    class config:
+        n_layer, kv_dim, n_vocab, n_ctx_train = 1, 4, 8, 64
+
+    class backend:
+        row_block = 1
+
+    n_ctx = 64
+
+    def __init__(self):
+        self.threads = []
+
+    def forward_batch(self, batch):
+        self.threads.append(threading.get_ident())
+        return np.zeros((len(batch.logit_rows), self.config.n_vocab), dtype=np.float32)
+
+
+def test_the_engine_loop_steps_in_the_thread_that_calls_run():
+    """run() is the loop in the caller's thread (the one that loaded and warmed the engine,
+    Scheduler.run says why), returns when keep_going() turns false, and ends what is left
+    with an error, not silently."""
+    engine = StubEngine()
+    sched = Scheduler(engine, kv_pages=8)
+    events = {}
+
+    def request(i):
+        return Request(prompt=[1, 2], max_tokens=3, on_event=lambda kind, v: events.setdefault(i, []).append(kind))
+
+    done = request(0)
+    sched.submit(done)
+    sched.run(keep_going=lambda: done.table is not None or not events)
+    assert set(engine.threads) == {threading.get_ident()}
+    assert events[0] == ["token"] * 3 + ["done"]
+
+    left = request(1)
+    sched.submit(left)
+    sched.run(keep_going=lambda: False)
+    assert events[1] == ["error"] and not sched.waiting and not sched.running

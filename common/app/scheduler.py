@@ -1,6 +1,7 @@
 """Continuous batching: many requests, one engine, one forward step at a time.
 
-One engine thread runs steps; between two steps requests join and leave:
+One engine thread runs steps (the thread that loaded the engine: Scheduler.run says why);
+between two steps requests join and leave:
 
     waiting  (bounded, FIFO)  --admit: its worst-case pages reserved-->  running
     running: prefilling (its prompt in chunks)  ->  decoding (one row per step)  ->  done
@@ -35,6 +36,8 @@ import numpy as np
 from common.batch import Batch, Segment
 from common.generate import ContextError, ParameterError, Sampler, SamplingParams, check_fits, check_n_predict
 from common.paged_kv import PAGE_SIZE, PagePool, PageTable
+
+POLL_S = 0.5          # run(): how often an idle loop asks keep_going()
 
 
 class QueueFull(RuntimeError):
@@ -83,9 +86,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._lock = threading.Condition()
         self._stop = False
-        self._thread = None
         self.steps = 0
         self.rows = 0
+        self.step_seconds = 0.0                             # inside forward steps, for the load test
         self.failures = 0
         self._snapshot = self._stats()
 
@@ -127,37 +130,45 @@ class Scheduler:
 
     def reset_counters(self):
         self.steps = self.rows = self.failures = 0
+        self.step_seconds = 0.0
         self._publish()
 
-    def start(self):
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-        self._thread.start()
+    # ---- the engine loop ------------------------------------------------------------------
+    def run(self, keep_going=lambda: True):
+        """The engine loop, in the calling thread, until stop() or until keep_going() turns
+        false (asked at least every POLL_S while idle). Call it from the thread that loaded and
+        warmed the engine: numba's OpenMP layer gives each thread that opens parallel regions
+        its own team of workers, libgomp counts the workers of every team, and once they
+        outnumber the CPUs they stop spinning between regions and sleep (libgomp's do_spin),
+        so each of a step's hundreds of regions would begin by waking a sleeping thread."""
+        try:
+            while True:
+                with self._lock:
+                    while not self._stop and not self.waiting and not self.running and keep_going():
+                        self._lock.wait(POLL_S)
+                    if self._stop or not keep_going():
+                        break
+                try:
+                    self.step()
+                except Exception:                          # a bug outside the forward pass: the
+                    traceback.print_exc()                  # requests it touched end, the loop lives
+                    self.failures += 1
+                    for req in list(self.running):
+                        self._finish(req, "error", "the engine failed; this request was ended")
+                    self._publish()
+        finally:                                           # stopped, or interrupted (Ctrl-C)
+            with self._lock:
+                left = list(self.running) + list(self.waiting)
+                self.waiting.clear()
+            for req in left:
+                self._finish(req, "error", "the server is shutting down")
+            self._publish()
 
     def stop(self):
+        """Ask run() to return (from any thread) at the next step boundary."""
         with self._lock:
             self._stop = True
             self._lock.notify()
-        if self._thread is not None:
-            self._thread.join()
-
-    # ---- the engine thread ----------------------------------------------------------------
-    def _loop(self):
-        while True:
-            with self._lock:
-                while not self._stop and not self.waiting and not self.running:
-                    self._lock.wait()
-                if self._stop:
-                    break
-            try:
-                self.step()
-            except Exception:                              # a bug outside the forward pass: the
-                traceback.print_exc()                      # requests it touched end, the thread lives
-                self.failures += 1
-                for req in list(self.running):
-                    self._finish(req, "error", "the engine failed; this request was ended")
-                self._publish()
-        for req in list(self.running) + list(self.waiting):
-            self._finish(req, "error", "the server is shutting down")
 
     def step(self) -> int:
         """Admit, build one batch, run it, hand out the tokens. Returns the rows computed."""
@@ -171,9 +182,11 @@ class Scheduler:
             self._publish()
             return 0
         try:
+            t0 = time.perf_counter()
             batch = Batch(self.pool, segments, self.engine.backend.row_block)
             logits = self.engine.forward_batch(batch)
             batch.finish()
+            self.step_seconds += time.perf_counter() - t0
         except Exception:                                  # a bug, not a user error: contain it
             self.failures += 1
             message = traceback.format_exc(limit=3)
@@ -251,7 +264,8 @@ class Scheduler:
         return {"kv_pages_total": p.n_pages, "kv_pages_free": p.n_free, "kv_pages_cached": p.n_cached,
                 "kv_pages_shared": p.n_shared, "kv_page_size": p.page_size, "kv_pages_reserved": p.reserved,
                 "running": len(self.running), "max_batch": self.max_batch, "steps": self.steps,
-                "rows": self.rows, "failures": self.failures}
+                "rows": self.rows, "failures": self.failures,
+                "step_seconds": round(self.step_seconds, 6)}
 
     def _publish(self):
         with self._lock:

@@ -19,15 +19,18 @@ malformed JSON, a field of the wrong type or an unknown one, a prompt that does 
 context, and an unknown model. A full wait queue is a 503 with `Retry-After`. A client that
 disconnects, mid-stream or while waiting, is cancelled: its pages go back at the next step.
 
-The engine runs in its own thread (common/app/scheduler.py); the HTTP side is one asyncio
-loop (FastAPI on uvicorn), which hands each request's tokens from the engine thread to its
-response through an asyncio queue.
+The engine loop (common/app/scheduler.py) runs in the main thread, which loaded and warmed
+the engine (Scheduler.run says why that matters); the HTTP side is one asyncio loop (FastAPI
+on uvicorn) in a second thread, which hands each request's tokens from the engine thread to
+its response through an asyncio queue.
 """
 
 import asyncio
 import json
 import re
+import signal
 import sys
+import threading
 import time
 import uuid
 
@@ -409,7 +412,8 @@ def create_app(server: Server):
 
 def build(stage: str, model, ctx_size=None, threads=None, max_batch=32, kv_pages=512, max_queue=64,
           prefill_chunk=64, progress=False) -> Server:
-    """Load the stage, warm its kernels up (single and batched), start the engine thread."""
+    """Load the stage and warm its kernels up (single and batched), in the calling thread:
+    the thread that must then run the engine loop (server.scheduler.run())."""
     from stages import load
     s = info(stage)
     if not s.kv_cache or s.gpu:
@@ -423,7 +427,6 @@ def build(stage: str, model, ctx_size=None, threads=None, max_batch=32, kv_pages
     while scheduler.step() or scheduler.running:
         pass
     scheduler.reset_counters()
-    scheduler.start()
     model_id = engine.gguf.path.split("/")[-1].removesuffix(".gguf")
     return Server(engine, stage, scheduler, model_id)
 
@@ -446,6 +449,11 @@ def serving_stage(name: str) -> str:
     return SERVING_STAGE if SERVING_STAGE in cpu else cpu[-1]
 
 
+def interrupted(signum, frame):
+    """SIGTERM ends the server as Ctrl-C does: the requests still running get an error event."""
+    raise KeyboardInterrupt
+
+
 def cmd_serve(args):
     stage = serving_stage(args.stage)
     server = build(stage, args.model, ctx_size=args.ctx_size, threads=args.threads, max_batch=args.max_batch,
@@ -456,10 +464,22 @@ def cmd_serve(args):
     print(f"serving {server.model_id} with stage {stage} on http://{args.host}:{args.port}  "
           f"(max batch {args.max_batch}, {pool.n_pages} KV pages of {pool.page_size} positions = "
           f"{pool.nbytes / 2**20:.0f} MiB, queue {args.max_queue}, context {server.engine.n_ctx})", file=sys.stderr)
+    http = uvicorn.Server(uvicorn.Config(create_app(server), host=args.host, port=args.port,
+                                         log_level=args.log_level))
+    web = threading.Thread(target=http.run, name="http", daemon=True)
+    signal.signal(signal.SIGTERM, interrupted)
+    web.start()
     try:
-        uvicorn.run(create_app(server), host=args.host, port=args.port, log_level=args.log_level)
+        server.scheduler.run(keep_going=web.is_alive)      # here, in the thread that warmed the engine
+    except KeyboardInterrupt:
+        pass
     finally:
         server.scheduler.stop()
+        http.should_exit = True
+        web.join(timeout=10)
+    if not http.started:
+        raise SystemExit(f"error: the server could not listen on {args.host}:{args.port} (see uvicorn's "
+                         f"message above; is the port in use? try --port)")
 
 
 def add_commands(sub):
