@@ -155,10 +155,12 @@ def build_llama_server() -> Path:
 
 # ---- one level: C clients ------------------------------------------------------------------------
 
-def prompts(n: int, words: int) -> list[str]:
-    """n different prompts of about `words` words: a numbered request, then the bench text."""
+def prompts(n: int, words: int, first: int = 0) -> list[str]:
+    """n different prompts of about `words` words: a numbered request (first, first + 1, ...),
+    then the bench text. Numbered from `first`, each round's differ from every earlier round's
+    at their first tokens, so neither server finds them in its prompt cache."""
     text = (BENCH_TEXT * 4).split()
-    return [f"Request {i}: " + " ".join(text[i % 40:i % 40 + words]) for i in range(n)]
+    return [f"Request {i}: " + " ".join(text[i % 40:i % 40 + words]) for i in range(first, first + n)]
 
 
 def percentile(xs, q):
@@ -187,7 +189,7 @@ class PagesSampler(threading.Thread):
                 self.stop.wait(0.05)
 
 
-async def run_level(url: str, clients: int, args) -> dict:
+async def run_level(url: str, clients: int, args, round_: int = 0) -> dict:
     import openai
     # A fresh connection per request ("Connection: close"): a pooled keep-alive connection that the
     # server closes just as it is reused ends the request with "Server disconnected" (seen with
@@ -195,7 +197,8 @@ async def run_level(url: str, clients: int, args) -> dict:
     c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600,
                            default_headers={"Connection": "close"})
     model = (await c.models.list()).data[0].id
-    texts = prompts(clients * args.requests + 1, args.prompt_tokens * 3 // 4)
+    n = clients * args.requests + 1
+    texts = prompts(n, args.prompt_tokens * 3 // 4, first=round_ * n)
     kw = dict(model=model, max_tokens=args.max_tokens, temperature=0, stream=True,
               stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     ttft, itl, tokens = [], [], []
@@ -240,7 +243,7 @@ def engine_counters(url: str) -> dict:
     return {k: h[k] for k in ("steps", "rows", "step_seconds")}
 
 
-def run_round(server: "Server", clients: int, args) -> dict:
+def run_round(server: "Server", clients: int, args, round_: int) -> dict:
     """One round of one level against one server; for ours also the KV pages in use and how
     busy the engine was (time inside forward steps / wall time: the rest is HTTP, sampling and
     waiting for the clients, which share the machine's cores)."""
@@ -249,7 +252,7 @@ def run_round(server: "Server", clients: int, args) -> dict:
     try:
         if sampler:
             sampler.start()
-        row = asyncio.run(run_level(server.url, clients, args))
+        row = asyncio.run(run_level(server.url, clients, args, round_))
     finally:
         if sampler:
             sampler.stop.set()
@@ -289,7 +292,7 @@ def measure(args, log_dir: Path) -> dict[str, list[dict]]:
             runs = {k: [] for k in kinds}
             for r in range(args.rounds):
                 for k in kinds if r % 2 == 0 else kinds[::-1]:
-                    runs[k].append(run_round(servers[k], clients, args))
+                    runs[k].append(run_round(servers[k], clients, args, r))
         finally:
             for server in servers.values():
                 server.close()

@@ -228,6 +228,58 @@ while sched.running:
 findings["prefix sharing"] = f"{common}-token common prefix: {shared} pages held once for both requests"
 
 # %% [markdown]
+# ## One thread drives the engine
+#
+# A server has two jobs: answer HTTP (an asyncio loop) and run the steps. Which thread runs
+# the steps matters more than it looks. numba's OpenMP layer (libgomp) gives every thread that
+# opens a parallel region its own team of workers. libgomp counts the workers of all teams,
+# and while they outnumber the CPUs, a worker that finishes a region goes to sleep almost at
+# once instead of spinning for the next one (`do_spin` in libgomp's `wait.h`), so every region
+# begins by waking it: a system call and a context switch. A step opens hundreds of regions (the
+# threads stage: several per layer), so `python -m common serve` runs its engine loop in the
+# thread that loaded and warmed the engine and gives HTTP the second thread
+# (`Scheduler.run`, `common/app/serve.py`). Measured here: a nearly empty region opened from
+# this notebook's thread, then from a second thread while this one's team exists, then from
+# this thread again once the second thread, and its team, are gone.
+
+# %%
+import threading
+
+import numba
+from numba import njit, prange
+
+
+@njit(parallel=True)
+def tiny_region(a):                 # one element per thread: what it costs is the fork and join
+    for i in prange(a.shape[0]):
+        a[i] += 1.0
+
+
+def region_us(n: int = 300 if cfg.quick else 3000) -> float:
+    """Microseconds per call of tiny_region, from the calling thread."""
+    a = np.zeros(numba.get_num_threads())
+    tiny_region(a)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        tiny_region(a)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+here = region_us()
+other = {}
+second = threading.Thread(target=lambda: other.update(us=region_us()))
+second.start()
+second.join()
+again = region_us()
+layer = numba.threading_layer()
+nb.show_table(["regions opened from", "us per region"],
+              [["this thread (the engine's)", f"{here:.1f}"], ["a second thread", f"{other['us']:.1f}"],
+               ["this thread, the second one gone", f"{again:.1f}"]])
+findings["a parallel region from a second thread"] = (
+    f"{other['us']:.1f} us, against {here:.1f} us from the thread that opened the first "
+    f"({layer} threading layer, {numba.get_num_threads()} threads)")
+
+# %% [markdown]
 # ## The server, and the load test
 #
 # `make serve` (`python -m common serve`) puts this behind OpenAI's HTTP API; `make loadtest`
