@@ -189,7 +189,10 @@ class PagesSampler(threading.Thread):
                 self.stop.wait(0.05)
 
 
-async def run_level(url: str, clients: int, args, round_: int = 0) -> dict:
+async def run_level(url: str, clients: int, args, round_: int = 0, counters=None) -> dict:
+    """One round: a warm-up request, then the clients. `counters()` (our server's step
+    counters) is read after the warm-up and at the end, so the engine's figures cover exactly
+    the timed requests."""
     import openai
     # A fresh connection per request ("Connection: close"): a pooled keep-alive connection that the
     # server closes just as it is reused ends the request with "Server disconnected" (seen with
@@ -224,16 +227,24 @@ async def run_level(url: str, clients: int, args, round_: int = 0) -> dict:
 
     await request(texts[0])                          # warm: the first request pays for nothing later
     ttft.clear(), itl.clear(), tokens.clear()
+    before = counters() if counters else None
     t0 = time.perf_counter()
     await asyncio.gather(*[client(i) for i in range(clients)])
     wall = time.perf_counter() - t0
+    after = counters() if counters else None
     await c.close()
     ms = [x * 1e3 for x in ttft], [x * 1e3 for x in itl]
-    return {"clients": clients, "requests": clients * args.requests, "tokens": sum(tokens), "wall_s": wall,
-            "tokens_per_s": sum(tokens) / wall,
-            "ttft_ms_p50": percentile(ms[0], 50), "ttft_ms_p99": percentile(ms[0], 99),
-            "itl_ms_p50": percentile(ms[1], 50), "itl_ms_p99": percentile(ms[1], 99),
-            "itl_ms_mean": statistics.fmean(ms[1]) if ms[1] else float("nan")}
+    row = {"clients": clients, "requests": clients * args.requests, "tokens": sum(tokens), "wall_s": wall,
+           "tokens_per_s": sum(tokens) / wall,
+           "ttft_ms_p50": percentile(ms[0], 50), "ttft_ms_p99": percentile(ms[0], 99),
+           "itl_ms_p50": percentile(ms[1], 50), "itl_ms_p99": percentile(ms[1], 99),
+           "itl_ms_mean": statistics.fmean(ms[1]) if ms[1] else float("nan")}
+    if counters:
+        steps, rows = after["steps"] - before["steps"], after["rows"] - before["rows"]
+        busy = after["step_seconds"] - before["step_seconds"]
+        row.update(engine_steps=steps, engine_rows_per_step=rows / max(1, steps),
+                   engine_step_ms_mean=1e3 * busy / max(1, steps), engine_busy=busy / wall)
+    return row
 
 
 def engine_counters(url: str) -> dict:
@@ -248,21 +259,16 @@ def run_round(server: "Server", clients: int, args, round_: int) -> dict:
     busy the engine was (time inside forward steps / wall time: the rest is HTTP, sampling and
     waiting for the clients, which share the machine's cores)."""
     sampler = PagesSampler(server.url) if server.kind == OURS else None
-    before = engine_counters(server.url) if sampler else None
+    counters = (lambda: engine_counters(server.url)) if sampler else None
     try:
         if sampler:
             sampler.start()
-        row = asyncio.run(run_level(server.url, clients, args, round_))
+        row = asyncio.run(run_level(server.url, clients, args, round_, counters))
     finally:
         if sampler:
             sampler.stop.set()
             sampler.join()
     if sampler:
-        after = engine_counters(server.url)
-        steps, rows = after["steps"] - before["steps"], after["rows"] - before["rows"]
-        busy = after["step_seconds"] - before["step_seconds"]
-        row.update(engine_steps=steps, engine_rows_per_step=rows / max(1, steps),
-                   engine_step_ms_mean=1e3 * busy / max(1, steps), engine_busy=busy / row["wall_s"])
         if sampler.used:
             row["kv_pages_used_max"] = max(sampler.used)
             row["kv_pages_used_mean"] = statistics.fmean(sampler.used)
