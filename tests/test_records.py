@@ -50,6 +50,13 @@ def test_generated_pages_match_their_records(record):
     assert record.with_suffix(".md").read_text() == page, "redraw with `python -m common report --draw-only`"
 
 
+def test_the_load_test_table_is_drawn_from_its_record(tmp_path):
+    from scripts.loadtest import draw
+    draw(json.loads((BENCH / "batching.json").read_text()), tmp_path / "batching.png", tmp_path / "batching.md")
+    assert (tmp_path / "batching.md").read_text() == (BENCH / "batching.md").read_text(), \
+        "redraw with `python scripts/loadtest.py --chart-only`"
+
+
 def test_ops_table_is_drawn_from_the_records():
     block = dict(_tables())["README.md"]
     res = charts.load_results(ROOT / RECORDS_NAMED.search(block).group(1), expected=STAGES)
