@@ -370,8 +370,10 @@ def draw(rec: dict, chart: Path = CHART, table: Path = TABLE):
     ax2.legend(fontsize=7)
     s, m = rec["settings"], rec["machine"]
     threads = f"{s['threads']} thread" + ("s" if s["threads"] != 1 else "")
+    rounds = s.get("rounds", 1)
+    medians = f"medians of {rounds} alternating rounds" if rounds > 1 else "one round"
     fig.suptitle(f"{s['model']} on {m.get('cpu', '?')} ({threads}): {s['requests']} requests per "
-                 f"client, {s['max_tokens']} tokens each, ~{s['prompt_tokens']}-token prompts; "
+                 f"client, {s['max_tokens']} tokens each, ~{s['prompt_tokens']}-token prompts, {medians}; "
                  f"commit {str(rec['provenance'].get('commit', '?'))[:7]}", fontsize=9)
     fig.tight_layout()
     chart.parent.mkdir(parents=True, exist_ok=True)
@@ -379,7 +381,7 @@ def draw(rec: dict, chart: Path = CHART, table: Path = TABLE):
     plt.close(fig)
 
     lines = [f"Drawn from `{table.with_suffix('.json').name}` by `scripts/loadtest.py` "
-             f"({s['model']}, {threads}, commit {str(rec['provenance'].get('commit', '?'))[:7]}).", "",
+             f"({s['model']}, {threads}, commit {str(rec['provenance'].get('commit', '?'))[:7]}; {medians}).", "",
              "| server | clients | tokens/s | vs 1 client | roofline tokens/s | TTFT p50 / p99 (ms) | "
              "between tokens p50 / p99 (ms) | KV pages used (max) | engine busy (mean step, ms) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
