@@ -256,8 +256,8 @@ def engine_counters(url: str) -> dict:
 
 def run_round(server: "Server", clients: int, args, round_: int) -> dict:
     """One round of one level against one server; for ours also the KV pages in use and how
-    busy the engine was (time inside forward steps / wall time: the rest is HTTP, sampling and
-    waiting for the clients, which share the machine's cores)."""
+    busy the engine was (run_level: time inside forward steps / wall time; the rest is HTTP,
+    sampling and waiting for the clients, which share the machine's cores)."""
     sampler = PagesSampler(server.url) if server.kind == OURS else None
     counters = (lambda: engine_counters(server.url)) if sampler else None
     try:
@@ -268,10 +268,9 @@ def run_round(server: "Server", clients: int, args, round_: int) -> dict:
         if sampler:
             sampler.stop.set()
             sampler.join()
-    if sampler:
-        if sampler.used:
-            row["kv_pages_used_max"] = max(sampler.used)
-            row["kv_pages_used_mean"] = statistics.fmean(sampler.used)
+    if sampler and sampler.used:
+        row["kv_pages_used_max"] = max(sampler.used)
+        row["kv_pages_used_mean"] = statistics.fmean(sampler.used)
     return row
 
 
@@ -322,10 +321,8 @@ def ceilings(rec: dict, clients) -> list[float]:
 
 
 def round_ratios(ours: dict, theirs: dict) -> list[float]:
-    """Our tokens/s over llama-server's, round by round (a record of one round per level, as
-    written before rounds existed, gives its one ratio)."""
-    a, b = ours.get("rounds", [ours]), theirs.get("rounds", [theirs])
-    return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a, b)]
+    """Our tokens/s over llama-server's, round by round (the rounds ran side by side)."""
+    return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(ours["rounds"], theirs["rounds"])]
 
 
 def busy(row: dict) -> str:
