@@ -39,13 +39,13 @@ $(STAMP): requirements.txt requirements-test.txt
 setup: $(STAMP)  ## create .venv and install the requirements
 
 $(MODEL_FILE): | $(STAMP)
-	$(PY) -m common model smollm2
+	$(PY) -m app model smollm2
 
 $(VOCAB_STAMP): | $(STAMP)
-	$(PY) -m common model vocab
+	$(PY) -m app model vocab
 
 model: $(STAMP)  ## fetch a model: name=smollm2 (default) | tinyllama-synthetic | tinyllama | vocab
-	$(PY) -m common model $(name)
+	$(PY) -m app model $(name)
 
 vocab: $(VOCAB_STAMP)  ## fetch llama.cpp's vocab-only GGUF files (tokenizer tests)
 
@@ -58,13 +58,13 @@ test-all: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## the test suite including the
 	LLM_SLOW_TESTS=1 $(PY) -m pytest -q -rfEsx tests $(args)
 
 run: $(STAMP) $(MODEL_FILE)  ## run one stage: make stage=tiling run [prompt=... n=... model=...]
-	$(PY) -m common run --stage $(stage) -m $(model) -p "$(prompt)" $(if $(n),-n $(n)) $(args)
+	$(PY) -m app run --stage $(stage) -m $(model) -p "$(prompt)" $(if $(n),-n $(n)) $(args)
 
 bench: $(STAMP) $(MODEL_FILE)  ## measure one stage into profiles/: make stage=simd bench
-	$(PY) -m common bench --stage $(stage) -m $(model) $(args)
+	$(PY) -m app bench --stage $(stage) -m $(model) $(args)
 
 report: $(STAMP) $(MODEL_FILE)  ## re-measure every stage, redraw profiles/ (charts, pages, lessons) and the README tables
-	$(PY) -m common report -m $(model) $(args)
+	$(PY) -m app report -m $(model) $(args)
 
 # llama.cpp is compiled for this CPU (GGML_NATIVE) but without AMX tiles: some virtual machines
 # advertise AMX and then fault on its first instruction.
@@ -79,10 +79,10 @@ llama-cpp: $(STAMP)  ## install llama-cpp-python, the oracle and baseline (optio
 		$(PY) -m pip install --no-cache-dir -r requirements-llama.txt
 
 lessons: $(STAMP)  ## the article's claims beside this machine's records (profiles/lessons.md)
-	$(PY) -m common lessons $(args)
+	$(PY) -m app lessons $(args)
 
 baseline: llama-cpp $(MODEL_FILE)  ## install llama-cpp-python if needed and record llama.cpp's row
-	$(PY) -m common baseline -m $(model) $(args)
+	$(PY) -m app baseline -m $(model) $(args)
 
 notebooks: $(STAMP) $(MODEL_FILE)  ## start Jupyter Lab on notebooks/ (LLM_NOTEBOOK_QUICK=1: tiny settings)
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/ $(args)
@@ -98,7 +98,7 @@ clean:  ## remove the numba cache and Python caches (keeps .venv and models/)
 .PHONY: serve loadtest
 
 serve: $(STAMP) $(MODEL_FILE)  ## OpenAI-compatible HTTP server, continuous batching: make serve [stage=... args="--port 8080"]
-	$(PY) -m common serve --stage $(stage) -m $(model) $(args)
+	$(PY) -m app serve --stage $(stage) -m $(model) $(args)
 
 loadtest: $(STAMP) $(MODEL_FILE)  ## 1..32 concurrent clients against the server: profiles/batching.png [args="--llama-server auto"]
 	$(PY) scripts/loadtest.py --stage $(stage) -m $(model) $(args)

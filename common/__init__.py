@@ -1,12 +1,6 @@
 """The engine every stage shares: the GGUF reader (gguf.py), the ggml block formats (quants.py),
 the tokenizers (tokenizer/), the llama graph written once against the op surface (model.py,
 backend.py), generation and samplers (generate.py) and the float64 reference (reference.py).
-The stages (stages/) are backends of it; the application (common/app/: `python -m common`)
-sits on top of both. Nothing here imports either."""
-
-import os
-from pathlib import Path
-
-# numba caches compiled kernels here (cache=True), so only the first run of a stage pays
-# for compilation; set before anything imports numba.
-os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".numba_cache"))
+The stages (stages/) are backends of it; the application (app/: `python -m app`)
+sits on top of both. Nothing here imports either, and importing it configures nothing: the
+application's entry points set numba up (app.configure_numba)."""

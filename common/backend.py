@@ -10,9 +10,17 @@ overrides only what its optimization changes, and inherits the rest from the sta
                  row_block                           RoPE at per-row positions, attention through
                                                      each sequence's pages
     weights      prepare_matrix prepare_embedding prepare_vector   how a stage holds its weights
-                 prepare_table                                     constant tables (RoPE)
+                 tie_output prepare_table weight_bytes held_bytes  (RoPE tables; what they cost)
     memory       new_kv_cache                                      None: no KV cache
-                 to_host                                           backend array -> numpy
+                 to_host last_row                                  backend array -> numpy; a row
+    hooks        unavailable_reason                                what this machine lacks, or None
+                 fuses_layers forward_layers                       the whole layer stack in one call
+                 max_batch                                         rows one forward call may take
+                 profiler                                          per-op timing (common/profile.py)
+                 warmup                                            compile before anything is timed
+
+Every hook is declared here with its default, so common/model.py calls methods and reads
+attributes of this class only: what a stage may change is this file.
 
 Arrays are whatever the stage computes on: numpy float32 for the CPU stages, device
 buffers for cuda. Shapes below use M = rows being computed (tokens), D = n_embd,
@@ -22,6 +30,8 @@ T = positions attended over, H/Hkv = query/KV heads, hd = head dim.
 from __future__ import annotations
 
 import numpy as np
+
+from common.profile import OpProfiler, Profiler
 
 
 class Backend:
@@ -60,6 +70,18 @@ class Backend:
         """Bytes of one prepared weight as this stage holds it: float32 copies for the eager
         stages (the RAM balloon), the mapped ggml blocks for the quantized ones."""
         return int(getattr(weight, "nbytes", 0))
+
+    def held_bytes(self, weights) -> int:
+        """Bytes held for a list of prepared weights, each storage counted once (a tied output
+        may wrap the embedding's own array)."""
+        seen, total = set(), 0
+        for w in weights:
+            inner = getattr(w, "data", None)
+            key = id(inner) if isinstance(inner, np.ndarray) else id(w)
+            if key not in seen:
+                seen.add(key)
+                total += self.weight_bytes(w)
+        return total
 
     def to_host(self, x) -> np.ndarray:
         return x
@@ -178,6 +200,29 @@ class Backend:
             r += m
         return out
 
-    # ---- bookkeeping --------------------------------------------------------------------
+    # ---- hooks: what a stage may change besides the ops, each with its default ---------------
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        """None if this machine can run the stage, else a sentence saying what is missing
+        (asked before anything is loaded)."""
+        return None
+
+    # True: forward_layers runs every layer in one call, and the graph of common/model.py is not
+    # walked op by op (the fused stage: no Python between the ops).
+    fuses_layers = False
+
+    def forward_layers(self, model, tokens, start_pos: int):
+        """With fuses_layers: the layer stack for one sequence, tokens [M] at positions
+        start_pos.., K and V into model.kv -> h [M, D] before the final norm."""
+        raise NotImplementedError(f"stage '{self.name}' does not run the layer stack in one call")
+
+    # Rows one forward call may take (cuda: its scratch memory is sized for them); a longer
+    # prompt goes in pieces. None: any number.
+    max_batch: int | None = None
+
+    def profiler(self, model) -> Profiler:
+        """A per-op profiler for runs of this model (common/profile.py): every op timed."""
+        return OpProfiler(model)
+
     def warmup(self):
         """Compile (or load from numba's cache) every kernel before anything is timed."""

@@ -1,5 +1,5 @@
 """What the kernels need to know about this CPU: how many cores they may use and which vector
-instructions it has. (The application's machine probe, common/app/machine.py, builds the
+instructions it has. (The application's machine probe, app/measure/machine.py, builds the
 record every measurement carries on top of this.)"""
 
 from __future__ import annotations

@@ -175,6 +175,7 @@ class LlamaModel:
         self.config = cfg = LlamaConfig.from_gguf(gguf)
         self.n_ctx = context_size(cfg, n_ctx)
         self.weight_names = {}     # id(prepared weight) -> tensor name, for per-op profiles
+        self._tokenizer = None
         self._load_weights(progress)
         freq_factors = None
         if "rope_freqs.weight" in gguf.tensors:
@@ -187,7 +188,7 @@ class LlamaModel:
 
     @property
     def tokenizer(self):
-        if getattr(self, "_tokenizer", None) is None:
+        if self._tokenizer is None:
             self._tokenizer = Tokenizer.from_gguf(self.gguf)
         return self._tokenizer
 
@@ -214,16 +215,16 @@ class LlamaModel:
         if progress:
             bar = tqdm(total=cfg.n_layer + 2, desc=f"loading ({b.name})", unit="layer", leave=False)
 
-        def load(kind, name):
-            t = self._tensor(name)
-            w = getattr(b, f"prepare_{kind}")(t)
+        def load(prepare, name):
+            w = prepare(self._tensor(name))
             self.weight_names[id(w)] = name
             return w
 
-        self.token_embd = load("embedding", "token_embd.weight")
-        self.output_norm = load("vector", "output_norm.weight")
+        matrix, vector = b.prepare_matrix, b.prepare_vector
+        self.token_embd = load(b.prepare_embedding, "token_embd.weight")
+        self.output_norm = load(vector, "output_norm.weight")
         if "output.weight" in self.gguf.tensors:
-            self.output = load("matrix", "output.weight")
+            self.output = load(matrix, "output.weight")
         else:                                         # tied embeddings (SmolLM2)
             self.output = b.tie_output(self.token_embd, self.gguf.tensors["token_embd.weight"])
             self.weight_names[id(self.output)] = "output.weight (tied to token_embd)"
@@ -233,12 +234,12 @@ class LlamaModel:
         for il in range(cfg.n_layer):
             p = f"blk.{il}."
             self.layers.append(LayerWeights(
-                attn_norm=load("vector", p + "attn_norm.weight"),
-                wq=load("matrix", p + "attn_q.weight"), wk=load("matrix", p + "attn_k.weight"),
-                wv=load("matrix", p + "attn_v.weight"), wo=load("matrix", p + "attn_output.weight"),
-                ffn_norm=load("vector", p + "ffn_norm.weight"),
-                w_gate=load("matrix", p + "ffn_gate.weight"), w_up=load("matrix", p + "ffn_up.weight"),
-                w_down=load("matrix", p + "ffn_down.weight")))
+                attn_norm=load(vector, p + "attn_norm.weight"),
+                wq=load(matrix, p + "attn_q.weight"), wk=load(matrix, p + "attn_k.weight"),
+                wv=load(matrix, p + "attn_v.weight"), wo=load(matrix, p + "attn_output.weight"),
+                ffn_norm=load(vector, p + "ffn_norm.weight"),
+                w_gate=load(matrix, p + "ffn_gate.weight"), w_up=load(matrix, p + "ffn_up.weight"),
+                w_down=load(matrix, p + "ffn_down.weight")))
             if bar:
                 bar.update(1)
         if bar:
@@ -257,14 +258,7 @@ class LlamaModel:
 
     def weight_bytes(self) -> int:
         """Bytes the backend holds for the weights (float32 copies for the eager stages)."""
-        b, seen, total = self.backend, set(), 0
-        for w in self._weights():
-            inner = getattr(w, "data", None)       # a wrapper sharing another weight's array
-            key = id(inner) if isinstance(inner, np.ndarray) else id(w)
-            if key not in seen:
-                seen.add(key)
-                total += b.weight_bytes(w)
-        return total
+        return self.backend.held_bytes(self._weights())
 
     # ---- the forward pass ----------------------------------------------------------------
     def hidden(self, tokens, start_pos: int = 0, all_rows: bool = True):
@@ -281,11 +275,10 @@ class LlamaModel:
         if tokens.min() < 0 or tokens.max() >= cfg.n_vocab:
             raise ValueError(f"token ids must be in 0..{cfg.n_vocab - 1}")
         cos, sin = self.rope_cos, self.rope_sin
-        run_layers = getattr(b, "forward_layers", None)
-        if run_layers is not None:
+        if b.fuses_layers:
             # a backend that compiles the whole stack into one call (the fused stage) takes
             # over here: the same graph, without Python between the ops
-            h = run_layers(self, tokens, start_pos)                           # [M, D]
+            h = b.forward_layers(self, tokens, start_pos)                     # [M, D]
             if not all_rows:
                 h = b.last_row(h)
             return b.rms_norm(h, self.output_norm, cfg.eps)
@@ -357,7 +350,7 @@ class LlamaModel:
         """[(tokens, start_pos)]: a backend with a `max_batch` (cuda: scratch memory sized for
         that many rows) gets a long prompt in pieces of at most max_batch tokens; the KV cache
         carries the context from one piece to the next."""
-        n = getattr(self.backend, "max_batch", None)
+        n = self.backend.max_batch
         if not n or self.kv is None or len(tokens) <= n:
             return [(tokens, start_pos)]
         return [(tokens[i:i + n], start_pos + i) for i in range(0, len(tokens), n)]
@@ -404,7 +397,7 @@ class LlamaModel:
         return time.perf_counter() - t0
 
     def kv_bytes(self) -> int:
-        return int(getattr(self.kv, "nbytes", 0)) if self.kv is not None else 0
+        return int(self.kv.nbytes) if self.kv is not None else 0
 
 
 def n_params(cfg: LlamaConfig) -> int:

@@ -22,11 +22,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import app  # noqa: E402
+
+app.configure_numba()
 
 import numpy as np  # noqa: E402
 
-from common.app.models import DEFAULT_MODEL, resolve  # noqa: E402
-from common.app.provenance import provenance  # noqa: E402
+from app.measure.provenance import provenance  # noqa: E402
+from app.models import DEFAULT_MODEL, resolve  # noqa: E402
 from common.gguf import GGUFFile  # noqa: E402
 from common.quants import dequantize_tensor  # noqa: E402
 

@@ -36,10 +36,13 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import app  # noqa: E402
 
-from common.app.machine import machine_info, versions  # noqa: E402
-from common.app.models import DEFAULT_MODEL  # noqa: E402
-from common.app.provenance import provenance  # noqa: E402
+app.configure_numba()
+
+from app.measure.machine import machine_info, versions  # noqa: E402
+from app.measure.provenance import provenance  # noqa: E402
+from app.models import DEFAULT_MODEL  # noqa: E402
 from common.gguf import GGUFFile  # noqa: E402
 
 PAGE = 4096

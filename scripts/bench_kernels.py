@@ -1,5 +1,5 @@
 """Decode kernel throughput per weight type, one core: the quantized stage's float kernels, the
-int8 stage's named instructions and its loops (common/app/kernel_bench.py says how).
+int8 stage's named instructions and its loops (app/measure/kernel_bench.py says how).
 
     python scripts/bench_kernels.py [--model smollm2 --model tinyllama-synthetic] [--passes 5]
 
@@ -15,9 +15,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import app  # noqa: E402
 
-from common.app.kernel_bench import bench_kernels  # noqa: E402
-from common.app.pages import redraw_pages  # noqa: E402
+app.configure_numba()
+
+from app.measure.kernel_bench import bench_kernels  # noqa: E402
+from app.report.pages import redraw_pages  # noqa: E402
 
 OUT = ROOT / "profiles" / "bench" / "kernels.json"
 

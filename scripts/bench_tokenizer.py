@@ -22,6 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import app  # noqa: E402
+
+app.configure_numba()
 
 from common.tokenizer import Tokenizer  # noqa: E402
 

@@ -5,8 +5,8 @@
     python scripts/bench_vs_llama.py --engines threads,int8,int8-loops,llama.cpp --threads 1,2
 
 Writes profiles/bench/vs_llama_<model>.json (every measurement, each a record of the one harness,
-common/app/bench.py) and the page drawn from it, vs_llama_<model>.md. What is measured and how the
-ratios are formed: common/app/compare.py. llama.cpp comes from the optional llama-cpp-python
+app/measure/bench.py) and the page drawn from it, vs_llama_<model>.md. What is measured and how the
+ratios are formed: app/measure/compare.py. llama.cpp comes from the optional llama-cpp-python
 (`make llama-cpp`); without it its rows are left out, and said to be.
 A benchmark, not a test: it takes minutes, and the page says which machine and code it measured.
 """
@@ -20,11 +20,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import app  # noqa: E402
 
-from common.app import compare  # noqa: E402
-from common.app.baseline import llama_cpp_version  # noqa: E402
-from common.app.bench import BASELINE  # noqa: E402
-from common.app.pages import redraw_pages  # noqa: E402
+app.configure_numba()
+
+from app.measure import compare  # noqa: E402
+from app.measure.baseline import llama_cpp_version  # noqa: E402
+from app.measure.bench import BASELINE  # noqa: E402
+from app.report.pages import redraw_pages  # noqa: E402
 from common.cpu import physical_cores  # noqa: E402
 from stages import REGISTRY  # noqa: E402
 

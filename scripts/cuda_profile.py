@@ -5,7 +5,7 @@
 Prints two nvprof-style tables (prefill, decode) and writes profiles/results/<machine>/<model>/
 cuda_profile.json with them, the host<->device copies (count and bytes) per prefill and per
 decoded token, the device allocations made while generating (0 is the point) and the memory the
-stage holds. The timings of `python -m common bench --stage cuda` are taken without events; these
+stage holds. The timings of `python -m app bench --stage cuda` are taken without events; these
 are taken with them, so they are a little slower.
 """
 
@@ -20,6 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+import app  # noqa: E402
+
+app.configure_numba()
 
 
 def delta(after: dict, before: dict) -> dict:
@@ -31,10 +34,10 @@ def per_unit(d: dict, n: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from common.app.bench import bench_prompt, model_summary, results_dir
-    from common.app.machine import machine_info, versions
-    from common.app.models import resolve
-    from common.app.provenance import provenance
+    from app.measure.bench import bench_prompt, model_summary, results_dir
+    from app.measure.machine import machine_info, versions
+    from app.measure.provenance import provenance
+    from app.models import resolve
     from stages import StageError, load
     from stages.cuda import format_profile_table
 

@@ -46,7 +46,7 @@ run_step() {                               # name, timeout, command...: logs to 
 }
 
 step "machine"
-MACHINE=$($PY -c "from common.app.machine import machine_id; print(machine_id())" 2>/dev/null || echo unknown)
+MACHINE=$($PY -c "from app.measure.machine import machine_id; print(machine_id())" 2>/dev/null || echo unknown)
 RESULTS=profiles/results/$MACHINE
 LOGS=$RESULTS/tmp/gpu_check                # profiles/results/*/tmp/ is git-ignored
 mkdir -p "$LOGS"
@@ -80,7 +80,7 @@ fi
 [ -f "$DEFAULT_MODEL" ] && echo "default model: $DEFAULT_MODEL" || echo "default model: absent (its tests skip)"
 if [ -f models/vocab/ggml-vocab-llama-spm.gguf ] && [ ! -f "$SYNTH_MODEL" ]; then
     touch models/vocab/.complete            # the vocab is here: nothing to download
-    run_step synth_model 180 $PY -m common model tinyllama-synthetic
+    run_step synth_model 180 $PY -m app model tinyllama-synthetic
 fi
 
 if [ $READY = 1 ]; then
@@ -93,15 +93,15 @@ if [ $READY = 1 ]; then
         [ -f "$model" ] || continue
         if [ "$(elapsed)" -gt "$BUDGET" ]; then note "bench $(basename "$model")" skipped 0 "out of time"; continue; fi
         tag=$(basename "$model" .gguf)
-        run_step "bench_$tag" 180 $PY -m common bench --stage cuda -m "$model"
+        run_step "bench_$tag" 180 $PY -m app bench --stage cuda -m "$model"
         run_step "profile_$tag" 180 $PY scripts/cuda_profile.py -m "$model"
     done
 
     step "the article's two mistakes, reproduced (stages/cuda.py switches)"
     if [ -f "$SYNTH_MODEL" ] && [ "$(elapsed)" -le "$BUDGET" ]; then
-        run_step mistake_alloc_per_op 180 env LLM_CUDA_ALLOC_PER_OP=1 $PY -m common bench --stage cuda \
+        run_step mistake_alloc_per_op 180 env LLM_CUDA_ALLOC_PER_OP=1 $PY -m app bench --stage cuda \
             -m "$SYNTH_MODEL" --out "$RESULTS/article-mistakes/alloc-per-op"
-        run_step mistake_host_embedding 180 env LLM_CUDA_HOST_EMBEDDING=1 $PY -m common bench --stage cuda \
+        run_step mistake_host_embedding 180 env LLM_CUDA_HOST_EMBEDDING=1 $PY -m app bench --stage cuda \
             -m "$SYNTH_MODEL" --out "$RESULTS/article-mistakes/host-embedding"
     else
         note article_mistakes skipped 0 "no synthetic model or out of time"

@@ -1,4 +1,4 @@
-"""Many clients at once: `python -m common serve` under load (and llama.cpp's llama-server beside it).
+"""Many clients at once: `python -m app serve` under load (and llama.cpp's llama-server beside it).
 
     python scripts/loadtest.py                              # 1, 2, 4, ..., 32 clients; our server
     python scripts/loadtest.py --llama-server auto          # also llama-server (built once, see below)
@@ -15,7 +15,7 @@ second (all tokens / wall time of the round), time to first token and the time b
 (p50, p99); from our server's /health: KV pages in use (sampled while the round runs) and the
 engine's share of the wall time (seconds inside forward steps, the mean step). A level's
 figures are the medians of its rounds; the ratio to llama-server is the median of the rounds'
-ratios. Beside them, the machine's roofline (common/app/roofline.py): a step reads the weights once
+ratios. Beside them, the machine's roofline (app/measure/roofline.py): a step reads the weights once
 for all B sequences (bandwidth ceiling B x bandwidth / weight bytes) and computes B tokens'
 FLOPs (compute ceiling peak / FLOPs per token), and the throughput cannot pass the lower one.
 
@@ -48,11 +48,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import app  # noqa: E402
 
-from common.app import roofline  # noqa: E402
-from common.app.bench import BENCH_TEXT, add_context  # noqa: E402
-from common.app.models import DEFAULT_MODEL, LLAMA_CPP_SDIST, MODELS_DIR, fetch_pypi_dist, resolve  # noqa: E402
-from common.app.serve import serving_stage  # noqa: E402
+app.configure_numba()
+
+from app.measure import roofline  # noqa: E402
+from app.measure.bench import BENCH_TEXT, add_context  # noqa: E402
+from app.models import DEFAULT_MODEL, LLAMA_CPP_SDIST, MODELS_DIR, fetch_pypi_dist, resolve  # noqa: E402
+from app.serve.server import serving_stage  # noqa: E402
 from common.cpu import physical_cores  # noqa: E402
 from common.gguf import GGUFFile  # noqa: E402
 from common.model import LlamaConfig, flops_per_token  # noqa: E402
@@ -96,7 +99,7 @@ class Server:
         ctx = args.prompt_tokens + args.max_tokens + 64
         if kind == OURS:
             pages = clients * -(-ctx // 16) + 16
-            cmd = [sys.executable, "-m", "common", "serve", "-m", str(args.model), "--stage", args.stage,
+            cmd = [sys.executable, "-m", "app", "serve", "-m", str(args.model), "--stage", args.stage,
                    "--port", str(self.port), "--max-batch", str(clients), "--kv-pages", str(pages),
                    "--max-queue", str(clients), "--threads", str(args.threads)]
         else:
@@ -407,7 +410,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-m", "--model", default=str(DEFAULT_MODEL.path), help="GGUF file or model name")
     p.add_argument("--stage", default="fastest",
-                   help="our server's stage (default: the one `serve` picks, common/app/serve.py)")
+                   help="our server's stage (default: the one `serve` picks, app/serve/server.py)")
     p.add_argument("--clients", default="1,2,4,8,16,32", help="concurrency levels (default: %(default)s)")
     p.add_argument("--requests", type=int, default=4, help="requests per client per level (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")

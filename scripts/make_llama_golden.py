@@ -21,6 +21,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import app  # noqa: E402
+
+app.configure_numba()
 
 PROMPTS = [
     "The meaning of life is",
@@ -33,7 +36,7 @@ SUBSET = 1024
 
 
 def main():
-    from common.app.models import DEFAULT_MODEL
+    from app.models import DEFAULT_MODEL
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=str(DEFAULT_MODEL.path))
     ap.add_argument("--out", default=str(ROOT / "tests" / "golden" / "llama_cpp_logits.npz"))

@@ -8,7 +8,7 @@ front where the vocabulary adds one), and evaluates it by llama-perplexity's met
 context size in CTXS: non-overlapping chunks of ctx tokens, each from an empty KV cache, its
 first token replaced by BOS where the vocabulary adds one, every logit of the chunk kept
 (logits_all); positions ctx/2 .. ctx-2 scored. The log-softmax of those logits is taken here
-in float64, by the same formula as common/app/perplexity.py (which is not imported, so the
+in float64, by the same formula as app/measure/perplexity.py (which is not imported, so the
 golden figure depends on llama.cpp's tokens and logits only). The file keeps llama.cpp's token
 ids and, per context size, the sum of the negative log-likelihoods of every chunk and the
 number of tokens each scored: tests/test_perplexity.py checks our tokens against the ids and
@@ -25,6 +25,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import app  # noqa: E402
+
+app.configure_numba()
 
 CTXS = (64, 128, 512)
 DEFAULT_TEXT = ROOT / "tests" / "fixtures" / "text" / "alice-in-wonderland-ch1-4.txt"
@@ -43,7 +46,7 @@ def nll_sums(logits: np.ndarray, chunk: list[int]) -> tuple[float, int]:
 
 
 def main():
-    from common.app.models import DEFAULT_MODEL
+    from app.models import DEFAULT_MODEL
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=str(DEFAULT_MODEL.path))
     ap.add_argument("-f", "--file", default=str(DEFAULT_TEXT))

@@ -21,13 +21,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import app  # noqa: E402
+
+app.configure_numba()
 
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from common.app.machine import machine_info  # noqa: E402
-from common.app.models import DEFAULT_MODEL  # noqa: E402
-from common.app.provenance import provenance  # noqa: E402
+from app.measure.machine import machine_info  # noqa: E402
+from app.measure.provenance import provenance  # noqa: E402
+from app.models import DEFAULT_MODEL  # noqa: E402
 from common.gguf import GGUFFile  # noqa: E402
 from common.model import LlamaConfig  # noqa: E402
 from stages.naive import matmul_textbook  # noqa: E402

@@ -51,6 +51,7 @@ import numpy as np
 
 from common.backend import Backend
 from common.gguf import BLOCK_SIZES, GGMLType
+from common.profile import Profiler
 from common.quants import UnsupportedTypeError, dequantize_rows, dequantize_tensor
 from stages.kernels.cuda_runtime import PyCudaDevice, probe_once
 
@@ -288,10 +289,31 @@ def profile_rows(totals: dict) -> list[dict]:
             for k, (c, t) in sorted(totals.items(), key=lambda kv: -kv[1][1])]
 
 
+class CudaProfiler(Profiler):
+    """The cuda stage's per-op profile (common/profile.py's interface): every kernel launch
+    timed with CUDA events, a row per kernel, and the copies made over PCIe."""
+
+    def __init__(self, backend: "CudaBackend"):
+        self.backend = backend
+
+    def start(self):
+        self.backend.start_profile()
+
+    def stop(self):
+        self.backend.stop_profile()
+
+    def rows(self) -> list[dict]:
+        return [{"op": r["kernel"], **r} for r in self.backend.profile_rows()]
+
+    def table(self, title: str = "") -> str:
+        return self.backend.profile_table()
+
+
 # ---- the backend -----------------------------------------------------------------------------
 
 class CudaBackend(Backend):
     name = "cuda"
+    max_batch = DEFAULT_MAX_BATCH              # rows its scratch arena is sized for (LLM_CUDA_MAX_BATCH)
 
     @staticmethod
     def unavailable_reason() -> str | None:
@@ -693,6 +715,9 @@ class CudaBackend(Backend):
             transfers = {k: now[k] - then.get(k, 0) for k in now}
         return format_profile_table(self.profile_rows(), transfers,
                                     f"cuda stage: per-kernel time from CUDA events ({self.device.name})")
+
+    def profiler(self, model) -> CudaProfiler:
+        return CudaProfiler(self)
 
     def memory_summary(self) -> dict:
         return {"device_allocs": self.device_allocs, "device_frees": self.device_frees,

@@ -23,9 +23,10 @@ calls each matmul, norm and attention, and each parallel kernel forks numba's po
 * Decode attention is split by chunks of CHUNK positions (flash-decoding): partial softmax sums
   per (head, chunk), merged in order, so a long context keeps every thread busy, and 1 thread
   and N give the same bits. exp is a vectorizable polynomial instead of libm's call.
-* numba's threading layer: OpenMP where numba has it, else workqueue (THREADING_LAYERS). A
-  fork/join costs far more than a barrier on either; TBB, whose work stealing may run two
-  iterations of the region on one thread (a barrier would wait forever), is not used.
+* numba's threading layer must give each iteration of the region its own thread: OpenMP and
+  workqueue do (the entry points ask for them, app.configure_numba); TBB, whose work stealing
+  may run two iterations on one thread (a barrier would wait forever), does not, and the stage
+  then says it cannot run (BARRIER_LAYERS). A fork/join costs far more than a barrier on either.
 
 Numerics are int8's: the same rounded activations; only the order of float additions differs
 (LOGIT_TOLERANCE is int8's). What limits it: decode still streams every weight once per token,
@@ -47,13 +48,16 @@ from stages.kernels.sync import new_sync
 from stages.kernels.toolkit import F16_TO_F32
 from stages.quantized import QuantMatrix
 
-__all__ = ["FusedBackend", "LOGIT_TOLERANCE", "OPS_PER_LAYER", "THREADING_LAYERS"]
+__all__ = ["FusedBackend", "LOGIT_TOLERANCE", "OPS_PER_LAYER", "BARRIER_LAYERS"]
 
-# numba's threading layers in the order it should try them (set before numba starts its pool: it
-# cannot change later). The first two give each iteration of a parallel loop its own thread, as
-# the barriers need; TBB, last, only where neither exists, and then the region runs one thread.
-THREADING_LAYERS = ["omp", "workqueue", "tbb"]
-numba.config.THREADING_LAYER_PRIORITY = THREADING_LAYERS
+# numba's threading layers that run every iteration of a parallel loop on a thread of its own
+BARRIER_LAYERS = ("omp", "workqueue")
+
+
+def threading_layer() -> str:
+    """The layer numba's pool runs on (starting the pool, which fixes it for the process)."""
+    numba.set_num_threads(numba.get_num_threads())
+    return numba.threading_layer()
 
 
 def _root(a: np.ndarray) -> np.ndarray:
@@ -89,6 +93,16 @@ class _Plan:
 
 class FusedBackend(Int8Backend):
     name = "fused"
+    fuses_layers = True
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        layer = threading_layer()
+        if layer not in BARRIER_LAYERS:
+            return (f"its barriers need numba's {' or '.join(BARRIER_LAYERS)} threading layer and this process "
+                    f"got '{layer}'; start it through `python -m app` (or set NUMBA_THREADING_LAYER=omp before "
+                    f"numba loads)")
+        return None
 
     def __init__(self, threads: int | None = None):
         super().__init__(threads)
@@ -97,11 +111,9 @@ class FusedBackend(Int8Backend):
         self.kernel_seconds = 0.0       # time inside the compiled calls, for Python's share
 
     def _threads(self) -> int:
-        """The region's iterations: numba's pool size as the backend set it (a barrier needs
-        one thread per iteration; TBB gives no such promise, so it runs one)."""
+        """The region's iterations: numba's pool size as the backend set it (one thread per
+        iteration: the threading layer was checked when the stage loaded)."""
         self._pool()
-        if numba.threading_layer() == "tbb":
-            return 1
         return numba.get_num_threads()
 
     def forward_layers(self, model, tokens, start_pos: int):

@@ -4,7 +4,7 @@ The lesson: the simplest correct engine, and what it costs.
 
 * Every weight matrix is dequantized to float32 when the model loads and stored the way a
   textbook writes y = x B: B is [in, out], row-major. SmolLM2's 94 MB Q4_1 file becomes
-  135M weights x 4 bytes of float32 (the RAM balloon; `python -m common run` prints it).
+  135M weights x 4 bytes of float32 (the RAM balloon; `python -m app run` prints it).
 * matmul is the triple loop C[i][j] = sum_k A[i][k] * B[k][j]. The inner loop walks down a
   column of B: consecutive k are `out` floats apart in memory, so almost every load touches a
   new cache line and only 4 of its 64 bytes are used before the line is needed again.

@@ -30,8 +30,8 @@ LARGE_MODEL_PARAMS = 500e6
 
 @dataclass(frozen=True)
 class Tokens:
-    run: int = 64          # `python -m common run` without -n
-    report: int = 64       # `make report` and `python -m common bench`
+    run: int = 64          # `python -m app run` without -n
+    report: int = 64       # `make report` and `python -m app bench`
     profile: int = 32      # the per-op profiled run of the report
 
 

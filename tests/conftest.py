@@ -25,6 +25,10 @@ from pathlib import Path
 
 import pytest
 
+import app
+
+app.configure_numba()                  # the test run is an entry point: numba's cache and threading layers
+
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = int(os.environ.get("LLM_TEST_TIMEOUT", "300"))
 SLOW_TIMEOUT_S = 3 * 3600 // 4
@@ -126,7 +130,7 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The default model file (SmolLM2-135M-Instruct Q4_1); fails, not skips, if it is missing."""
-    from common.app.models import DEFAULT_MODEL
+    from app.models import DEFAULT_MODEL
     path = DEFAULT_MODEL.path
     if not path.exists():
         pytest.fail(f"default model missing at {path}: run `make model`", pytrace=False)

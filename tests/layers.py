@@ -3,11 +3,12 @@ count as much as module-level ones).
 
     engine        common/ (GGUF, block formats, tokenizer, graph, op surface, generation, reference)
     stages        stages/ (the backends and their kernels)
-    application   common/app/ and common/__main__.py (CLI, chat, harness, report, ...)
+    application   app/ (CLI, chat, server, harness, report, ...)
     top           scripts/ and notebooks/ (the chapters' sources and their helpers)
     tests         tests/
 
-A module may import from its own layer and the layers below it, never above; scripts and
+A module's layer is its top folder, nothing else. A module may import from its own layer and
+the layers below it, never above; scripts and
 notebooks share a layer but do not import each other. And no import cycle between modules
 (a package importing its own submodules is not one).
 """
@@ -17,15 +18,16 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-FOLDERS = ("common", "stages", "scripts", "notebooks", "tests")
+FOLDERS = ("common", "stages", "app", "scripts", "notebooks", "tests")
 RANK = {"engine": 0, "stages": 1, "application": 2, "scripts": 3, "notebooks": 3, "tests": 4}
 
 
+LAYER_OF_FOLDER = {"common": "engine", "stages": "stages", "app": "application",
+                   "scripts": "scripts", "notebooks": "notebooks", "tests": "tests"}
+
+
 def layer(module: str) -> str:
-    top = module.split(".")[0]
-    if module == "common.__main__" or module == "common.app" or module.startswith("common.app."):
-        return "application"
-    return {"common": "engine", "stages": "stages"}.get(top, top)
+    return LAYER_OF_FOLDER[module.split(".")[0]]
 
 
 def modules(root: Path) -> dict[str, Path]:

@@ -1,6 +1,6 @@
 """Batched decode on the default model: a sequence's numbers do not depend on its neighbours.
 
-Every CPU stage with a KV cache runs sequences through the scheduler (common/app/scheduler.py,
+Every CPU stage with a KV cache runs sequences through the scheduler (app/serve/scheduler.py,
 stepped by hand): a sequence alone, then the same sequence admitted mid-way among others at
 other positions, its prompt prefilled in other chunks. Its logits at every step must be the
 same bits, and so its greedy tokens, for every stage (int8 included: its batched rows all take
@@ -21,7 +21,7 @@ import threading
 import numpy as np
 import pytest
 
-from common.app.scheduler import Request, Scheduler
+from app.serve.scheduler import Request, Scheduler
 from common.generate import generate
 from stages import backend_class, info, load
 from tests.util import cpu_stages

@@ -1,5 +1,5 @@
 """Chat keeps the conversation in the KV cache and, each turn, rewinds it to the longest prefix
-the new rendering shares with what the cache holds (common/app/chat.py). Whatever is rewound
+the new rendering shares with what the cache holds (app/chat.py). Whatever is rewound
 and refed must give what computing the whole conversation from scratch gives."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from common.app.chat import chat_loop, common_prefix, rewind
+from app.chat import chat_loop, common_prefix, rewind
 from common.generate import SamplingParams, Session, generate
 from stages import load
 

@@ -1,4 +1,4 @@
-"""The command line as a user meets it: `python -m common run / bench / model`."""
+"""The command line as a user meets it: `python -m app run / bench / model`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ REQUIRED = {"stage", "model", "prompt_tokens", "tokens", "text", "ttft_ms", "dec
 
 def run(*args, stdin=None, timeout=300):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "common", *args], cwd=ROOT, input=stdin, text=True,
+    return subprocess.run([sys.executable, "-m", "app", *args], cwd=ROOT, input=stdin, text=True,
                           capture_output=True, timeout=timeout, env=env)
 
 
@@ -100,7 +100,7 @@ BAD_VALUES = [
 @pytest.mark.parametrize("command, args, flag, message", BAD_VALUES,
                          ids=[f"{c} {' '.join(a)}" for c, a, _, _ in BAD_VALUES])
 def test_a_bad_value_is_one_line_and_exit_2_before_anything_loads(command, args, flag, message, capsys):
-    from common.app.cli import main
+    from app.cli import main
     with pytest.raises(SystemExit) as stopped:
         main([command, "-m", "never/opened.gguf", *args])
     assert stopped.value.code == 2
@@ -120,8 +120,8 @@ def test_n_minus_one_prints_no_timing():
 
 
 def test_good_values_parse_to_the_engines_settings():
-    from common.app.cli import build_parser
-    from common.app.run import sampling_params
+    from app.cli import build_parser
+    from app.run import sampling_params
     args = build_parser().parse_args(["run", "-t", "2", "-c", "512", "-n", "8", "--temp", "0.7", "--top-k", "0",
                                       "--top-p", "1", "--min-p", "0", "--repeat-last-n", "-1", "--seed", "3"])
     assert (args.threads, args.ctx_size, args.n_predict) == (2, 512, 8)

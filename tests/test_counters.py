@@ -1,4 +1,4 @@
-"""The counters every run record carries (common/app/counters.py): the OS's figures match what
+"""The counters every run record carries (app/measure/counters.py): the OS's figures match what
 the region did, a file evicted from the page cache is read back with major faults, the PMU's
 figures are there where the machine has one and, where it has none, the record says why and
 carries no figure; and the harness puts them in its records."""
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from common.app import counters as c
+from app.measure import counters as c
 
 PAGE = mmap.PAGESIZE
 
@@ -148,7 +148,7 @@ def test_multiplexed_counts_are_scaled_and_ipc_derived():
 
 
 def test_a_benchmark_record_carries_the_counters_and_its_cold_start(default_model_path):
-    from common.app import bench
+    from app.measure import bench
     rec, path = bench.bench_stage("quantized", default_model_path, prompt_tokens=4, n_predict=3, write=False,
                                   cold=True)
     assert path is None

@@ -347,7 +347,7 @@ def test_without_a_gpu_loading_the_stage_says_why(tmp_path):
 def test_cli_prints_one_line_and_no_traceback(tmp_path):
     model = tmp_path / "model.gguf"
     model.write_bytes(b"")                     # only its existence is checked before the stage
-    proc = subprocess.run([sys.executable, "-m", "common", "run", "--stage", "cuda", "-m", str(model),
+    proc = subprocess.run([sys.executable, "-m", "app", "run", "--stage", "cuda", "-m", str(model),
                            "-n", "1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -793,7 +793,7 @@ def test_default_model_on_the_emulator(emulator):
 # ---- the default model, on a GPU --------------------------------------------------------------
 
 def _default_model():
-    from common.app.models import DEFAULT_MODEL
+    from app.models import DEFAULT_MODEL
     if not DEFAULT_MODEL.path.exists():
         pytest.skip(f"the default model is not at {DEFAULT_MODEL.path} (`make model`)")
     return DEFAULT_MODEL.path

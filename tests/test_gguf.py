@@ -131,7 +131,7 @@ def model_pair(request):
     if request.param == "smollm2":
         path = request.getfixturevalue("default_model_path")
     else:
-        from common.app.models import fetch  # writes the synthetic model on first use
+        from app.models import fetch  # writes the synthetic model on first use
         path = fetch(request.param)
     ours = GGUFFile(path)
     theirs = gguf_py.GGUFReader(path)
@@ -934,7 +934,7 @@ def test_allocation_stays_linear_in_file_size(tmp_path):
 # ---- the inspect command -------------------------------------------------------------------
 
 def _run_common(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "common", *map(str, args)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "app", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -258,7 +258,7 @@ INT_DOT = re.compile(r"^\s+(?:\{vex\}\s+)?(vpmaddwd|vpdpwssds?|vpdpbusds?|vpmadd
 
 
 def _cpu_flags():
-    from common.app.machine import simd_features
+    from app.measure.machine import simd_features
     return set(simd_features())
 
 

@@ -27,18 +27,20 @@ def test_the_checks_catch_a_lower_layer_importing_a_higher_one_and_a_cycle(tmp_p
         path.write_text(text)
 
     write("common/__init__.py", "")
-    write("common/model.py", "def f():\n    from common.app import cli\n")        # engine -> application
-    write("common/app/__init__.py", "")
-    write("common/app/cli.py", "")
-    write("common/app/report.py", "import stages.naive\n")                         # allowed: down
+    write("common/model.py", "def f():\n    from app import cli\n")                # engine -> application
+    write("app/__init__.py", "")
+    write("app/cli.py", "")
+    write("app/report/report.py", "import stages.naive\n")                    # allowed: down
+    write("stages/kv_cache.py", "from app.cli import main\n")                 # stages -> application
     write("stages/__init__.py", "")
     write("stages/naive.py", "from common.model import f\nfrom stages import tiling\n")
     write("stages/tiling.py", "from . import naive\n")                              # a cycle, relative
     write("scripts/x.py", "from notebooks import nb\n")                            # sideways
     write("notebooks/nb/__init__.py", "")
     assert layers.violations(tmp_path) == [
-        "common.model imports common.app.cli (application is not below engine)",
+        "common.model imports app.cli (application is not below engine)",
         "scripts.x imports notebooks.nb (notebooks is not below scripts)",
+        "stages.kv_cache imports app.cli (application is not below stages)",
     ]
     assert layers.cycles(tmp_path) == [["stages.naive", "stages.tiling"]]
 

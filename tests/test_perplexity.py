@@ -1,4 +1,4 @@
-"""`python -m common perplexity` (common/app/perplexity.py) against llama.cpp's perplexity of the same
+"""`python -m app perplexity` (app/measure/perplexity.py) against llama.cpp's perplexity of the same
 tokens: the golden file tests/golden/llama_cpp_perplexity.npz (scripts/make_perplexity_golden.py)
 holds llama.cpp's token ids of the committed text and, per context size, the negative
 log-likelihood sums of every chunk. Our tokens must be llama.cpp's, and each stage's perplexity
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.app import perplexity as ppl
+from app.measure import perplexity as ppl
 from common.gguf import GGMLType, GGUFFile, GGUFWriter, ValueType
 from common.quants import dequantize_tensor
 from stages import REGISTRY
@@ -131,7 +131,7 @@ def test_each_chunk_starts_with_bos_where_the_vocabulary_adds_one():
 
 
 def test_a_text_too_short_is_refused_in_one_line(tmp_path, default_model_path, capsys):
-    from common.app.cli import main
+    from app.cli import main
     short = tmp_path / "short.txt"
     short.write_text("Too short for two chunks of 512 tokens.")
     assert main(["perplexity", "-m", str(default_model_path), "-f", str(short)]) == 2
@@ -141,7 +141,7 @@ def test_a_text_too_short_is_refused_in_one_line(tmp_path, default_model_path, c
 
 
 def test_the_command_prints_the_json_keys(default_model_path, capsys):
-    from common.app.cli import main
+    from app.cli import main
     assert main(["perplexity", "--stage", "quantized", "-m", str(default_model_path), "--ctx", "128", "--chunks", "2",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -122,7 +122,7 @@ def test_weights_stay_in_the_mapped_file(default_model_path):
 def test_decode_kernels_are_vectorized():
     """The fused Q4_K and Q4_1 decode kernels hold packed FMAs and int->float conversions on
     256/512-bit registers (what makes the unpacking cost a few instructions per 8 values)."""
-    from common.app.machine import simd_features
+    from app.measure.machine import simd_features
     if not {"avx2", "fma"} <= set(simd_features()):
         pytest.skip("this CPU has no AVX2+FMA")
     rng = np.random.default_rng(0)

@@ -288,7 +288,7 @@ Q6K_LAYERS = {0, 1, 4, 7, 10, 13, 16, 19, 20, 21}   # llama.cpp's use_more_bits 
 def synthetic(tmp_path_factory):
     if not LLAMA_SPM_VOCAB.exists():
         pytest.skip(f"{LLAMA_SPM_VOCAB} not fetched (make vocab)")
-    from common.app.synthetic import write_tinyllama_synthetic
+    from app.synthetic import write_tinyllama_synthetic
     path = tmp_path_factory.mktemp("synthetic") / "tinyllama-synthetic.gguf"
     write_tinyllama_synthetic(path, LLAMA_SPM_VOCAB, progress=False)
     yield path
@@ -359,7 +359,7 @@ def test_synthetic_opens_with_gguf_py_and_weights_have_the_intended_scale(synthe
 
 
 def test_synthetic_is_deterministic(synthetic, tmp_path):
-    from common.app.synthetic import write_tinyllama_synthetic
+    from app.synthetic import write_tinyllama_synthetic
     again = write_tinyllama_synthetic(tmp_path / "again.gguf", LLAMA_SPM_VOCAB, progress=False)
     try:
         assert filecmp.cmp(synthetic, again, shallow=False)

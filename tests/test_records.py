@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from common.app import charts
-from common.app.pages import page_for
-from common.app.report import too_large
+from app.report import charts
+from app.report.pages import page_for
+from app.report.report import too_large
 from stages import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ def test_generated_pages_match_their_records(record):
     page = page_for(record)
     if page is None:
         pytest.skip(f"{record.name} has no page (only comparison and kernel records do)")
-    assert record.with_suffix(".md").read_text() == page, "redraw with `python -m common report --draw-only`"
+    assert record.with_suffix(".md").read_text() == page, "redraw with `python -m app report --draw-only`"
 
 
 def test_the_load_test_table_is_drawn_from_its_record(tmp_path):
@@ -128,7 +128,7 @@ def test_cited_figures_match_their_records():
 
 
 def test_the_code_hash_follows_the_code_not_the_prose():
-    from common.app.provenance import code_only
+    from app.measure.provenance import code_only
     code = '"""A module."""\nX = 1  # why\n\n\ndef f(a):\n    """Doc."""\n    return a + X\n'
     prose = '"""Another text."""\nX = 1\n\ndef f(a):\n    """Other doc."""\n    # a comment\n    return a + X\n'
     assert code_only(code) == code_only(prose)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.app import charts
+from app.report import charts
 from common.backend import Backend
 from stages import REGISTRY, STAGES, VARIANTS, backend_class, info
 
@@ -54,6 +54,32 @@ def test_readme_stage_table_is_the_registry():
     assert block == "\n" + charts.stages_table(), "run `make report` (or --draw-only) to regenerate it"
 
 
+def test_readme_op_table_is_drawn_from_the_classes():
+    text = (ROOT / "README.md").read_text()
+    block = text.split(charts.OPS_BEGIN)[1].split(charts.OPS_END)[0]
+    assert block == "\n" + charts.ops_table(), "run `make report args=--draw-only` to regenerate it"
+
+
+def test_op_owners_reads_overrides_and_inheritance_from_the_classes():
+    from common.backend import Backend
+    from stages import op_owners
+
+    class First(Backend):
+        def matmul(self, x, w):
+            return x
+
+    class Second(First):
+        def attention(self, *a):
+            return None
+
+    owners = op_owners({"first": First, "second": Second})
+    assert owners["matmul"] == {"first": "first", "second": "first"}          # inherited, and from where
+    assert owners["attention"] == {"first": None, "second": "second"}         # the surface's default, then own
+    real = op_owners()
+    assert real["matmul"]["tiling"] == "tiling" and real["matmul"]["kv_cache"] == "simd"
+    assert real["attention"]["int8"] == "threads" and real["forward_layers"]["fused"] == "fused"
+
+
 def test_every_chapter_of_a_stage_is_listed_in_the_notebooks_readme():
     readme = (ROOT / "notebooks" / "README.md").read_text()
     for s in STAGES:
@@ -61,7 +87,7 @@ def test_every_chapter_of_a_stage_is_listed_in_the_notebooks_readme():
 
 
 def test_the_cli_offers_every_stage():
-    p = subprocess.run([sys.executable, "-m", "common", "run", "--help"], cwd=ROOT, capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "app", "run", "--help"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0
     for s in STAGES:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from common.app import charts
+from app.report import charts
 
 FIXTURE = Path(__file__).parent / "fixtures" / "report" / "test-machine-2c" / "tiny-model"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -98,7 +98,7 @@ def test_report_leaves_the_recompute_stages_out_on_large_models(monkeypatch, tmp
     """Above a stage's max_params (naive and tiling: LARGE_MODEL_PARAMS) the stage would take tens
     of minutes: left out, and said so; the rest measured, and another model's table written
     beside its charts."""
-    from common.app import report
+    from app.report import report
     from stages.registry import LARGE_MODEL_PARAMS
     calls = []
     rec = dict(fixture_record("simd"), stage="simd")
@@ -131,7 +131,7 @@ def test_the_article_workload_measures_every_stage_at_512_tokens(monkeypatch, tm
     """--article: TinyLlama's geometry, a 512-token prompt, every stage (naive and tiling too: the
     harness extrapolates them), 2 tokens for the stages without a KV cache and 16 for the others,
     into <model>-prompt512 beside the model's own folder, and the ledger drawn."""
-    from common.app import report
+    from app.report import report
     calls, drawn = [], []
 
     def fake_measure(stage, model, folder, threads=None, workload=None):
@@ -161,7 +161,8 @@ def test_the_article_workload_measures_every_stage_at_512_tokens(monkeypatch, tm
 
 
 def test_the_article_workload_says_how_to_get_its_model(monkeypatch, tmp_path):
-    from common.app import models, report
+    from app import models
+    from app.report import report
     for name in ("tinyllama", "tinyllama-synthetic"):
         monkeypatch.setitem(models.MODELS, name, models.ModelSource(name, "absent.gguf", "absent"))
     monkeypatch.setattr(models, "MODELS_DIR", tmp_path)
@@ -181,7 +182,7 @@ def test_extrapolating_from_a_few_layers_agrees_with_the_whole_model(default_mod
     SmolLM2, from the layers layers_to_measure picks and none, against all of them. Each is timed
     in three alternating rounds and the fastest counts, so that another process taking the core
     for one run does not decide the comparison."""
-    from common.app import bench
+    from app.measure import bench
     from stages import load
     engine = load("tiling", default_model_path)
     direct, guessed = [], []
@@ -222,7 +223,7 @@ def test_n_threads_never_read_memory_slower_than_one():
     says so and skips; else the fastest of several runs counts, tried again before it fails."""
     import numpy as np
 
-    from common.app import roofline
+    from app.measure import roofline
     from common.cpu import physical_cores
     threads = physical_cores()
     if threads < 2:
@@ -242,7 +243,7 @@ def test_n_threads_never_read_memory_slower_than_one():
 
 
 def test_naive_and_tiling_traffic_follows_their_loop_order():
-    from common.app import roofline
+    from app.measure import roofline
     caches = {"L1d": 32 * 2**10, "L2": 2**20, "L3": 8 * 2**20}
     small, big = (576, 1536), (2048, 5632)                            # 3.4 MiB fits L3; 44 MiB does not
     assert roofline.loop_order_bytes("naive", *small, rows=33, caches=caches) == 4 * 576 * 1536

@@ -1,4 +1,4 @@
-"""`python -m common serve` on the default model, through the official `openai` client.
+"""`python -m app serve` on the default model, through the official `openai` client.
 
 One live server (a subprocess, as a user starts it) for the module: concurrent requests,
 streamed or not, complete and equal what each gives alone; clients that go away mid-way give
@@ -44,7 +44,7 @@ def server(default_model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
     env = dict(os.environ, NUMBA_CACHE_DIR=os.environ.get("NUMBA_CACHE_DIR", str(ROOT / ".numba_cache")))
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "common", "serve", "-m", str(default_model_path),
+        proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "-m", str(default_model_path),
                                  "--stage", stage, "--port", str(port), "--ctx-size", str(CTX),
                                  "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE),
                                  "--kv-pages", str(PAGES)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -177,7 +177,7 @@ def test_eager_stages_balloon_to_float32(engines):
 
 
 def _cpu_has(*flags) -> bool:
-    from common.app.machine import simd_features
+    from app.measure.machine import simd_features
     return all(f in simd_features() for f in flags)
 
 
@@ -207,9 +207,9 @@ QUANTIZED_WEIGHT_STAGES = ["quantized", "threads", "int8"]      # those that kee
 @pytest.fixture(scope="module")
 def tinyllama_synthetic():
     """TinyLlama 1.1B's geometry and Q4_K/Q6_K mix with random weights, written if it is not
-    there yet (common/app/synthetic.py; it needs only llama.cpp's vocabulary file, which `make
+    there yet (app/synthetic.py; it needs only llama.cpp's vocabulary file, which `make
     test` fetches), and its float64 reference logits."""
-    from common.app.models import fetch
+    from app.models import fetch
     path = fetch("tinyllama-synthetic")
     return path, reference.forward(GGUFFile(path), TINYLLAMA_TOKENS)
 

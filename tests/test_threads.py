@@ -91,7 +91,7 @@ def test_fused_attention_against_numpy(n_head, n_kv, hd, m, start):
 def test_thread_count_is_the_backends():
     """--threads N reaches the backend, numba's pool follows it, the run record states it,
     and the default is the machine's physical cores (at most numba's pool)."""
-    from common.app.machine import physical_cores
+    from app.measure.machine import physical_cores
     assert default_threads() == max(1, min(physical_cores(), POOL))
     assert ThreadsBackend().threads == default_threads()
     assert ThreadsBackend(threads=1).threads == 1
@@ -125,7 +125,7 @@ def test_one_thread_and_all_give_the_same_logits(engines):
 
 
 def test_run_record_states_the_threads(engines):
-    from common.app.bench import run_record
+    from app.measure.bench import run_record
     from common.generate import generate
     assert sorted(engines) == thread_counts()
     for n, engine in engines.items():

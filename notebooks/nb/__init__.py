@@ -3,7 +3,7 @@ only its own story; a helper that two chapters need lives here, never in a noteb
 
     settings.py   quick or full settings (LLM_NOTEBOOK_QUICK=1), the model (LLM_NOTEBOOK_MODEL)
     text.py       Markdown, tables, a function's code as the module has it now, the findings list
-    measure.py    load, measure, profile (the harness of common/app/bench.py), memory, records
+    measure.py    load, measure, profile (the harness of app/measure/bench.py), memory, records
     asm.py        the assembly of a kernel and the FMAs in it
     plots.py      live runs beside recorded ones, op shares, roofline, lines and bars
     article.py    the article's claims beside the live figures and the recorded verdicts
@@ -12,7 +12,11 @@ Measurements reuse the application's own tools, so a chapter's live figure and a
 are the same kind of figure.
 """
 
-from notebooks.nb import article
+import app
+
+app.configure_numba()                  # a notebook is an entry point: numba's cache and threading layers
+
+from notebooks.nb import article  # noqa: E402
 from notebooks.nb.asm import fma_counts, hot_loop, kernel_asm
 from notebooks.nb.measure import (
     MatmulWork,

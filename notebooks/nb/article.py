@@ -1,10 +1,10 @@
 """The article beside the reader's machine, in a chapter: the article's claim and figure (from the
-lessons ledger, common/app/lessons.py, the one place the article's figures are written), the
+lessons ledger, app/report/lessons.py, the one place the article's figures are written), the
 figure the chapter just measured live, and the recorded figure with its verdict and why."""
 
 from __future__ import annotations
 
-from common.app import lessons
+from app.report import lessons
 from notebooks.nb.text import md, md_table
 
 _LEDGER: dict = {}

@@ -1,5 +1,5 @@
 """Measuring in a chapter: loading a stage, running it by the report's protocol (the same record
-`python -m common bench` writes, so live results and recorded ones draw with the same code),
+`python -m app bench` writes, so live results and recorded ones draw with the same code),
 profiling it per op, memory and page faults, and the records `make report` keeps."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.app import bench, roofline
-from common.app.bench import RESULTS_DIR
-from common.app.charts import load_results
-from common.app.machine import machine_id, machine_info, rusage
-from common.app.profile import format_table
+from app.measure import bench, roofline
+from app.measure.bench import RESULTS_DIR
+from app.measure.machine import machine_id, machine_info, rusage
+from app.report.charts import load_results
 from common.generate import generate
+from common.profile import format_table
 from notebooks.nb.settings import ROOT, Settings, model_path, rel
 from stages import STAGES, unavailable_reason
 from stages import load as load_stage
@@ -73,12 +73,12 @@ def load(stage: str):
 
 
 def prompt_ids(engine, n_tokens: int) -> list[int]:
-    """The benchmark's prompt (common/app/bench.py), cut to n_tokens: the same ids as the records."""
+    """The benchmark's prompt (app/measure/bench.py), cut to n_tokens: the same ids as the records."""
     return bench.bench_prompt(engine.tokenizer, n_tokens)
 
 
 def measure(engine, cfg: Settings, n_predict: int | None = None) -> dict:
-    """One run by the measurement protocol; the same record `python -m common bench` writes."""
+    """One run by the measurement protocol; the same record `python -m app bench` writes."""
     n = n_predict or cfg.n_for(engine.stage)
     rec = bench.measure(engine, engine.stage, cfg.prompt_tokens, n)
     rec["source"] = "live"
@@ -86,7 +86,7 @@ def measure(engine, cfg: Settings, n_predict: int | None = None) -> dict:
 
 
 def profile(engine, cfg: Settings) -> list[dict]:
-    """Per-op rows (common/app/profile.py) of a profiled run at the notebook's settings."""
+    """Per-op rows (common/profile.py) of a profiled run at the notebook's settings."""
     return bench.profile_run(engine, engine.stage, cfg.prompt_tokens, cfg.profile_n_for(engine.stage))
 
 
@@ -95,9 +95,9 @@ def print_profile(rows: list[dict], title: str):
 
 
 def measure_in_subprocess(stage: str, prompt: str, n_predict: int) -> dict:
-    """`python -m common run --json` in a fresh process: peak RSS and page faults of that stage
+    """`python -m app run --json` in a fresh process: peak RSS and page faults of that stage
     alone, untouched by whatever this notebook loaded before."""
-    cmd = [sys.executable, "-m", "common", "run", "--stage", stage, "-m", str(model_path()),
+    cmd = [sys.executable, "-m", "app", "run", "--stage", stage, "-m", str(model_path()),
            "-p", prompt, "-n", str(n_predict), "--json"]
     # Linux carries a process's peak RSS (ru_maxrss) across fork + exec, so a child started
     # straight from this kernel would report the kernel's own memory as its peak. A shell in
@@ -163,7 +163,7 @@ def matmul_work(engine, prompt, n_predict: int) -> MatmulWork:
 
 @dataclass
 class Recorded:
-    results: object | None               # common.app.charts.Results, or None
+    results: object | None               # app.report.charts.Results, or None
     note: str                            # one sentence for the reader: where these come from
 
     def get(self, stage: str) -> dict | None:
@@ -216,7 +216,7 @@ def ceilings() -> dict:
                 "source": f"recorded in `{rel(path)}`"}
     m = roofline.measure(threads=1)
     return {"bandwidth_gbs": m["bandwidth_gbs"]["1"], "peak_gflops": m["peak_gflops"]["1"],
-            "source": "measured just now by common/app/roofline.py (no recorded machine.json for this machine)"}
+            "source": "measured just now by app/measure/roofline.py (no recorded machine.json for this machine)"}
 
 
 def best_seconds(fn, reps: int) -> float:
@@ -232,7 +232,7 @@ def best_seconds(fn, reps: int) -> float:
 def recorded_vs_llama(engines) -> list[tuple[str, str, str, str]]:
     """(model, row, decode / llama.cpp, TTFT / llama.cpp) for the rows of `engines` in every
     committed comparison record (profiles/bench/vs_llama_*.json, scripts/bench_vs_llama.py)."""
-    from common.app import compare
+    from app.measure import compare
     rows = []
     for path in sorted((ROOT / "profiles" / "bench").rglob("vs_llama_*.json")):
         record = json.loads(path.read_text())

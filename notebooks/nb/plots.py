@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 from IPython.display import display
 from matplotlib.ticker import MaxNLocator
 
-from common.app.charts import plot_op_shares
+from app.report.charts import plot_op_shares
 from notebooks.nb.measure import Recorded
 
 
@@ -69,7 +69,7 @@ def stage_chart(live: list[dict], rec: Recorded | None = None, stages=None, titl
 
 
 def ops_chart(profiles: dict, title: str = "Where the time goes, per op"):
-    """Stacked shares per op group (common.app.charts.OP_GROUPS) for {label: profile rows}."""
+    """Stacked shares per op group (app.report.charts.OP_GROUPS) for {label: profile rows}."""
     fig, ax = plt.subplots(figsize=(12, 0.45 * len(profiles) + 1.6), layout="constrained")
     plot_op_shares(ax, profiles)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.app.models import resolve
+from app.models import resolve
 from stages.registry import REGISTRY, REPORT_PROMPT_TOKENS, Tokens
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from IPython.display import Image, Markdown, display
 
-from common.app.inspect_gguf import human_size
+from app.inspect_gguf import human_size
 from notebooks.nb.settings import model_path, rel, settings
 
 
@@ -31,7 +31,7 @@ def show_table(headers, rows):
 
 
 def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB', as `python -m common inspect` writes sizes."""
+    """1536 -> '1.5 KiB', as `python -m app inspect` writes sizes."""
     return human_size(n)
 
 

@@ -24,7 +24,7 @@ import struct
 
 import numpy as np
 
-from common.app.inspect_gguf import summary
+from app.inspect_gguf import summary
 from common.gguf import BLOCK_SIZES, GGMLType, GGUFFile
 
 findings = nb.Findings()
@@ -51,7 +51,7 @@ findings["header"] = f"GGUF v{g.version}, {len(g.tensors)} tensors, {len(g.metad
 # %% [markdown]
 # ## Metadata
 #
-# `python -m common inspect MODEL` prints the same summary; here it is as a table (long arrays,
+# `python -m app inspect MODEL` prints the same summary; here it is as a table (long arrays,
 # such as the 49k-entry vocabulary, abbreviated).
 
 # %%
@@ -185,7 +185,7 @@ findings["Q4_1 block"] = f"decoded by hand from its 20 bytes ({where}); identica
 # (`make model name=tinyllama-synthetic`), else quantize a random row ourselves.
 
 # %%
-from common.app.models import TINYLLAMA_SYNTHETIC
+from app.models import TINYLLAMA_SYNTHETIC
 
 if TINYLLAMA_SYNTHETIC.path.exists():
     tg = GGUFFile(TINYLLAMA_SYNTHETIC.path)

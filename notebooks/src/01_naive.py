@@ -77,7 +77,7 @@ nb.article.beside("ram_balloon", held / file_size, f"{nb.human_bytes(held)} held
 # %% [markdown]
 # ## Running it
 #
-# One generation by the measurement protocol (`common/app/bench.py`): fixed prompt ids, greedy,
+# One generation by the measurement protocol (`app/measure/bench.py`): fixed prompt ids, greedy,
 # the JIT warmed up first. TTFT is the prompt's forward pass plus the first token; decode is
 # the median time of each token after it.
 
@@ -92,7 +92,7 @@ findings["naive, live"] = (f"TTFT {live['ttft_ms']:.0f} ms, decode {live['decode
                            f"the memory floor for one token is {lower_bound_ms:.0f} ms")
 
 # %% [markdown]
-# The run's counters (`common/app/counters.py`) came with it: task clock, context switches, page
+# The run's counters (`app/measure/counters.py`) came with it: task clock, context switches, page
 # faults, and, where the machine exposes a performance monitoring unit, instructions and cycles.
 # The article counted 0.98 instructions per cycle for its naive engine: a core that can retire
 # four or more per cycle, mostly waiting.
@@ -111,7 +111,7 @@ findings["IPC"] = (f"{pmu['ipc']:.2f} instructions per cycle ({pmu['cache_miss_r
 # %% [markdown]
 # ## Where the time goes
 #
-# A per-op profile (`common/app/profile.py`) wraps every op of the backend in a timer. The matmuls
+# A per-op profile (`common/profile.py`) wraps every op of the backend in a timer. The matmuls
 # are split by the weight they multiply.
 
 # %%
@@ -152,7 +152,7 @@ findings["cost vs length"] = (f"one step grows from {step[0]:.0f} ms at {lengths
 # %%
 import gc
 
-from common.app import bench
+from app.measure import bench
 
 del engine
 gc.collect()                                  # unmapped, so that the file's pages can be evicted
@@ -182,7 +182,7 @@ findings["cold start"] = (f"{faults:,} page faults ({load_c['major_faults'] + fi
 # last-level cache is read again for every row.
 
 # %%
-from common.app.charts import roofline_points
+from app.report.charts import roofline_points
 
 points = [(f"naive {kind} (live)", x, y) for kind, x, y in roofline_points(live)]
 nb.roofline_chart(ceil, points, "naive on this machine's roofline")

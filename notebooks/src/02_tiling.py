@@ -207,10 +207,11 @@ findings["tiling, live"] = (f"TTFT {live[1]['ttft_ms']:.0f} ms ({live[0]['ttft_m
 # The article's tiled matmul halved its time per token. Whether tiling pays here depends on what
 # the naive loop was waiting for. Below, the bytes each loop order brings from memory for one
 # decode step of this model (modelled from the loop order and the cache sizes,
-# `common/app/roofline.py`), with this machine's caches and with the article's i3's.
+# `app/measure/roofline.py`), with this machine's caches and with the article's i3's.
 
 # %%
-from common.app import lessons, roofline
+from app.measure import roofline
+from app.report import lessons
 
 decode_rows = live[0]["n_prompt"] + 1                 # no KV cache: the whole text again
 mine = roofline.cache_bytes()

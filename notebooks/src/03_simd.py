@@ -24,7 +24,7 @@ import platform
 
 import numpy as np
 
-from common.app.machine import machine_info
+from app.measure.machine import machine_info
 
 findings = nb.Findings()
 info = machine_info()
@@ -87,7 +87,7 @@ nb.md("**naive** (`matmul_textbook`):\n\n```asm\n" + nb.hot_loop(asm["naive"], 2
 #
 # The three kernels on the model's largest matmul shape, at 16 rows (a prompt) and at 1 row (a
 # decode step with a KV cache), against the peak this machine reaches with this very kernel on
-# data that sits in L1 (`common/app/roofline.py`).
+# data that sits in L1 (`app/measure/roofline.py`).
 
 # %%
 from common.gguf import GGUFFile
@@ -123,7 +123,7 @@ nb.show_table(["kernel, rows", "GFLOP/s", "share of the measured peak"],
               [(k.replace(chr(10), ", "), f"{v:.1f}", f"{v / ceil['peak_gflops']:.0%}") for k, v in results.items()])
 simd16 = results["simd\n16 rows"]
 if simd16 > ceil["peak_gflops"]:
-    print(f"simd beats the recorded 'peak' of {ceil['peak_gflops']:.0f} GFLOP/s: common/app/roofline.py measures it "
+    print(f"simd beats the recorded 'peak' of {ceil['peak_gflops']:.0f} GFLOP/s: app/measure/roofline.py measures it "
           "with a small matmul (8 x 512 operands) called many times, which this larger shape outruns. "
           "Read that peak as a floor, not a ceiling.")
 findings["kernel GFLOP/s"] = (f"16 rows: simd {simd16:.1f}, tiling {results['tiling' + chr(10) + '16 rows']:.1f}, "
@@ -140,7 +140,7 @@ findings["kernel GFLOP/s"] = (f"16 rows: simd {simd16:.1f}, tiling {results['til
 # ## The stage, end to end
 
 # %%
-from common.app.charts import roofline_points
+from app.report.charts import roofline_points
 
 live = []
 for stage in ("tiling", "simd"):
@@ -166,15 +166,16 @@ findings["simd, live"] = (f"TTFT {s['ttft_ms']:.0f} ms ({t['ttft_ms'] / s['ttft_
 # on something else, here the chain of dependent adds that simd breaks.
 #
 # The bytes below are modelled from the tiled loop's order (a matrix larger than the last-level
-# cache is read from memory once per 8 rows, `common/app/roofline.py`), for one decode step of
+# cache is read from memory once per 8 rows, `app/measure/roofline.py`), for one decode step of
 # this model and of the article's TinyLlama 1.1B, with this machine's caches and with the
 # article's i3 (3 MiB of L3).
 
 # %%
 from types import SimpleNamespace
 
-from common.app import lessons, roofline
-from common.app.synthetic import TINYLLAMA
+from app.measure import roofline
+from app.report import lessons
+from app.synthetic import TINYLLAMA
 
 rows_per_step = t["n_prompt"] + 1                        # no KV cache: every step is the whole text
 tiny = SimpleNamespace(n_layer=TINYLLAMA.n_layer, n_embd=TINYLLAMA.n_embd, n_ff=TINYLLAMA.n_ff,

@@ -87,7 +87,7 @@ else:
 # %% [markdown]
 # ## Memory and page faults
 #
-# Each stage runs in a fresh process (`python -m common run --json`), so its peak resident memory
+# Each stage runs in a fresh process (`python -m app run --json`), so its peak resident memory
 # and page faults are its own. The eager stage allocates and fills ~4 bytes per weight before
 # the first token; the quantized one maps the file and faults in only the pages it reads.
 
@@ -136,7 +136,7 @@ else:
 
 # %%
 if not missing:
-    from common.app.charts import roofline_points
+    from app.report.charts import roofline_points
     points = [(f"{r['stage']} {kind} (live)", x, y) for r in live for kind, x, y in roofline_points(r)]
     nb.roofline_chart(ceil, points, "kv_cache and quantized on this machine's roofline")
     rows = nb.profile(engines["quantized"], cfg)
@@ -164,7 +164,7 @@ else:
 #
 # The article said the precision 4-bit weights lose "matters little", and did not measure it.
 # Perplexity measures it: how surprised the model is by a text it did not write, exp of the mean
-# negative log-likelihood of each next token (`python -m common perplexity`, llama.cpp's method;
+# negative log-likelihood of each next token (`python -m app perplexity`, llama.cpp's method;
 # tests/test_perplexity.py holds it to llama.cpp's figure on the same tokens). The text is the
 # first chapters of *Alice's Adventures in Wonderland* (public domain, `tests/fixtures/text/`).
 #
@@ -176,11 +176,11 @@ else:
 # multiple of 256 cannot hold K-quant blocks and falls back, as llama-quantize does (Q4_K to Q4_1
 # here, Q6_K to Q8_0): SmolLM2's 576-wide rows do, so its "Q4_K" is mostly Q4_1 rounded again,
 # ffn_down alone in Q4_K. The full comparison takes
-# many minutes (`python -m common perplexity --compare`, recorded in `perplexity.json`); this
+# many minutes (`python -m app perplexity --compare`, recorded in `perplexity.json`); this
 # chapter runs a few chunks of it, fewer in quick mode.
 
 # %%
-from common.app import perplexity as ppl
+from app.measure import perplexity as ppl
 from stages import runnable_stages
 
 ctx, n_chunks = (64, 2) if cfg.quick else (512, 4)

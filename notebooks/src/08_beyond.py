@@ -19,8 +19,8 @@
 # %%
 import numpy as np
 
-from common.app import roofline
-from common.app.machine import physical_cores
+from app.measure import roofline
+from app.measure.machine import physical_cores
 
 findings = nb.Findings()
 missing = {s: nb.missing_stage(s) for s in ("threads", "int8")}
@@ -45,7 +45,7 @@ nb.md(f"Here {max(bw)} threads read memory **{gain:.2f}x** as fast as one, and c
 
 # %% [markdown]
 # Compute scales with the cores; bandwidth scales only as far as one core leaves the memory idle
-# (the table above: measured by `common/app/roofline.py`, each thread summing its own chunks of a
+# (the table above: measured by `app/measure/roofline.py`, each thread summing its own chunks of a
 # 512 MiB array). A second core helps decode twice over where the quantized stage's kernels are:
 # their unpacking, not the memory, limits one core, and more memory bandwidth is there for two.
 #
@@ -119,7 +119,7 @@ nb.article.beside("end_to_end", naive_rec["decode_ms"] / fast_live["decode_ms"] 
 
 # %%
 if not missing["threads"]:
-    from common.app.charts import roofline_points
+    from app.report.charts import roofline_points
     for t in (1, max(bw)):
         pts = [(f"threads@{n} {kind}", x, y) for n, r in scaling.items() if n == t
                for kind, x, y in roofline_points(r)]

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from common.app.machine import physical_cores
+from app.measure.machine import physical_cores
 from stages import load as load_stage
 
 findings = nb.Findings()
@@ -65,7 +65,7 @@ for layer, why in unavailable.items():
 at_n = [c for c in costs if c["threads"] == max(x["threads"] for x in costs)]
 findings["dispatch costs"] = "; ".join(f"{c['layer']}@{c['threads']}: fork/join {c['fork_join_us']:.1f} us, "
                                        f"barrier {c['barrier_us']:.2f} us" for c in at_n)
-nb.md("The stage asks numba for `omp`, then `workqueue` (stages/fused.py, THREADING_LAYERS): both give every "
+nb.md("The entry points ask numba for `omp`, then `workqueue` (app.configure_numba; stages/fused.py checks it got one of them): both give every "
       "iteration of a parallel loop its own thread, which the barriers need; TBB's work stealing may run two "
       "on one thread, where a barrier would wait for ever. On a machine whose cores other processes share, a "
       "barrier waits for whichever thread the OS has set aside: the measured barrier is then far above its "

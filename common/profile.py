@@ -1,19 +1,22 @@
-"""Per-op profile of a CPU stage: where the time of a forward pass goes.
+"""Per-op profiles: where the time of a forward pass goes, one interface for every stage.
 
-    from common.app.profile import OpProfiler
-    with OpProfiler(engine) as prof:
+    prof = engine.backend.profiler(engine)      # the stage's own kind of profiler
+    with prof:                                  # start() ... stop()
         generate(engine, prompt, 16)
-    print(prof.table())                 # nvprof-style: op, calls, total, average, share
+    prof.rows()                                 # [{op, calls, total_ms, avg_us, share}], by time
+    print(prof.table())                         # nvprof-style: share, total, calls, average, op
 
-While active, every op of the engine's backend is wrapped in a timer. Only top-level calls
-are timed: the attention composite's own dot/softmax calls count as attention, swiglu's
-silu/mul as swiglu. Matmuls are split by the weight they multiply (attn_q, ffn_down,
-output, ...). What the wrapped ops do not account for is "python overhead": the graph's own
-bookkeeping, the generation loop, sampling on the host.
+The CPU stages use `OpProfiler` (the default of Backend.profiler): while active, every op of
+the backend is wrapped in a timer. Only top-level calls are timed: the attention composite's
+own dot/softmax calls count as attention, swiglu's silu/mul as swiglu. Matmuls are split by
+the weight they multiply (attn_q, ffn_down, output, ...). A stage that runs the whole layer
+stack in one compiled call (Backend.fuses_layers) shows it as one op, `forward_layers`. What
+the wrapped ops do not account for is "python overhead": the graph's own bookkeeping, the
+generation loop, sampling on the host. The cuda stage times its kernels with CUDA events
+instead (stages/cuda.py), behind the same interface.
 
 The timers cost about a microsecond per call, so a profiled run is a little slower than a
-timed one: profile to see the shares, benchmark (common/app/bench.py) to get the figures.
-GPU stages keep their own profile (CUDA events, see stages/cuda.py).
+timed one: profile to see the shares, benchmark (app/measure/bench.py) to get the figures.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 from collections import defaultdict
 
 OPS = ("matmul", "add", "mul", "rms_norm", "silu", "rope", "scale", "dot", "softmax", "argmax",
-       "embed", "attention", "swiglu")
+       "embed", "attention", "swiglu", "forward_layers")
 
 
 def weight_group(name: str) -> str:
@@ -32,7 +35,33 @@ def weight_group(name: str) -> str:
     return m.group(1) if m else "other"
 
 
-class OpProfiler:
+class Profiler:
+    """What every stage's profiler does; a context manager around start() and stop()."""
+
+    def start(self):
+        raise NotImplementedError
+
+    def stop(self):
+        raise NotImplementedError
+
+    def rows(self) -> list[dict]:
+        """[{op, calls, total_ms, avg_us, share}] by total time."""
+        raise NotImplementedError
+
+    def table(self, title: str = "") -> str:
+        return format_table(self.rows(), title)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class OpProfiler(Profiler):
+    """Every op of the engine's backend wrapped in a timer while active (see the module docstring)."""
+
     def __init__(self, engine):
         self.engine = engine
         self.backend = engine.backend
@@ -60,19 +89,18 @@ class OpProfiler:
                 self.seconds[key] += dt
         return timed
 
-    def __enter__(self):
+    def start(self):
         for op in OPS:
             setattr(self.backend, op, self._wrap(op, getattr(self.backend, op)))
         self._t0 = time.perf_counter()
-        return self
 
-    def __exit__(self, *exc):
+    def stop(self):
         self.wall += time.perf_counter() - self._t0
         for op in OPS:
             self.backend.__dict__.pop(op, None)          # back to the class's methods
 
     def rows(self) -> list[dict]:
-        """[{op, calls, total_ms, avg_us, share}] by total time, python overhead last."""
+        """By total time, python overhead last."""
         total = self.wall or sum(self.seconds.values())
         rows = [{"op": k, "calls": self.calls[k], "total_ms": v * 1e3, "avg_us": v / self.calls[k] * 1e6,
                  "share": v / total if total else 0.0}

@@ -1,4 +1,4 @@
-"""`python -m common inspect MODEL`: what is inside a GGUF file."""
+"""`python -m app inspect MODEL`: what is inside a GGUF file."""
 
 from __future__ import annotations
 

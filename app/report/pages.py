@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.app import compare, kernel_bench
+from app.measure import compare, kernel_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = {"comparison": compare.page, "kernels": kernel_bench.page}

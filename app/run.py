@@ -1,4 +1,4 @@
-"""`python -m common run` (generate text with one stage) and `bench` (measure it into profiles/)."""
+"""`python -m app run` (generate text with one stage) and `bench` (measure it into profiles/)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ import json
 import math
 import sys
 
-from common.app import bench
-from common.app.chat import chat_loop
-from common.app.counters import Counters
-from common.app.models import DEFAULT_MODEL, resolve
-from common.app.profile import format_table
+from app.chat import chat_loop
+from app.measure import bench
+from app.measure.counters import Counters
+from app.models import DEFAULT_MODEL, resolve
 from common.generate import (
     ParameterError,
     Sampler,
@@ -26,7 +25,7 @@ from common.generate import (
 from common.gguf import GGUFFile
 from common.model import LlamaConfig, context_size
 from common.tokenizer import Tokenizer
-from stages import REGISTRY, STAGES, StageError, info, load, runnable_stages, unavailable_reason
+from stages import REGISTRY, STAGES, StageError, info, load, op_owners, runnable_stages, unavailable_reason
 
 
 def fastest_stage() -> str:
@@ -106,7 +105,7 @@ def one_line_errors(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--stage", "-s", default="fastest",
                    help=f"{' | '.join(STAGES)} (default: the fastest this machine can run; "
-                        f"`python -m common stages` lists them)")
+                        f"`python -m app stages` lists them)")
     p.add_argument("-m", "--model", default=str(DEFAULT_MODEL.path),
                    help="GGUF file or model name (default: %(default)s)")
     p.add_argument("-c", "--ctx-size", type=checked(check_ctx_size), default=None,
@@ -145,12 +144,11 @@ def print_stats(rec: dict, out=sys.stderr):
           f"{rec['minor_faults']} minor, {rec['major_faults']} major | threads {rec['threads']}", file=out)
 
 
-def check_prompt_fits(args, stage: str) -> tuple[list, int]:
+def check_prompt_fits(args, stage: str, g: GGUFFile) -> tuple[list, int]:
     """Tokenize the prompt and check it fits the context before the weights are loaded:
-    (prompt ids, n_predict), or ContextError."""
-    with GGUFFile(resolve(args.model)) as g:
-        cfg = LlamaConfig.from_gguf(g)
-        prompt = Tokenizer.from_gguf(g).encode(args.prompt)
+    (prompt ids, n_predict), or ContextError. The file is open once: the model loads from `g`."""
+    cfg = LlamaConfig.from_gguf(g)
+    prompt = Tokenizer.from_gguf(g).encode(args.prompt)
     if not prompt:
         raise ParameterError("the prompt is empty (no tokens): give -p some text")
     n_predict = check_n_predict(args.n_predict if args.n_predict is not None else info(stage).tokens.run)
@@ -161,9 +159,10 @@ def check_prompt_fits(args, stage: str) -> tuple[list, int]:
 def cmd_run(args):
     stage = chosen_stage(args.stage)
     params = sampling_params(args)              # bad values refused before anything loads
+    g = GGUFFile(resolve(args.model))           # opened once: tokenized and checked, then loaded
     if not args.chat:
-        prompt, n_predict = check_prompt_fits(args, stage)
-    engine = load(stage, resolve(args.model), n_ctx=args.ctx_size, threads=args.threads, progress=True)
+        prompt, n_predict = check_prompt_fits(args, stage, g)
+    engine = load(stage, g, n_ctx=args.ctx_size, threads=args.threads, progress=True)
     tok = engine.tokenizer
     if args.chat:
         return chat_loop(engine, stage, args, params)
@@ -180,24 +179,26 @@ def cmd_run(args):
     if echo:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
-    profiler = bench.start_profile(engine) if args.profile else None
+    profiler = engine.backend.profiler(engine) if args.profile else None
+    if profiler:
+        profiler.start()
     with Counters() as counted:
         gen = session.generate(prompt, n_predict, Sampler(params), stop_ids=tok.eog_ids,
                                on_token=on_token)
+    if profiler:
+        profiler.stop()
     if echo:
         sys.stdout.write(stream.flush() + "\n")
     rec = bench.run_record(engine, stage, gen, tok.decode(gen.tokens), jit_s, counted.result)
     if profiler:
-        rec["profile"] = bench.stop_profile(engine, profiler)
+        rec["profile"] = profiler.rows()
     if args.json:
         rec.pop("decode_ms_all")
         print(json.dumps(rec))
     else:
         print_stats(rec)
-        if profiler is engine.backend:
-            print("\n" + engine.backend.profile_table(), file=sys.stderr)
-        elif profiler:
-            print("\n" + format_table(rec["profile"], f"per-op profile ({stage}, this run)"), file=sys.stderr)
+        if profiler:
+            print("\n" + profiler.table(), file=sys.stderr)
 
 
 def cmd_bench(args):
@@ -214,6 +215,13 @@ def cmd_bench(args):
 
 
 def cmd_stages(args):
+    if args.ops:
+        if args.json:
+            print(json.dumps(op_owners()))
+        else:
+            from app.report.charts import ops_table
+            print(ops_table(), end="")
+        return
     if args.json:
         print(json.dumps([vars(s) | {"tokens": vars(s.tokens)} for s in REGISTRY.values()]))
         return
@@ -265,4 +273,7 @@ def add_commands(sub):
     p = sub.add_parser("stages", help="list the stages: number, lesson, what each builds on",
                        description="The stage registry (stages/registry.py), which every command reads.")
     p.add_argument("--json", action="store_true", help="print the registry as JSON")
+    p.add_argument("--ops", action="store_true",
+                   help="which stage defines which op of the surface (common/backend.py), and where the others "
+                        "come from (read from the classes)")
     p.set_defaults(func=cmd_stages)

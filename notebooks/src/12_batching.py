@@ -1,4 +1,4 @@
-# Source of notebooks/10_batching.ipynb (build with: python notebooks/build.py).
+# Source of notebooks/12_batching.ipynb (build with: python notebooks/build.py).
 
 # %% [markdown]
 # # 10 · Many users at once: batching, paged KV, a server
@@ -9,13 +9,13 @@
 # same until the arithmetic catches up with the bandwidth. That is the other half of the
 # roofline, and the reason every production server batches.
 #
-# Three pieces make it work (and `python -m common serve` is built on them):
+# Three pieces make it work (and `python -m app serve` is built on them):
 #
 # | piece | file | what it does |
 # |---|---|---|
 # | batched forward | `common/model.py` (`forward_batch`), `common/batch.py` | one step carries every running sequence's newest token as a row of one matrix, each row at its own position |
 # | paged KV cache | `common/paged_kv.py` | one pool of 16-position pages; a page table per sequence; shared prefixes by reference |
-# | continuous batching | `common/app/scheduler.py` | requests join and leave between steps; long prompts in chunks; admission by free pages |
+# | continuous batching | `app/serve/scheduler.py` | requests join and leave between steps; long prompts in chunks; admission by free pages |
 
 # %%
 import numpy as np
@@ -127,7 +127,7 @@ findings["row paths"] = (f"a row alone differs from itself in a batch by up to {
 # other positions and partly still in their prompts, its prompt cut into other chunks.
 
 # %%
-from common.app.scheduler import Request, Scheduler
+from app.serve.scheduler import Request, Scheduler
 
 
 class Keep:
@@ -236,9 +236,9 @@ findings["prefix sharing"] = f"{common}-token common prefix: {shared} pages held
 # and while they outnumber the CPUs, a worker that finishes a region goes to sleep almost at
 # once instead of spinning for the next one (`do_spin` in libgomp's `wait.h`), so every region
 # begins by waking it: a system call and a context switch. A step opens hundreds of regions (the
-# threads stage: several per layer), so `python -m common serve` runs its engine loop in the
+# threads stage: several per layer), so `python -m app serve` runs its engine loop in the
 # thread that loaded and warmed the engine and gives HTTP the second thread
-# (`Scheduler.run`, `common/app/serve.py`). Measured here: a nearly empty region opened from
+# (`Scheduler.run`, `app/serve/server.py`). Measured here: a nearly empty region opened from
 # this notebook's thread, then from a second thread while this one's team exists, then from
 # this thread again once the second thread, and its team, are gone.
 
@@ -282,7 +282,7 @@ findings["a parallel region from a second thread"] = (
 # %% [markdown]
 # ## The server, and the load test
 #
-# `make serve` (`python -m common serve`) puts this behind OpenAI's HTTP API; `make loadtest`
+# `make serve` (`python -m app serve`) puts this behind OpenAI's HTTP API; `make loadtest`
 # (`scripts/loadtest.py`) runs 1 to 32 clients of the official `openai` package against it and
 # against llama.cpp's own server, and draws `profiles/batching.png` from its record
 # (`profiles/bench/batching.json`, table `profiles/bench/batching.md`):

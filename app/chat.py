@@ -1,4 +1,4 @@
-"""Interactive chat: `python -m common run --chat`.
+"""Interactive chat: `python -m app run --chat`.
 
 Each turn renders the whole conversation with the model's own chat template, tokenizes it,
 and feeds the engine only what its KV cache has not seen yet. Stages with a cache therefore

@@ -32,7 +32,7 @@ import time
 import numpy as np
 from numba import get_num_threads, njit, parallel_chunksize, prange, set_num_threads
 
-from common.app.machine import machine_info
+from app.measure.machine import machine_info
 from common.cpu import physical_cores
 from stages.kernels.toolkit import FASTMATH
 from stages.simd import matmul_panels

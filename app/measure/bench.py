@@ -1,20 +1,20 @@
 """The one measurement harness: a stage (or a variant, or llama.cpp) measured by the protocol,
-one JSON record per measurement. `make report`, `python -m common bench`, the notebooks and
+one JSON record per measurement. `make report`, `python -m app bench`, the notebooks and
 the llama.cpp comparison (scripts/bench_vs_llama.py) all measure through here.
 
     measure(engine, stage, prompt_tokens, n_predict)    in this process: the record
     measure_in_child(name, model, ...)                  in a fresh process (its own peak RSS and
-                                                        JIT warm-up): `python -m common bench`
+                                                        JIT warm-up): `python -m app bench`
                                                         or, for llama.cpp, `... baseline`
 
 The protocol: exactly `prompt_tokens` prompt ids (BENCH_TEXT, the same ids for every engine),
 greedy, exactly `n_predict` tokens (EOS ignored), JIT warmed up first and reported apart. A
 record holds the timings (TTFT, decode median/mean/spread), load and JIT time, peak RSS, page
 faults, the settings, the model's type mix, the machine, the package versions and the code
-that ran (common/app/provenance.py). Records of `make report` go to
+that ran (app/measure/provenance.py). Records of `make report` go to
 profiles/results/<machine>/<model>/<stage>.json; charts and tables are drawn from them only.
 
-Counters (common/app/counters.py): `counters` holds those of the timed region (task clock,
+Counters (app/measure/counters.py): `counters` holds those of the timed region (task clock,
 context switches, page faults, and instructions, cycles and cache misses where the machine has
 a PMU, else the reason it has none); `cold_start` those of loading the model again after its
 file was evicted from the page cache, and of the first forward pass that follows (a recorded
@@ -40,12 +40,11 @@ from pathlib import Path
 
 import numpy as np
 
-from common.app import roofline
-from common.app.counters import Counters, evict
-from common.app.machine import machine_id, machine_info, rusage
-from common.app.models import resolve
-from common.app.profile import OpProfiler
-from common.app.provenance import provenance
+from app.measure import roofline
+from app.measure.counters import Counters, evict
+from app.measure.machine import machine_id, machine_info, rusage
+from app.measure.provenance import provenance
+from app.models import resolve
 from common.generate import Generation, Sampler, generate
 from common.model import LlamaConfig, flops_per_token, n_params
 from stages import info, load
@@ -88,7 +87,7 @@ def model_summary(gguf) -> dict:
 
 def run_record(engine, stage, gen, text, jit_s, counters: dict | None = None) -> dict:
     """The figures every run and benchmark reports (see the measurement protocol); counters:
-    those of the timed region (common/app/counters.py), when it was counted."""
+    those of the timed region (app/measure/counters.py), when it was counted."""
     rec = {
         "stage": stage, "model": engine.gguf.path.split("/")[-1],
         "prompt_tokens": gen.prompt_tokens, "n_prompt": len(gen.prompt_tokens),
@@ -177,32 +176,13 @@ def write_record(rec: dict, out_dir=None) -> Path:
     return path
 
 
-def start_profile(engine):
-    """A per-op profiler for a run: the backend's own (CUDA events) if it has one."""
-    if hasattr(engine.backend, "start_profile"):
-        engine.backend.start_profile()
-        return engine.backend
-    return OpProfiler(engine).__enter__()
-
-
-def stop_profile(engine, profiler) -> list[dict]:
-    """[{op, calls, total_ms, avg_us, share}]; a GPU stage's rows are its kernels."""
-    if profiler is engine.backend:
-        engine.backend.stop_profile()
-        return [{"op": r["kernel"], **r} for r in engine.backend.profile_rows()]
-    profiler.__exit__(None, None, None)
-    return profiler.rows()
-
-
 def profile_run(engine, stage: str, prompt_tokens: int, n_predict: int) -> list[dict]:
-    """A separate, per-op profiled run (the timers slow it a little; figures come from measure)."""
+    """A separate, per-op profiled run (the timers slow it a little; figures come from measure):
+    the stage's own profiler's rows (common/profile.py)."""
     prompt = bench_prompt(engine.tokenizer, prompt_tokens)
-    profiler = start_profile(engine)
-    try:
+    with engine.backend.profiler(engine) as prof:
         generate(engine, prompt, n_predict, Sampler(), ignore_eos=True)
-    finally:
-        rows = stop_profile(engine, profiler)
-    return rows
+    return prof.rows()
 
 
 def too_slow_for(stage: str, params: int) -> bool:
@@ -305,10 +285,10 @@ def bench_stage(stage: str, model, prompt_tokens=None, n_predict=None, threads=N
 def measure_in_child(name: str, model, prompt_tokens: int, n_predict: int, threads: int | None = None,
                      out_dir=None, profile_n: int = 0, n_ctx: int | None = None) -> dict:
     """One measurement in a fresh process, so that its peak RSS, page faults and JIT warm-up are
-    that engine's alone: `python -m common bench` for a stage or variant, `... baseline` for
+    that engine's alone: `python -m app bench` for a stage or variant, `... baseline` for
     llama.cpp. The record is written to out_dir unless it is None; returned either way."""
     command = "baseline" if name == BASELINE else "bench"
-    cmd = [sys.executable, "-m", "common", command, "-m", str(model), "--prompt-tokens", str(prompt_tokens),
+    cmd = [sys.executable, "-m", "app", command, "-m", str(model), "--prompt-tokens", str(prompt_tokens),
            "-n", str(n_predict), "--json"]
     cmd += ["--stage", name] if command == "bench" else []
     cmd += ["--threads", str(threads)] if threads else []

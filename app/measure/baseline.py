@@ -1,7 +1,7 @@
 """llama.cpp on the same file, the same prompt token ids and the same thread count: the row
 every stage is compared with. Needs the optional llama-cpp-python (`make baseline`).
 
-Timed the way common/app/bench.py times a stage: TTFT = evaluating the prompt + the first
+Timed the way app/measure/bench.py times a stage: TTFT = evaluating the prompt + the first
 greedy pick; decode = one token evaluated + picked, per token after the first.
 """
 
@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 
-from common.app.bench import add_context, bench_prompt, model_summary, write_record
-from common.app.counters import Counters
-from common.app.machine import rusage
-from common.app.models import DEFAULT_MODEL, resolve
+from app.measure.bench import add_context, bench_prompt, model_summary, write_record
+from app.measure.counters import Counters
+from app.measure.machine import rusage
+from app.models import DEFAULT_MODEL, resolve
 from common.gguf import GGUFFile
 from common.tokenizer import Tokenizer
 from stages.registry import REPORT_PROMPT_TOKENS, Tokens
@@ -36,7 +36,7 @@ def llama_cpp_version() -> str | None:
 
 
 def measure_llama_cpp(model_path, prompt_ids, n_predict: int, threads: int = 1, n_ctx: int = 2048) -> dict:
-    """A record with the same timing fields as a stage's (see common/app/bench.run_record)."""
+    """A record with the same timing fields as a stage's (see app/bench.run_record)."""
     try:
         import llama_cpp
     except ImportError:

@@ -1,4 +1,4 @@
-# Source of notebooks/07_journey.ipynb (build with: python notebooks/build.py).
+# Source of notebooks/14_journey.ipynb (build with: python notebooks/build.py).
 
 # %% [markdown]
 # # 07 · The journey: every stage, side by side
@@ -19,8 +19,8 @@ nb.show_table(["#", "stage", "the lesson", "builds on", "KV cache", "chapter"],
                 info(s).chapter) for s in STAGES])
 
 # %%
-from common.app import charts
-from common.app.models import DEFAULT_MODEL
+from app.models import DEFAULT_MODEL
+from app.report import charts
 
 findings = nb.Findings()
 rec = nb.recorded()
@@ -103,7 +103,7 @@ nb.ops_chart({f"{s} (live)": rows_ for s, rows_ in profiles.items()}, "Per-op sh
 # ## Every stage on the roofline
 
 # %%
-from common.app.charts import roofline_points
+from app.report.charts import roofline_points
 
 ceil = nb.ceilings()
 points = [(f"{r['stage']} {kind}", x, y) for r in live for kind, x, y in roofline_points(r) if kind == "decode"]
@@ -116,11 +116,11 @@ findings["closest to the roof"] = (f"{best[0]}: {best[2]:.1f} GFLOP/s at {best[1
 # ## The article beside this machine
 #
 # Every claim of the article, its figure, and this machine's from the records `make report`
-# wrote, with a verdict and the reason (`python -m common lessons`; `make report` writes it to
+# wrote, with a verdict and the reason (`python -m app lessons`; `make report` writes it to
 # `profiles/lessons.md`). The live journey above gives the end-to-end figure again.
 
 # %%
-from common.app import lessons
+from app.report import lessons
 
 sources = lessons.find_sources()
 ledger_rows = lessons.ledger(sources)

@@ -1,7 +1,7 @@
-"""`python -m common perplexity`: how well a stage predicts a text, by llama.cpp's method.
+"""`python -m app perplexity`: how well a stage predicts a text, by llama.cpp's method.
 
-    python -m common perplexity --stage kv_cache -m MODEL -f TEXT [--ctx 512] [--chunks N] [--json]
-    python -m common perplexity --compare [-m MODEL] [-f TEXT] [--out DIR]
+    python -m app perplexity --stage kv_cache -m MODEL -f TEXT [--ctx 512] [--chunks N] [--json]
+    python -m app perplexity --compare [-m MODEL] [-f TEXT] [--out DIR]
 
 The method of llama.cpp's `llama-perplexity` (tools/perplexity/perplexity.cpp), step for step:
 the whole text is tokenized once (with BOS in front where the vocabulary adds one); it is cut
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common.app.bench import add_context, model_summary, results_dir
-from common.app.models import DEFAULT_MODEL, MODELS_DIR, resolve
+from app.measure.bench import add_context, model_summary, results_dir
+from app.models import DEFAULT_MODEL, MODELS_DIR, resolve
 from common.gguf import BLOCK_SIZES, GGMLType, GGUFError, GGUFFile, GGUFWriter
 from common.quants import QUANTIZE_TYPES, dequantize_tensor, quantize
 from common.tokenizer import Tokenizer

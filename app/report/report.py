@@ -1,12 +1,12 @@
 """`make report`: measure every stage this machine can run, then redraw the charts, the README
 table, the generated pages and the lessons ledger from the JSON records.
 
-    python -m common report [-m MODEL] [--stages naive,simd] [--draw-only] [--no-baseline]
-    python -m common report --article          the article's workload, every stage (see below)
-    python -m common report --perplexity       also the perplexity comparison (perplexity.json)
+    python -m app report [-m MODEL] [--stages naive,simd] [--draw-only] [--no-baseline]
+    python -m app report --article          the article's workload, every stage (see below)
+    python -m app report --perplexity       also the perplexity comparison (perplexity.json)
 
 Each stage is measured in its own process (clean peak RSS, its own JIT warm-up) through the
-one harness (common/app/bench.py), with the registry's settings (stages/registry.py): the same
+one harness (app/measure/bench.py), with the registry's settings (stages/registry.py): the same
 prompt length for every stage so TTFT compares like with like, and fewer generated tokens for
 the stages that recompute the whole text per token (the chart says so). The machine's bandwidth
 and peak FLOP/s are measured once (profiles/results/<machine>/machine.json) for the roofline.
@@ -23,17 +23,17 @@ a 512-token prompt, every stage, into profiles/results/<machine>/<model>-prompt5
 charts and results.md under profiles/<model>-prompt512/. The stages without a KV cache generate
 2 tokens (a prompt pass and one decode step, each a 512-token pass), the others 16; naive and
 tiling would take tens of minutes per pass there, so they run a few layers and extrapolate
-(common/app/bench.py says how; their records and rows say so). Expect it to take a while, most
+(app/measure/bench.py says how; their records and rows say so). Expect it to take a while, most
 of it naive's and tiling's few layers of 512-token passes.
 
-`--perplexity` adds the comparison of common/app/perplexity.py (`python -m common perplexity
+`--perplexity` adds the comparison of app/measure/perplexity.py (`python -m app perplexity
 --compare`) on the default model: every float stage, int8, and the model requantized to four
 types, on the committed text (minutes per row).
 
-Every drawing also writes profiles/lessons.md and lessons.png (common/app/lessons.py): each of
+Every drawing also writes profiles/lessons.md and lessons.png (app/report/lessons.py): each of
 the article's claims beside this machine's records.
 
-Every record says which code it measured (common/app/provenance.py); the report warns when the
+Every record says which code it measured (app/measure/provenance.py); the report warns when the
 records it draws were measured with other code than the code checked out now.
 """
 
@@ -49,13 +49,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common.app import charts, lessons, perplexity, roofline
-from common.app.baseline import llama_cpp_version
-from common.app.bench import BASELINE, measure_in_child, results_dir
-from common.app.machine import machine_info
-from common.app.models import DEFAULT_MODEL, MODELS, FetchError, resolve
-from common.app.pages import redraw_pages
-from common.app.provenance import provenance, stale
+from app.measure import perplexity, roofline
+from app.measure.baseline import llama_cpp_version
+from app.measure.bench import BASELINE, measure_in_child, results_dir
+from app.measure.machine import machine_info
+from app.measure.provenance import provenance, stale
+from app.models import DEFAULT_MODEL, MODELS, FetchError, resolve
+from app.report import charts, lessons
+from app.report.pages import redraw_pages
 from common.cpu import physical_cores
 from common.gguf import GGUFFile
 from common.model import LlamaConfig, n_params

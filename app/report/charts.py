@@ -18,13 +18,15 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.app.provenance import describe
-from stages import REGISTRY, STAGES
+from app.measure.provenance import describe
+from stages import REGISTRY, STAGES, op_owners
 
 TABLE_BEGIN = "<!-- results-table:begin -->"
 TABLE_END = "<!-- results-table:end -->"
 STAGES_BEGIN = "<!-- stages-table:begin -->"
 STAGES_END = "<!-- stages-table:end -->"
+OPS_BEGIN = "<!-- ops-table:begin -->"
+OPS_END = "<!-- ops-table:end -->"
 
 
 def _pyplot():
@@ -119,7 +121,7 @@ def _title(res: Results) -> str:
 
 
 def _code(res: Results) -> str:
-    """Which code the records measured (common/app/provenance.py), for a chart's caption."""
+    """Which code the records measured (app/measure/provenance.py), for a chart's caption."""
     return f"measured with {describe(res.stages + res.baselines)}"
 
 
@@ -212,7 +214,7 @@ OP_COLORS = ["#2f6db3", "#5b9bd5", "#9dc3e6", "#ed7d31", "#70ad47", "#ffc000", "
 
 
 def op_shares(profile_rows: list[dict]) -> dict:
-    """{group: share} from a profile's rows (see common/app/profile.py); shares sum to 1."""
+    """{group: share} from a profile's rows (see common/profile.py); shares sum to 1."""
     total = sum(r["total_ms"] for r in profile_rows) or 1.0
     out = {g: 0.0 for g, _ in OP_GROUPS}
     out["other ops"] = 0.0
@@ -270,7 +272,7 @@ def ops_markdown(res: Results) -> str:
 def roofline_points(rec: dict) -> list[tuple]:
     """[(kind, intensity FLOP/byte, achieved GFLOP/s)] for a stage's prefill and decode. The
     bytes are the weights read once plus the KV cache, or, where the record carries the traffic
-    its loop order causes (`traffic`, modelled by common/app/roofline.py), that instead."""
+    its loop order causes (`traffic`, modelled by app/measure/roofline.py), that instead."""
     w = rec.get("weights_stream_bytes") or 0
     f1 = rec.get("flops_per_token")
     if not (w and f1):
@@ -388,6 +390,20 @@ def stages_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def ops_table() -> str:
+    """Which stage defines which op of the surface (common/backend.py), read from the classes
+    (stages.op_owners): **defines** where a stage overrides it, else the stage it inherits it
+    from; `base` is the surface's own default (a composition of the primitives, or a hook's
+    no-op)."""
+    owners = op_owners()
+    lines = ["| op | " + " | ".join(f"{REGISTRY[s].number} {s}" for s in STAGES) + " |",
+             "|---|" + "---|" * len(STAGES)]
+    for op, row in owners.items():
+        cells = ["**defines**" if owner == s else (owner or "base") for s, owner in row.items()]
+        lines.append(f"| `{op}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def replace_block(text: str, begin: str, end: str, content: str) -> str | None:
     """text with what stands between the two markers replaced; None if the markers are missing."""
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
@@ -403,6 +419,7 @@ def update_readme(readme: Path, table: str, caption: str = "") -> bool:
     if text is None:
         return False
     text = replace_block(text, STAGES_BEGIN, STAGES_END, stages_table()) or text
+    text = replace_block(text, OPS_BEGIN, OPS_END, ops_table()) or text
     readme.write_text(text)
     return True
 

@@ -1,12 +1,15 @@
-"""Command line: python -m common {run,bench,stages,report,baseline,inspect,model} ... (--help on each)."""
+"""Command line: python -m app {run,bench,stages,report,baseline,inspect,model} ... (--help on each)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from common.app import baseline, inspect_gguf, lessons, perplexity, report, run, serve
-from common.app.models import MODELS, FetchError, fetch, resolve
+from app import inspect_gguf, run
+from app.measure import baseline, perplexity
+from app.models import MODELS, FetchError, fetch, resolve
+from app.report import lessons, report
+from app.serve import server
 from common.generate import ContextError, ParameterError
 from common.gguf import GGUFError
 from common.tokenizer import TokenizerError
@@ -29,14 +32,14 @@ def _cmd_model(args):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m common",
+    p = argparse.ArgumentParser(prog="python -m app",
                                 description="A from-scratch llama inference engine, in stages.")
     run.one_line_errors(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run.add_commands(sub)
     report.add_commands(sub)
     baseline.add_commands(sub)
-    serve.add_commands(sub)
+    server.add_commands(sub)
     perplexity.add_commands(sub)
     lessons.add_commands(sub)
 

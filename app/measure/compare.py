@@ -1,7 +1,7 @@
 """Stages side by side with llama.cpp, measured in one run: the comparison behind
 profiles/bench/vs_llama_<model>.md (`python scripts/bench_vs_llama.py`).
 
-Every measurement is one record of the one harness (common/app/bench.py: `bench` or `baseline`
+Every measurement is one record of the one harness (app/measure/bench.py: `bench` or `baseline`
 in a fresh process), so a row here and a row of `make report` are the same kind of figure.
 On a shared machine single figures move by tens of percent from run to run, so the engines
 are measured in alternating rounds (forward, then backward, ...) and compared as ratios within
@@ -22,11 +22,11 @@ import statistics
 import sys
 import time
 
-from common.app import roofline
-from common.app.bench import BASELINE, measure_in_child
-from common.app.machine import machine_info
-from common.app.models import resolve
-from common.app.provenance import describe, provenance
+from app.measure import roofline
+from app.measure.bench import BASELINE, measure_in_child
+from app.measure.machine import machine_info
+from app.measure.provenance import describe, provenance
+from app.models import resolve
 from common.gguf import GGUFFile
 from common.model import LlamaConfig, n_params
 from stages import info
@@ -61,7 +61,7 @@ def compare(model, engines=DEFAULT_ENGINES, thread_counts=(1,), rounds: int = 3,
     log(f"warming numba's cache (not measured): {', '.join(e for e in engines if e != BASELINE)}")
     for e in dict.fromkeys(r["engine"] for r in rows if r["engine"] != BASELINE):
         measure_in_child(e, path, 4, 2, threads=max(thread_counts), n_ctx=N_CTX)
-    log("measuring read bandwidth (common/app/roofline.py) ...")
+    log("measuring read bandwidth (app/measure/roofline.py) ...")
     ceilings = roofline.measure(threads=max(thread_counts))
     runs = {r["row"]: [] for r in rows}
     for k in range(rounds):
@@ -142,7 +142,7 @@ def page(record: dict, source: str) -> str:
     lines = [
         f"# {record['model']}: the stages beside llama.cpp",
         "",
-        f"_Generated from `{source}` by `python -m common report` (or the script that measured it); "
+        f"_Generated from `{source}` by `python -m app report` (or the script that measured it); "
         f"do not edit. Measured on {m.get('cpu', '?')} ({m.get('physical_cores', '?')} cores) with "
         f"{describe([{'row': 'all', 'provenance': record.get('provenance')}])}, {record.get('time', '?')}._",
         "",

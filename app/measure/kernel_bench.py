@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 
-from common.app.machine import machine_info
-from common.app.models import resolve
-from common.app.provenance import describe, provenance
+from app.measure.machine import machine_info
+from app.measure.provenance import describe, provenance
+from app.models import resolve
 from common.gguf import GGUFFile
 from stages import backend_class
 

@@ -1,4 +1,4 @@
-"""`python -m common serve`: an OpenAI-compatible HTTP server over continuous batching.
+"""`python -m app serve`: an OpenAI-compatible HTTP server over continuous batching.
 
     POST /v1/completions         prompt tokenized as `run -p` does (BOS where the vocabulary
                                  adds one, no template)
@@ -19,7 +19,7 @@ malformed JSON, a field of the wrong type or an unknown one, a prompt that does 
 context, and an unknown model. A full wait queue is a 503 with `Retry-After`. A client that
 disconnects, mid-stream or while waiting, is cancelled: its pages go back at the next step.
 
-The engine loop (common/app/scheduler.py) runs in the main thread, which loaded and warmed
+The engine loop (app/serve/scheduler.py) runs in the main thread, which loaded and warmed
 the engine (Scheduler.run says why that matters); the HTTP side is one asyncio loop (FastAPI
 on uvicorn) in a second thread, which hands each request's tokens from the engine thread to
 its response through an asyncio queue.
@@ -34,8 +34,8 @@ import threading
 import time
 import uuid
 
-from common.app.models import DEFAULT_MODEL, resolve
-from common.app.scheduler import QueueFull, Request, Scheduler
+from app.models import DEFAULT_MODEL, resolve
+from app.serve.scheduler import QueueFull, Request, Scheduler
 from common.generate import ContextError, ParameterError, SamplingParams
 from common.tokenizer import TokenizerError
 from stages import StageError, info, runnable_stages
@@ -440,7 +440,7 @@ SERVING_STAGE = "threads"
 def serving_stage(name: str) -> str:
     """The stage to serve with: as named, or for 'fastest' the threads stage where it runs
     (else the last CPU stage with a KV cache this machine can run)."""
-    from common.app.run import chosen_stage
+    from app.run import chosen_stage
     if name != "fastest":
         return chosen_stage(name)
     cpu = [s for s in runnable_stages() if info(s).kv_cache and not info(s).gpu]
@@ -483,7 +483,7 @@ def cmd_serve(args):
 
 
 def add_commands(sub):
-    from common.app.run import add_model_args
+    from app.run import add_model_args
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, paged KV cache)",
                        description="Serve the model over HTTP with OpenAI's API: /v1/completions, "
                                    "/v1/chat/completions (both with stream), /v1/models, /health. Requests "

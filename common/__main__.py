@@ -1,3 +1,0 @@
-from common.app.cli import main
-
-raise SystemExit(main())
