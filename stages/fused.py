@@ -9,13 +9,13 @@ calls each matmul, norm and attention, and each parallel kernel forks numba's po
   `prange` with one iteration per thread, which stays inside for every op of every layer and
   meets the others at a spin barrier between dependent ops (stages/kernels/sync.py). Per token:
   one fork/join for the layers and one for the output head, instead of one per op; the count
-  of barriers is OPS_PER_LAYER per layer (stages/kernels/fused.py lists the ops). The work of
+  of barriers is OPS_PER_LAYER per layer (stages/kernels/layer_stack.py lists the ops). The work of
   an op is handed out in items from an atomic counter, so a thread slowed by another process
   takes fewer.
 * Fused projections: Wq, Wk, Wv are one list of row chunks over one rounded activation, RoPE
   and the KV cache write on the way out; W_gate and W_up in one pass with silu(gate) * up
   applied as they finish; residual adds folded into Wo and W_down.
-* Integer tiles (stages/kernels/fused_ir.py): each block's integer sum is scaled into a float
+* Integer tiles (stages/kernels/int_tiles.py): each block's integer sum is scaled into a float
   vector accumulator, one horizontal add per row (the int8 stage adds per block); prefill runs
   them register-blocked, 4 weight rows x 4 prompt rows (1 x 8 for the K-quants), so each
   loaded block serves several products: an integer GEMM where int8 multiplied floats.
@@ -43,7 +43,7 @@ import numba
 import numpy as np
 
 from stages.int8 import LOGIT_TOLERANCE, Int8Backend
-from stages.kernels.fused import OPS_PER_LAYER, matmul_rows, run_layers
+from stages.kernels.layer_stack import OPS_PER_LAYER, matmul_rows, run_layers
 from stages.kernels.sync import new_sync
 from stages.kernels.toolkit import F16_TO_F32
 from stages.quantized import QuantMatrix

@@ -16,9 +16,9 @@ from common import reference
 from common.gguf import GGMLType, GGUFFile
 from stages import load
 from stages.int8 import LOGIT_TOLERANCE as INT8_TOLERANCE
-from stages.kernels import fused as F
-from stages.kernels import fused_ir
-from stages.kernels.int8 import ACTIVATION_BLOCK, dequantize_q8, matvec_int8_auto, quantize_q8
+from stages.kernels import int_tiles
+from stages.kernels import layer_stack as F
+from stages.kernels.int_dot import ACTIVATION_BLOCK, dequantize_q8, matvec_int8_auto, quantize_q8
 from stages.kernels.sync import new_sync
 from stages.kernels.toolkit import F16_TO_F32
 from tests.test_int8 import activations
@@ -111,7 +111,7 @@ def test_float_weights_are_multiplied_in_float():
         np.testing.assert_allclose(_matmul(x, raw, ggml_type, 1), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(fused_ir.ISA is None, reason="the tiles are what the loops are compared with: " + NO_TILES)
+@pytest.mark.skipif(int_tiles.ISA is None, reason="the tiles are what the loops are compared with: " + NO_TILES)
 def test_the_loops_fallback_equals_the_tiles():
     """Where a CPU has no AVX2 the stage runs the int8 stage's loops instead of the tiles
     (_chunk_loops): the same products."""
@@ -127,8 +127,8 @@ def test_the_loops_fallback_equals_the_tiles():
 
 def _tile_runner(kind):
     """A fresh 1 x 1 tile and a fresh rows kernel of one type, compiled now (so with the ISA
-    fused_ir holds now), as one jitted function."""
-    tile, rows = fused_ir._tile(kind, 1, 1), fused_ir._rows(kind)
+    int_tiles holds now), as one jitted function."""
+    tile, rows = int_tiles._tile(kind, 1, 1), int_tiles._rows(kind)
 
     @numba.njit
     def run(w, rb, nb, P, out):
@@ -139,8 +139,8 @@ def _tile_runner(kind):
     return run
 
 
-@pytest.mark.skipif(fused_ir.ISA != "vnni", reason="the AVX2 form is compared with the VNNI one here; this CPU "
-                    + ("has no AVX2" if fused_ir.ISA is None else "runs the AVX2 form itself"))
+@pytest.mark.skipif(int_tiles.ISA != "vnni", reason="the AVX2 form is compared with the VNNI one here; this CPU "
+                    + ("has no AVX2" if int_tiles.ISA is None else "runs the AVX2 form itself"))
 def test_the_avx2_form_on_a_vnni_cpu(monkeypatch):
     """CPUs with AVX2 but no VNNI take vpmaddubsw + vpmaddwd for the byte products: compiled here
     in that form too, the same integer sums (the same bits) and no vpdpbusd in the code."""
@@ -148,17 +148,17 @@ def test_the_avx2_form_on_a_vnni_cpu(monkeypatch):
         raw, K, rng = _weights(ggml_type, 5, 80 + int(ggml_type))
         x = activations(rng, 2, K)
         P32, PK = packs_of(x, K)
-        P = PK if int(ggml_type) in fused_ir.TYPES_K else P32
-        nb = raw.shape[1] // fused_ir.BLOCK_BYTES[int(ggml_type)]
+        P = PK if int(ggml_type) in int_tiles.TYPES_K else P32
+        nb = raw.shape[1] // int_tiles.BLOCK_BYTES[int(ggml_type)]
         results = []
         for isa in ("vnni", "avx2"):
-            monkeypatch.setattr(fused_ir, "ISA", isa)
+            monkeypatch.setattr(int_tiles, "ISA", isa)
             run = _tile_runner(int(ggml_type))
             out = np.zeros((2, 5), F32)
             run(raw.reshape(-1), raw.shape[1], nb, P, out)
             results.append(out)
             asm = "\n".join(run.inspect_asm().values())
-            assert ("vpdpbusd" in asm) == (isa == "vnni" and int(ggml_type) in fused_ir.TYPES_32), ggml_type.name
+            assert ("vpdpbusd" in asm) == (isa == "vnni" and int(ggml_type) in int_tiles.TYPES_32), ggml_type.name
         assert np.array_equal(results[0], results[1]), ggml_type.name
 
 

@@ -22,8 +22,8 @@ from common import reference
 from common.gguf import GGMLType, GGUFFile
 from stages import load
 from stages.int8 import LOGIT_TOLERANCE
-from stages.kernels import int8 as int8_kernels
-from stages.kernels.int8 import (
+from stages.kernels import int_dot as int8_kernels
+from stages.kernels.int_dot import (
     ACTIVATION_BLOCK,
     ISA,
     dequantize_q8,
@@ -173,7 +173,7 @@ def _named_rows(ggml_type):
     fresh dispatcher (compiled with int8_kernels.ISA as it is when first called)."""
     from numba import njit
 
-    from stages.kernels.int8 import _dot_q4_k_named, _dot_q4_x_named, _dot_q6_k_named, _dot_q8_0_named
+    from stages.kernels.int_dot import _dot_q4_k_named, _dot_q4_x_named, _dot_q6_k_named, _dot_q8_0_named
 
     def q4_0(row, a, da, sa, sums, f16):
         return _dot_q4_x_named(row, a, da, sa, sums, f16, 18, 8)
@@ -267,7 +267,7 @@ def _row_kernels():
     seconds; the parallel kernel holds every type and takes half a minute)."""
     from numba import njit
 
-    from stages.kernels.int8 import _dot_q4_k, _dot_q4_x
+    from stages.kernels.int_dot import _dot_q4_k, _dot_q4_x
 
     @njit
     def q4_1(a, da, sa, sums, w, f16):

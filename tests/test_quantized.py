@@ -18,7 +18,7 @@ from common import quants as Q
 from common import reference
 from common.gguf import BLOCK_SIZES, GGMLType, GGUFFile, GGUFWriter, ValueType
 from stages import load
-from stages.kernels.quantized import CPU_KERNEL_TYPES, MATVEC, matvec_rows
+from stages.kernels.dequant_dot import CPU_KERNEL_TYPES, MATVEC, matvec_rows
 from stages.kernels.toolkit import F16_TO_F32
 from stages.quantized import QuantizedBackend, QuantMatrix
 from tests.util import tensor_from_raw

@@ -17,8 +17,8 @@ import pytest
 
 from common.gguf import GGMLType
 from stages import load
-from stages.kernels.quantized import CPU_KERNEL_TYPES, MATVEC, matvec_rows
-from stages.kernels.threads import attention_parallel, matvec_parallel, prefill_parallel
+from stages.kernels.dequant_dot import CPU_KERNEL_TYPES, MATVEC, matvec_rows
+from stages.kernels.parallel import attention_parallel, matvec_parallel, prefill_parallel
 from stages.kernels.toolkit import F16_TO_F32
 from stages.quantized import PREFILL_ROWS, QuantizedBackend
 from stages.threads import ThreadsBackend, default_threads

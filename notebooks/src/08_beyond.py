@@ -58,7 +58,7 @@ nb.md(f"Here {max(bw)} threads read memory **{gain:.2f}x** as fast as one, and c
 if missing["threads"]:
     nb.md(f"_Skipped: {missing['threads']}._")
 else:
-    import stages.kernels.threads as tk
+    import stages.kernels.parallel as tk
     import stages.threads as st
     nb.show_source(st.ThreadsBackend.matmul, st.ThreadsBackend.attention)
     nb.show_source(tk.matvec_parallel)
@@ -173,7 +173,7 @@ if missing["int8"]:
     nb.md(f"_Skipped: {missing['int8']}._")
 else:
     import stages.int8 as si
-    import stages.kernels.int8 as ik
+    import stages.kernels.int_dot as ik
     nb.show_source(si.Int8Backend.matmul)
     x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
     x[0, 5] = 9.0                                            # one large channel in the first block
@@ -205,7 +205,7 @@ if not missing["int8"]:
     from numba import njit
 
     from common.gguf import GGMLType
-    from stages.kernels.int8 import _dot_q4_k, _dot_q4_x
+    from stages.kernels.int_dot import _dot_q4_k, _dot_q4_x
     from stages.kernels.toolkit import F16_TO_F32
 
     @njit

@@ -142,7 +142,7 @@ if not missing["fused"]:
 # %%
 if not missing["fused"]:
     import stages.fused as sf
-    import stages.kernels.fused as kf
+    import stages.kernels.layer_stack as kf
     import stages.kernels.sync as ks
     nb.show_source(sf.FusedBackend.forward_layers)
     nb.show_source(ks.barrier)

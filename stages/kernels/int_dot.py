@@ -78,9 +78,9 @@ from numba.core import cgutils, config, errors
 from numba.extending import intrinsic
 
 from common.cpu import simd_features
-from stages.kernels import quantized as quantized_kernels
+from stages.kernels import dequant_dot as quantized_kernels
 from stages.kernels import toolkit
-from stages.kernels.quantized import _k4_scale_min, _q6_values
+from stages.kernels.dequant_dot import _k4_scale_min, _q6_values
 from stages.kernels.toolkit import FASTMATH, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, read_f16
 
 # numba computes integers in 64 bits unless every step is cast back: these are the casts.
@@ -337,7 +337,7 @@ def _dot_row(kind, row, a, da, sa, sums, f16, buf):
 def matvec_int8_auto(a, da, sa, sums, w, kind, f16, n_chunks):
     """Decode: y [N] = W x with x given as one quantized activation row (a int8 [K] and its
     block fields da, sa, sums from quantize_q8). W's rows in n_chunks contiguous ranges, one
-    per iteration of the parallel loop, as in stages/kernels/threads.py."""
+    per iteration of the parallel loop, as in stages/kernels/parallel.py."""
     N = w.shape[0]
     K = a.shape[0]
     y = np.empty(N, dtype=np.float32)
@@ -458,7 +458,7 @@ class _IR:
 
 def _need_isa():
     if ISA is None:
-        raise errors.TypingError("the named-instruction kernels need AVX2 (see stages/kernels/int8.py, named_isa)")
+        raise errors.TypingError("the named-instruction kernels need AVX2 (see stages/kernels/int_dot.py, named_isa)")
 
 
 @intrinsic

@@ -24,7 +24,7 @@ after each (9 per layer; the region's fork and join once per call):
 
 Weights: `blob` is the mapped file (uint8), `mats` [n_layer * 7, 4] the byte offset, rows, bytes
 per row and ggml type of wq wk wv wo gate up down per layer. Integer types run the tiles of
-stages/kernels/fused_ir.py (where the CPU has AVX2; else the int8 stage's loops, row by row);
+stages/kernels/int_tiles.py (where the CPU has AVX2; else the int8 stage's loops, row by row);
 float types (F32/F16/BF16) are decoded a row at a time and multiplied in float.
 
 Nothing here depends on the number of threads but who computes what: every value is computed
@@ -39,10 +39,10 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from stages.kernels import fused_ir, int8, quantized, sync, toolkit
-from stages.kernels import fused_ir as T
-from stages.kernels.int8 import _dot_row, f16_round
-from stages.kernels.quantized import dequantize_rows
+from stages.kernels import dequant_dot, int_dot, int_tiles, sync, toolkit
+from stages.kernels import int_tiles as T
+from stages.kernels.dequant_dot import dequantize_rows
+from stages.kernels.int_dot import _dot_row, f16_round
 from stages.kernels.sync import barrier, next_item
 from stages.kernels.toolkit import BF16, F16, F32, FASTMATH, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
@@ -127,7 +127,7 @@ def _is_k(kind):
 
 @njit(cache=True, inline="always")
 def _rows(kind, w, off, rb, nb, P32, PK, m, out, n, n_rows):
-    """n_rows consecutive weight rows times activation row m (fused_ir's rows_<type>)."""
+    """n_rows consecutive weight rows times activation row m (int_tiles' rows_<type>)."""
     if kind == Q4_1:
         T.q4_1_rows(w, off, rb, nb, P32[0], P32[1], P32[2], P32[3], m, out, n, n_rows)
     elif kind == Q4_K:
@@ -148,7 +148,7 @@ def _rows(kind, w, off, rb, nb, P32, PK, m, out, n, n_rows):
 
 @njit(cache=True, inline="always")
 def _tile_prefill(kind, w, off, rb, nb, P32, PK, m, out, n):
-    """fused_ir's PREFILL_32 tile (4 weight rows x 4 activation rows) for the 32-value types,
+    """int_tiles' PREFILL_32 tile (4 weight rows x 4 activation rows) for the 32-value types,
     PREFILL_K (1 x 8) for the K-quants."""
     if kind == Q4_1:
         T.q4_1_4x4(w, off, rb, nb, P32[0], P32[1], P32[2], P32[3], m, out, n)
@@ -190,7 +190,7 @@ def block_bytes(kind):
 @njit(cache=True, inline="always")
 def _chunk_tiles(kind, w, off, rb, r0, r1, M, P32, PK, out, col, f16):
     """out[m, col + r] = (row r of the matrix at w[off:]) . (activation row m), r0 <= r < r1:
-    prefill in R x C tiles (fused_ir's PREFILL_32 / PREFILL_K), decode and the edges a row at a
+    prefill in R x C tiles (int_tiles' PREFILL_32 / PREFILL_K), decode and the edges a row at a
     time. (Decode reads one row after another: 4 rows interleaved, as a 4 x 1 tile would read
     them, streamed from memory at less than half the rate on the machine measured: a row is a
     short stream, and the prefetchers lose track of four at once.)"""
@@ -226,7 +226,7 @@ def _chunk_loops(kind, w, off, rb, r0, r1, M, P32, PK, out, col, f16):
                 out[m, col + r] = _dot_row(kind, row, P32[0][m, :K], P32[1][m], P32[2][m], P32[3][m], f16, buf)
 
 
-_chunk_int = _chunk_tiles if fused_ir.ISA else _chunk_loops
+_chunk_int = _chunk_tiles if int_tiles.ISA else _chunk_loops
 
 
 @njit(cache=True)
@@ -648,4 +648,4 @@ __all__ = ["run_layers", "matmul_rows", "quantize_row_32", "quantize_row_k", "ne
            "CHUNK", "OPS_PER_LAYER"]
 
 toolkit.guard_cache(__name__, [run_layers, matmul_rows, _worker, _head_worker, _matmul_op, _chunk_float, new_packs],
-                    [fused_ir.__file__, int8.__file__, quantized.__file__, sync.__file__, toolkit.__file__])
+                    [int_tiles.__file__, int_dot.__file__, dequant_dot.__file__, sync.__file__, toolkit.__file__])

@@ -9,7 +9,7 @@ A tile multiplies R weight rows by C quantized activation rows over the whole ro
         for the memory prefetchers, and a software prefetch PREFETCH_BYTES ahead)
 
 w is the whole mapped file (uint8), w_off the byte offset of the first of the R rows; the
-activation rows m0 .. m0+C-1 are llama.cpp's 8-bit blocks (stages/kernels/fused.py packs them):
+activation rows m0 .. m0+C-1 are llama.cpp's 8-bit blocks (stages/kernels/layer_stack.py packs them):
 
     32-value types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0):  q int8 [M, K], d float32 [M, K/32],
                                                 s float32 [M, K/32] (Q8_1's d * sum q), sums int32 [M, K/32]
@@ -34,7 +34,7 @@ AVX2's 16 spill some).
 Unsigned x signed products: the weights' unsigned values (nibbles 0..15, five bits 0..31, Q6_K's
 0..63) are the unsigned operand; Q8_0's signed weights give |w| and move their sign onto the
 activation, as llama.cpp does. No 16-bit sum saturates: |2 x 128 x 127| < 2^15.
-Needs AVX2 + F16C (stages/kernels/int8.py's ISA); 'vnni' uses vpdpbusd, 'avx2' vpmaddubsw +
+Needs AVX2 + F16C (stages/kernels/int_dot.py's ISA); 'vnni' uses vpdpbusd, 'avx2' vpmaddubsw +
 vpmaddwd for the byte products. The scalar reference these are tested against is the int8
 stage's loops (tests/test_fused.py).
 """
@@ -46,7 +46,7 @@ from numba import types
 from numba.core import cgutils, errors
 from numba.extending import intrinsic
 
-from stages.kernels import int8 as int8_kernels
+from stages.kernels import int_dot as int8_kernels
 from stages.kernels.toolkit import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
 ISA = int8_kernels.ISA
@@ -66,7 +66,7 @@ _PREFETCH = "llvm.prefetch.p0" if str(_I8.as_pointer()) == "ptr" else "llvm.pref
 
 def _need_isa():
     if ISA is None:
-        raise errors.TypingError("the fused tiles need AVX2 + F16C (see stages/kernels/int8.py, named_isa)")
+        raise errors.TypingError("the fused tiles need AVX2 + F16C (see stages/kernels/int_dot.py, named_isa)")
 
 
 class _Emit:
