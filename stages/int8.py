@@ -43,14 +43,8 @@ from __future__ import annotations
 import numpy as np
 
 from common.gguf import GGMLType
-from stages.kernels.int_dot import (
-    ACTIVATION_BLOCK,
-    add_block_offsets,
-    dequantize_q8,
-    matvec_int8,
-    matvec_int8_auto,
-    quantize_q8,
-)
+from stages.kernels.int_dot import add_block_offsets, matvec_int8, matvec_int8_auto
+from stages.kernels.q8 import ACTIVATION_BLOCK, dequantize_q8, quantize_q8
 from stages.kernels.toolkit import F16_TO_F32
 from stages.quantized import QuantMatrix
 from stages.threads import ThreadsBackend

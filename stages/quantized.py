@@ -68,6 +68,10 @@ class QuantMatrix:
         self.shape = (int(tensor.shape[0]), int(tensor.shape[1]))
         self.nbytes = int(data.nbytes)
 
+    @property
+    def row_bytes(self) -> int:
+        return int(self.data.shape[1])
+
 
 class QuantizedBackend(KVCacheBackend):
     name = "quantized"

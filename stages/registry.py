@@ -94,6 +94,9 @@ REGISTRY = {s.name: s for s in (
     Stage("fused", 9, "stages.fused", "FusedBackend", "int8",
           "one compiled call per token: no Python or fork/join between the ops",
           kv_cache=True, chapter="09_fused", parallel=True),
+    Stage("repack", 10, "stages.repack", "RepackBackend", "fused",
+          "lay the weights out as the vector unit reads them: 8 rows interleaved, one lane each",
+          kv_cache=True, chapter="10_repack", parallel=True),
 )}
 
 STAGES = [s.name for s in sorted(REGISTRY.values(), key=lambda s: s.number) if s.variant_of is None]

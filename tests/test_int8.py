@@ -23,16 +23,11 @@ from common.gguf import GGMLType, GGUFFile
 from stages import load
 from stages.int8 import LOGIT_TOLERANCE
 from stages.kernels import int_dot as int8_kernels
-from stages.kernels.int_dot import (
-    ACTIVATION_BLOCK,
-    ISA,
-    dequantize_q8,
-    f16_round,
-    matvec_int8,
-    matvec_int8_auto,
-    quantize_q8,
-)
+from stages.kernels import vector_ir
+from stages.kernels.int_dot import matvec_int8, matvec_int8_auto
+from stages.kernels.q8 import ACTIVATION_BLOCK, dequantize_q8, f16_round, quantize_q8
 from stages.kernels.toolkit import F16_TO_F32
+from stages.kernels.vector_ir import ISA
 from tests.test_quantized import MIXED_TYPES, n_cols_for, random_blocks, stage_logits, write_tiny_llama
 
 F32 = np.float32
@@ -170,7 +165,7 @@ def test_named_kernels_equal_the_loops(ggml_type):
 
 def _named_rows(ggml_type):
     """matvec_int8_named's loop without prange, for one type (compiles in a few seconds), as a
-    fresh dispatcher (compiled with int8_kernels.ISA as it is when first called)."""
+    fresh dispatcher (compiled with vector_ir.ISA as it is when first called)."""
     from numba import njit
 
     from stages.kernels.int_dot import _dot_q4_k_named, _dot_q4_x_named, _dot_q6_k_named, _dot_q8_0_named
@@ -225,9 +220,9 @@ def test_named_instructions_in_the_assembly(ggml_type):
                     + ("has no AVX2" if ISA is None else "runs the AVX2 form itself (the tests above)"))
 def test_the_avx2_form_on_a_vnni_cpu(monkeypatch):
     """CPUs with AVX2 but no VNNI get vpmaddubsw + vpmaddwd instead of vpdpbusd (the helpers read
-    int8_kernels.ISA as they are compiled): compiled here in that form too, the same results
+    vector_ir.ISA as they are compiled): compiled here in that form too, the same results
     and no vpdpbusd."""
-    monkeypatch.setattr(int8_kernels, "ISA", "avx2")
+    monkeypatch.setattr(vector_ir, "ISA", "avx2")
     for ggml_type in NAMED_TYPES:
         args, scale = _random_case(ggml_type, 9, 30 + int(ggml_type))
         rows = _named_rows(ggml_type)

@@ -101,7 +101,7 @@ def test_q8_rounding_is_the_int8_stages_blocks(kind):
     the same blocks, so the same values d * q (exact in float64; q8_k's float32 d times q may
     need more than float32's 24 bits, which the stage's prefill rounds), and for q8_1 the same
     s (float16 of d * sum q)."""
-    from stages.kernels.int_dot import dequantize_q8, quantize_q8
+    from stages.kernels.q8 import dequantize_q8, quantize_q8
     rng = np.random.default_rng(1)
     qk = 256 if kind == "q8_k" else 32
     x = _activations(rng, 4, 1024)
@@ -143,7 +143,7 @@ def test_q8_matmul_is_ggmls_dot_product():
         got = reference.matmul(g, x.astype(np.float64), "w", activations="q8")
         w = dequantize(raw, t, (5, 512)).astype(np.float64)
         if t == GGMLType.Q4_1:
-            from stages.kernels.int_dot import quantize_q8
+            from stages.kernels.q8 import quantize_q8
             q, d, s, _ = quantize_q8(x, 32)
             blocks = blocks_of(raw, t).reshape(5, 16)
             qw = np.stack([np.concatenate([b["qs"] & 15, b["qs"] >> 4]) for b in blocks.ravel()]).reshape(5, 16, 32)

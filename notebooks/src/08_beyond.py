@@ -174,11 +174,13 @@ if missing["int8"]:
 else:
     import stages.int8 as si
     import stages.kernels.int_dot as ik
+    import stages.kernels.q8 as q8
+    from stages.kernels.vector_ir import ISA
     nb.show_source(si.Int8Backend.matmul)
     x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
     x[0, 5] = 9.0                                            # one large channel in the first block
-    qx, dx, sx, sums = ik.quantize_q8(x, 32)
-    back = ik.dequantize_q8(qx, dx, 32)
+    qx, dx, sx, sums = q8.quantize_q8(x, 32)
+    back = q8.dequantize_q8(qx, dx, 32)
     print("first 8 values:      ", np.round(x[0, :8], 3))
     print("their int8:          ", qx[0, :8], " block scales d:", dx[0])
     print("and back, d * q:     ", np.round(back[0, :8], 3))
@@ -231,7 +233,7 @@ if not missing["int8"]:
             K = 512
             w = np.zeros((2, K // qk_ * size), np.uint8)
             w.flags.writeable = False
-            qa, da_, sa, sm = ik.quantize_q8(np.ones((1, K), np.float32), qk_)
+            qa, da_, sa, sm = q8.quantize_q8(np.ones((1, K), np.float32), qk_)
             asm = nb.kernel_asm(fn, qa[0], da_[0], sa[0], sm[0], w, F16_TO_F32)
             ops = Counter(re.findall(r"^\s+(?:\{vex\}\s+)?(vpmaddwd|vpdpwssds?|vpdpbusds?|vpmaddubsw|vpmulld|vpmuldq)"
                                      r"\b[^\n]*%([xyz])mm", asm, re.M))
@@ -254,16 +256,16 @@ if not missing["int8"]:
 
 # %%
 if not missing["int8"]:
-    if ik.ISA is None:
+    if ISA is None:
         nb.md("_This CPU (or numba's target) has no AVX2: the int8 stage runs the loops above._")
     else:
         nb.show_source(ik.dot_nibbles_16._defn, ik._dot_q4_x_named,
-                       note=f"The instructions this CPU gets: `{ik.ISA}`.")
+                       note=f"The instructions this CPU gets: `{ISA}`.")
         from common.gguf import GGMLType
         from common.quants import quantize
         rng = np.random.default_rng(2)
         w = quantize(rng.normal(0, 0.02, (1536, 576)).astype(np.float32), GGMLType.Q4_1)   # SmolLM2's FFN geometry
-        qa, da_, sa, sm = ik.quantize_q8(rng.standard_normal((1, 576)).astype(np.float32), 32)
+        qa, da_, sa, sm = q8.quantize_q8(rng.standard_normal((1, 576)).astype(np.float32), 32)
         run = {name: (lambda f=f: f(qa[0], da_[0], sa[0], sm[0], w, int(GGMLType.Q4_1), F16_TO_F32, 1))
                for name, f in (("loops (auto-vectorized)", ik.matvec_int8_auto), ("named instructions", ik.matvec_int8_named))}
         same = np.array_equal(run["loops (auto-vectorized)"](), run["named instructions"]())
@@ -271,7 +273,7 @@ if not missing["int8"]:
         nb.bar_chart({k_: 1536 * 576 / t / 1e9 for k_, t in times.items()}, "Gweights / s",
                      "Q4_1 1536 x 576, one thread")
         ratio = times["loops (auto-vectorized)"] / times["named instructions"]
-        findings["named instructions"] = f"{ik.ISA}: {ratio:.2f}x the loops on Q4_1, results {'identical' if same else 'DIFFERENT'}"
+        findings["named instructions"] = f"{ISA}: {ratio:.2f}x the loops on Q4_1, results {'identical' if same else 'DIFFERENT'}"
 
 # %% [markdown]
 # ## int8 against threads: numbers, and speed
