@@ -30,6 +30,23 @@ def test_run_json_has_the_protocol_fields(default_model_path):
     assert rec["ttft_ms"] > 0 and rec["peak_rss_mb"] > 0
 
 
+def test_run_opens_the_model_file_once(default_model_path, monkeypatch, capsys):
+    """The prompt is tokenized and checked against the context from the same open file the
+    weights then load from: one GGUFFile per run (a counted constructor)."""
+    from app.cli import main
+    from common.gguf import GGUFFile
+    opened = []
+    real = GGUFFile.__init__
+
+    def counted(self, path):
+        opened.append(str(path))
+        real(self, path)
+    monkeypatch.setattr(GGUFFile, "__init__", counted)
+    assert main(["run", "--stage", "quantized", "-m", str(default_model_path), "-n", "2", "--json"]) == 0
+    assert len(opened) == 1, opened
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n_generated"] == 2
+
+
 def test_run_streams_text_then_prints_the_figures(default_model_path):
     p = run("run", "--stage", "kv_cache", "-m", str(default_model_path), "-p", "The capital of France is",
             "-n", "6", "--profile")

@@ -87,7 +87,7 @@ def test_the_avx2_form_on_a_vnni_cpu(monkeypatch):
 
         @numba.njit
         def run(kind, w, rb, nb, p32, pk, out):
-            repacked.group_gemm(kind, w, 0, rb, nb, p32, pk, out.shape[0], out, 0, 0, out.shape[1])
+            repacked.group_gemm(kind, w, 0, rb, p32, pk, out.shape[0], out, 0, 0, out.shape[1])
         for ggml_type in TYPES:
             raw, K, rng = _weights(ggml_type, 8, 300 + int(ggml_type))
             x = activations(rng, 5, K)

@@ -9,7 +9,6 @@ top candidates that greedy decoding depends on. Stages that round activations mo
 
 from __future__ import annotations
 
-import importlib
 import platform
 import re
 
@@ -18,19 +17,18 @@ import pytest
 
 from common import reference
 from common.gguf import GGUFFile
-from stages import backend_class, load
+from stages import FLOAT_TOLERANCE, load, logit_tolerance
 from tests.util import cpu_stages
 
 STAGES = cpu_stages()
 PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
 N_GREEDY = 8
-DEFAULT_TOLERANCE = 5e-3
+DEFAULT_TOLERANCE = FLOAT_TOLERANCE
 NEAR_TIE = 0.25              # logits: where 8-bit rounding may swap the top candidates (as in test_reference)
 
 
 def tolerance(stage: str) -> float:
-    module = importlib.import_module(backend_class(stage).__module__)
-    return getattr(module, "LOGIT_TOLERANCE", DEFAULT_TOLERANCE)
+    return logit_tolerance(stage)
 
 
 @pytest.fixture(scope="module")

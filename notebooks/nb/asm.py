@@ -64,7 +64,7 @@ def integer_kernel_asm(kind: int, kernel: str = "repacked", rows: int = 1) -> st
     if kernel == "repacked":
         @njit
         def run(kind, w, rb, nb, p32, pk, out):
-            repacked.group_gemm(kind, w, 0, rb, nb, p32, pk, out.shape[0], out, 0, 0, out.shape[1])
+            repacked.group_gemm(kind, w, 0, rb, p32, pk, out.shape[0], out, 0, 0, out.shape[1])
     else:
         @njit
         def run(kind, w, rb, nb, p32, pk, out):

@@ -47,7 +47,7 @@ from numba import njit, types
 
 from stages.kernels import vector_ir
 from stages.kernels.int_dot import q6_top_bits
-from stages.kernels.toolkit import BLOCK_BYTES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, block_bytes
+from stages.kernels.toolkit import BLOCK_BYTES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from stages.kernels.vector_ir import B32, D8, F8, F32, I16, I32, vector_intrinsic
 
 GROUP = 8                                    # rows per group: one int32 or float32 lane each (ymm)
@@ -337,6 +337,7 @@ def _gemm_body(g, a, kind):
     b = g.b
     C = tile_rows(kind, g.isa)
     gbytes = g.const(GROUP * BLOCK_BYTES[kind])
+    nb = b.udiv(a.row_bytes, g.const(BLOCK_BYTES[kind]))
     n_groups = b.udiv(b.add(b.sub(a.r1, a.r0), g.const(GROUP - 1)), g.const(GROUP))
     with g.loop(n_groups) as gi:
         r = b.add(a.r0, b.mul(gi, g.const(GROUP)))
@@ -347,7 +348,7 @@ def _gemm_body(g, a, kind):
         def tile(m0, width):
             acts = _Acts(g, a, kind, m0, width)
             accs = [g.slot(F8) for _ in range(width)]
-            with g.loop(a.nb) as blk:
+            with g.loop(nb) as blk:
                 _block(g, kind, g.at(base, b.mul(blk, gbytes)), blk, acts, accs)
             for c in range(width):
                 _store(g, a, acts.rows[c], b.add(a.col, r), lanes, b.load(accs[c]))
@@ -361,21 +362,21 @@ def _gemm_body(g, a, kind):
 
 
 @vector_intrinsic
-def group_gemm(typingctx, kind, w, off, row_bytes, nb, p32, pk, M, out, col, r0, r1):
-    """Rows r0..r1 of the repacked matrix at w[off:] (r0 a multiple of GROUP; row_bytes and nb the
-    file's bytes per row and blocks per row) times the M activation rows -> out[m, col + r]."""
+def group_gemm(typingctx, kind, w, off, row_bytes, p32, pk, M, out, col, r0, r1):
+    """Rows r0..r1 of the repacked matrix at w[off:] (r0 a multiple of GROUP; row_bytes the file's
+    bytes per row) times the M activation rows -> out[m, col + r]."""
     vector_ir.need_isa("the repacked kernels")
 
     def body(g, a):
         g.switch(a.kind, {k: (lambda k=k: _gemm_body(g, a, k)) for k in REPACK_TYPES})
         return g.c.get_dummy_value()
-    return types.none(kind, w, off, row_bytes, nb, p32, pk, M, out, col, r0, r1), body
+    return types.none(kind, w, off, row_bytes, p32, pk, M, out, col, r0, r1), body
 
 
 @njit(cache=True, inline="always")
 def chunk(kind, blob, off, row_bytes, r0, r1, M, p32, pk, out, col):
     """Rows r0..r1 (r0 a multiple of GROUP) times every activation row: see the module docstring."""
-    group_gemm(kind, blob, off, row_bytes, row_bytes // block_bytes(kind), p32, pk, M, out, col, r0, r1)
+    group_gemm(kind, blob, off, row_bytes, p32, pk, M, out, col, r0, r1)
 
 
 __all__ = ["GROUP", "REPACK_TYPES", "repack", "unpack", "repacked_bytes", "chunk", "group_gemm"]
