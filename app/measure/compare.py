@@ -34,7 +34,7 @@ from stages.registry import Tokens
 
 PROMPT_TOKENS = 128          # TTFT at a prompt long enough for prefill to be a matrix-matrix product
 N_CTX = 2048                 # our default context, and llama.cpp's for the same cache
-DEFAULT_ENGINES = ("simd", "kv_cache", "quantized", "threads", "int8", "fused", BASELINE)
+DEFAULT_ENGINES = ("simd", "kv_cache", "quantized", "threads", "int8", "fused", "repack", BASELINE)
 
 
 def rows_for(engines, thread_counts) -> list[dict]:

@@ -18,7 +18,7 @@ same bytes as the file's (a group block is exactly 8 blocks long), rearranged on
     type   group block (8 rows)                                             bytes
     Q4_0   d[8] f16 | qs: 4 pieces x 8 rows x 4 bytes                        8 x 18
     Q4_1   d[8] | m[8] | qs                                                  8 x 20
-    Q5_0   d[8] | qh: each row's u32 | qs                                    8 x 22
+    Q5_0   d[8] | qh: per piece two 32-bit masks of fifth bits | qs          8 x 22
     Q5_1   d[8] | m[8] | qh | qs                                             8 x 24
     Q8_0   d[8] | qs: 8 pieces x 8 rows x 4 bytes, each byte q + 128          8 x 34
     Q4_K   d[8] | dmin[8] | scales: 12 byte planes x 8 rows | qs: 32 pieces  8 x 144
@@ -72,17 +72,44 @@ def _unpieces(p):
 def _fields(kind):
     """The byte ranges of one ggml block, in group-block order: [(start, end, how)], how being
     'rows' (the 8 rows' copies one after another), 'planes' (byte k of the 8 rows together),
-    'pieces' (4-byte pieces in turn) or 'pieces^128' (Q8_0)."""
+    'pieces' (4-byte pieces in turn), 'pieces^128' (Q8_0) or 'bits' (Q5_0/Q5_1's fifth bits, see
+    _bits)."""
     return {
         Q4_0: [(0, 2, "rows"), (2, 18, "pieces")],
         Q4_1: [(0, 2, "rows"), (2, 4, "rows"), (4, 20, "pieces")],
-        Q5_0: [(0, 2, "rows"), (2, 6, "rows"), (6, 22, "pieces")],
-        Q5_1: [(0, 2, "rows"), (2, 4, "rows"), (4, 8, "rows"), (8, 24, "pieces")],
+        Q5_0: [(0, 2, "rows"), (2, 6, "bits"), (6, 22, "pieces")],
+        Q5_1: [(0, 2, "rows"), (2, 4, "rows"), (4, 8, "bits"), (8, 24, "pieces")],
         Q8_0: [(0, 2, "rows"), (2, 34, "pieces^128")],
         Q4_K: [(0, 2, "rows"), (2, 4, "rows"), (4, 16, "planes"), (16, 144, "pieces")],
         Q5_K: [(0, 2, "rows"), (2, 4, "rows"), (4, 16, "planes"), (16, 48, "pieces"), (48, 176, "pieces")],
         Q6_K: [(208, 210, "rows"), (192, 208, "planes"), (0, 128, "pieces"), (128, 192, "pieces")],
     }[kind]
+
+
+def _bits(qh):
+    """Q5_0/Q5_1's qh, 8 rows' u32 [..., 8, 4 bytes] -> 8 words of 32 bits [..., 32 bytes]: word
+    2j + h holds the fifth bits of piece j's low (h = 0: values 4j..4j+3) or high (h = 1: values
+    16+4j..) nibbles, bit 4r + i for row r's value i: the same order as the piece's 32 bytes, so
+    one word, as a mask, is the fifth bit of every byte of the piece (vpmovm2b with AVX-512)."""
+    u = qh.copy().view("<u4")[..., 0]                                          # [..., 8 rows]
+    bits = (u[..., None] >> np.arange(32, dtype=np.uint32)) & 1                # [..., 8, 32]
+    j, h, i = np.arange(4)[:, None, None], np.arange(2)[None, :, None], np.arange(4)[None, None, :]
+    picked = bits[..., 16 * h + 4 * j + i]                                      # [..., 8 rows, 4 j, 2 h, 4 i]
+    order = np.moveaxis(picked, -4, -2)                                        # [..., 4 j, 2 h, 8 rows, 4 i]
+    return np.packbits(order.reshape(*order.shape[:-4], 8, 32).astype(np.uint8), axis=-1,
+                       bitorder="little").reshape(*order.shape[:-4], 32)
+
+
+def _unbits(words):
+    """The inverse of _bits: [..., 32 bytes] -> [..., 8 rows, 4 bytes] (each row's u32 qh)."""
+    bits = np.unpackbits(words.reshape(*words.shape[:-1], 8, 4), axis=-1, bitorder="little")
+    order = bits.reshape(*words.shape[:-1], 4, 2, 8, 4)                         # [..., j, h, r, i]
+    per_row = np.moveaxis(order, -2, -4)                                       # [..., r, j, h, i]
+    value = np.zeros((*words.shape[:-1], 8, 32), np.uint32)
+    j, h, i = np.arange(4)[:, None, None], np.arange(2)[None, :, None], np.arange(4)[None, None, :]
+    value[..., 16 * h + 4 * j + i] = per_row
+    u = (value << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+    return u.astype("<u4").view(np.uint8).reshape(*words.shape[:-1], 8, 4)
 
 
 def repack(raw: np.ndarray, kind: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -102,6 +129,8 @@ def repack(raw: np.ndarray, kind: int, out: np.ndarray | None = None) -> np.ndar
             parts.append(f.reshape(G, nb, -1))
         elif how == "planes":
             parts.append(np.swapaxes(f, -1, -2).reshape(G, nb, -1))
+        elif how == "bits":
+            parts.append(_bits(np.ascontiguousarray(f)))
         else:
             p = _pieces(f, (end - start) // 4)
             parts.append((p ^ 128 if how == "pieces^128" else p).reshape(G, nb, -1))
@@ -128,6 +157,8 @@ def unpack(packed: np.ndarray, kind: int, n_rows: int, row_bytes: int) -> np.nda
             blocks[..., start:end] = f.reshape(G, nb, GROUP, end - start)
         elif how == "planes":
             blocks[..., start:end] = np.swapaxes(f.reshape(G, nb, end - start, GROUP), -1, -2)
+        elif how == "bits":
+            blocks[..., start:end] = _unbits(f)
         else:
             p = f.reshape(G, nb, (end - start) // 4, GROUP, 4)
             blocks[..., start:end] = _unpieces(p ^ 128 if how == "pieces^128" else p)
@@ -148,6 +179,12 @@ TILE_ROWS_DEFAULT = {"vnni": 4, "avx2": 2}
 
 def tile_rows(kind, isa):
     return TILE_ROWS.get(isa, {}).get(kind, TILE_ROWS_DEFAULT.get(isa, 1))
+
+
+import os  # noqa: E402  (experiment)
+
+PREFETCH_BYTES = int(os.environ.get("RP_PF", "4096"))
+PREFETCH_EVERY = int(os.environ.get("RP_PFE", "1000"))
 
 
 class _Acts:
@@ -260,14 +297,12 @@ def _block_q6(g, gb, blk, acts, accs):
         b.store(g.fma(b.fmul(g.to_float(isum[c]), da), dw, b.load(accs[c])), accs[c])
 
 
-def _fifth_bits(g, qh, shift):
-    """Bits shift .. shift+3 of each row's u32 qh (<8 x i32>), moved to bit 4 of the 4 bytes of its
-    lane: (x * 0x204081) & 0x01010101 puts bit k of a 4-bit x at bit 8k (the four shifted copies
-    do not overlap, so nothing carries), << 4 makes it the value's fifth bit."""
+def _fifth_bits(g, gb, off):
+    """The 32-bit word at gb + off (see _bits) as the fifth bit (16) of each byte of a piece: the
+    word is a mask (bit b for byte b): vpmovm2b with AVX-512, a broadcast and compare with AVX2."""
     b = g.b
-    x = b.and_(b.lshr(qh, g.splat_const(D8, shift)), g.splat_const(D8, 15))
-    spread = b.and_(b.mul(x, g.splat_const(D8, 0x204081)), g.splat_const(D8, 0x01010101))
-    return b.bitcast(b.shl(spread, g.splat_const(D8, 4)), B32)
+    mask = b.bitcast(g.load(gb, g.const(off), I32), ir.VectorType(ir.IntType(1), 32))
+    return b.shl(b.zext(mask, B32), g.splat_const(B32, 4))
 
 
 def _block_32(g, kind, gb, blk, acts, accs):
@@ -292,12 +327,12 @@ def _block_32(g, kind, gb, blk, acts, accs):
             for c in range(C):
                 isum[c] = g.dpbusd_bytes(isum[c], w, _splat_q(g, acts, c, b.add(k, g.const(4 * j))))
     else:
-        qh = g.load(gb, g.const(qh_at), D8) if qh_at else None
         for j in range(4):
             w = g.load(gb, g.const(qs + 32 * j), B32)
             lo, hi = g.nibbles(w, False), g.nibbles(w, True)
-            if qh is not None:
-                lo, hi = b.or_(lo, _fifth_bits(g, qh, 4 * j)), b.or_(hi, _fifth_bits(g, qh, 16 + 4 * j))
+            if qh_at:
+                lo = b.or_(lo, _fifth_bits(g, gb, qh_at + 8 * j))
+                hi = b.or_(hi, _fifth_bits(g, gb, qh_at + 8 * j + 4))
             for c in range(C):
                 isum[c] = g.dpbusd(isum[c], lo, _splat_q(g, acts, c, b.add(k, g.const(4 * j))))
                 isum[c] = g.dpbusd(isum[c], hi, _splat_q(g, acts, c, b.add(k, g.const(16 + 4 * j))))
@@ -349,7 +384,10 @@ def _gemm_body(g, a, kind):
             acts = _Acts(g, a, kind, m0, width)
             accs = [g.slot(F8) for _ in range(width)]
             with g.loop(nb) as blk:
-                _block(g, kind, g.at(base, b.mul(blk, gbytes)), blk, acts, accs)
+                gb = g.at(base, b.mul(blk, gbytes))
+                for line in range(0, GROUP * BLOCK_BYTES[kind], 64 * PREFETCH_EVERY):
+                    g.prefetch(gb, g.const(PREFETCH_BYTES + line))
+                _block(g, kind, gb, blk, acts, accs)
             for c in range(width):
                 _store(g, a, acts.rows[c], b.add(a.col, r), lanes, b.load(accs[c]))
 
