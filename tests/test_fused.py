@@ -23,12 +23,12 @@ from stages.kernels.sync import new_sync
 from stages.kernels.toolkit import BLOCK_BYTES, F16_TO_F32
 from tests.test_int8 import activations
 from tests.test_quantized import MIXED_TYPES, n_cols_for, random_blocks, stage_logits, write_tiny_llama
-from tests.util import attention_numpy
+from tests.util import attention_numpy, expected_isa, lacks, lacks_vnni, some, thread_counts
 
 F32 = np.float32
 POOL = numba.config.NUMBA_NUM_THREADS
 INT_TYPES = [GGMLType(t) for t in ACTIVATION_BLOCK]
-NO_TILES = "this CPU (or numba's target) has no AVX2 + F16C: the fused stage runs the int8 stage's loops"
+NO_TILES = lacks("avx2", "f16c", then="the fused stage runs the int8 stage's loops, which the tiles are compared with")
 
 
 def packs_of(x, K):
@@ -93,7 +93,7 @@ def test_tiles_against_the_int8_loops(ggml_type):
     for M in (1, 5, 11):
         x = activations(rng, M, K)
         want, scale = _int8_rows(x, raw, ggml_type)
-        runs = [_matmul(x, raw, ggml_type, n) for n in sorted({1, POOL})]
+        runs = [_matmul(x, raw, ggml_type, n) for n in thread_counts()]
         assert all(np.array_equal(r, runs[0]) for r in runs)
         err = np.abs(runs[0] - want) / np.maximum(scale, 1e-30)
         assert np.isfinite(runs[0]).all() and err.max() < 2e-6, f"{ggml_type.name} M={M}: {err.max():.2e}"
@@ -112,7 +112,7 @@ def test_float_weights_are_multiplied_in_float():
         np.testing.assert_allclose(_matmul(x, raw, ggml_type, 1), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(vector_ir.ISA is None, reason="the tiles are what the loops are compared with: " + NO_TILES)
+@pytest.mark.skipif(expected_isa() is None, reason=str(NO_TILES))
 def test_the_loops_fallback_equals_the_tiles():
     """Where a CPU has no AVX2 the stage runs the int8 stage's loops instead of the tiles
     (_chunk_loops): the same products."""
@@ -136,8 +136,8 @@ def _tile_runner():
     return run
 
 
-@pytest.mark.skipif(vector_ir.ISA != "vnni", reason="the AVX2 form is compared with the VNNI one here; this CPU "
-                    + ("has no AVX2" if vector_ir.ISA is None else "runs the AVX2 form itself"))
+@pytest.mark.skipif(expected_isa() != "vnni", reason=str(lacks_vnni(
+    then="the AVX2 form is compared with the VNNI one here, and this CPU runs the AVX2 form itself")))
 def test_the_avx2_form_on_a_vnni_cpu(monkeypatch):
     """CPUs with AVX2 but no VNNI take vpmaddubsw + vpmaddwd for the byte products: compiled here
     in that form too, the same integer sums (the same bits) and no vpdpbusd in the code."""
@@ -238,14 +238,14 @@ def test_tiny_model_of_every_type_against_the_reference(tiny_path):
     greedy choices wherever its own top two are apart."""
     tokens = [3, 17, 42, 5, 63, 0, 8, 21, 9, 30]
     want = reference.forward(GGUFFile(tiny_path), tokens)
-    runs = [stage_logits(load("fused", tiny_path, threads=n), tokens, split=6) for n in sorted({1, POOL})]
+    runs = [stage_logits(load("fused", tiny_path, threads=n), tokens, split=6) for n in thread_counts()]
     got = runs[0]
     assert np.isfinite(got).all() and all(np.array_equal(r, got) for r in runs)
     rel = np.sqrt(((got - want) ** 2).mean() / (want ** 2).mean())
     assert rel < 0.05, f"relative RMS difference {rel:.4f}"
     floats = stage_logits(load("threads", tiny_path), tokens, split=6)
     top2 = np.sort(floats, axis=1)[:, -2:]
-    apart = top2[:, 1] - top2[:, 0] > 0.1 * np.abs(floats).max()
+    apart = some(top2[:, 1] - top2[:, 0] > 0.1 * np.abs(floats).max(), what="positions whose top two are apart")
     assert (got.argmax(axis=1)[apart] == floats.argmax(axis=1)[apart]).all()
 
 
@@ -289,7 +289,7 @@ def test_one_compiled_call_per_token_for_the_layers(tiny_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def default_engines(default_model_path):
-    return {n: load("fused", default_model_path, threads=n, n_ctx=512) for n in sorted({1, POOL})}
+    return {n: load("fused", default_model_path, threads=n, n_ctx=512) for n in thread_counts()}
 
 
 def test_one_thread_and_all_give_the_same_logits(default_engines):
@@ -321,8 +321,3 @@ def test_greedy_tokens_are_int8s_but_at_near_ties(default_model_path, default_en
     assert (ours.argmax(axis=1)[clear] == np.array(cont)[clear]).all()
     want = reference.forward(GGUFFile(default_model_path), ids)[len(prompt) - 1:-1]
     assert np.abs(ours - want).max() <= INT8_TOLERANCE
-
-
-def test_the_tolerance_is_int8s():
-    from stages.fused import LOGIT_TOLERANCE
-    assert LOGIT_TOLERANCE == INT8_TOLERANCE

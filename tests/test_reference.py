@@ -26,6 +26,7 @@ import pytest
 
 from common import reference
 from common.gguf import GGUFFile
+from tests.util import golden_reference, some
 
 GOLDEN = Path(__file__).parent / "golden" / "llama_cpp_logits.npz"
 REL_RMS = 0.05
@@ -52,10 +53,9 @@ def test_golden_has_prompts(golden):
 
 
 @pytest.mark.parametrize("index", range(4))
-def test_reference_agrees_with_llama_cpp(index, golden, gguf):
+def test_reference_agrees_with_llama_cpp(index, golden, default_model_path):
     p = f"p{index}"
-    ids = golden[f"{p}_ids"]
-    ref = reference.forward(gguf, ids)
+    ref = golden_reference(p, str(default_model_path))
     assert np.isfinite(ref).all()
 
     subset = golden["subset_ids"]
@@ -69,7 +69,7 @@ def test_reference_agrees_with_llama_cpp(index, golden, gguf):
 
     ours = ref.argmax(axis=1)
     margin = top_logits[:, 0] - top_logits[:, 1]
-    clear = margin > MARGIN
+    clear = some(margin > MARGIN, what="positions where llama.cpp's top two are clearly apart")
     assert (ours[clear] == top_ids[clear, 0]).all(), \
         f"top-1 differs where llama.cpp's margin is clear: positions {np.where(clear & (ours != top_ids[:, 0]))[0]}"
     near_tie = ~clear
