@@ -20,9 +20,10 @@ The rule, `accept`:
 
 * greedy: d_i is kept while it is the argmax of p_{i-1}; the first argmax that differs is the
   model's own token, and after k kept guesses the argmax of p_k comes free. The text is the one
-  plain greedy decoding writes, token for token, up to rounding: the k+1-row pass sums in
-  another order than the one-row step (the prefill kernels), so a near-tie may fall the other
-  way (tests/test_speculative.py measures that margin).
+  plain greedy decoding writes, token for token, where the stage's k+1-row pass gives its
+  one-row step's numbers; a stage whose multi-row kernels sum in another order (the 8-bit
+  stages' integer tiles, whose activations are rounded again at every layer) may let a
+  near-tie fall the other way (tests/test_speculative.py measures both).
 * sampling (Leviathan et al. 2023, Chen et al. 2023): d_i, drawn from the draft's distribution
   q, is kept with probability min(1, p(d_i) / q(d_i)); on rejection the token is drawn from
   norm(max(0, p - q)). Every emitted token then has exactly the distribution p of the plain
@@ -43,19 +44,19 @@ The guesses:
 
 How many, `DraftLength`: a guess costs a row of the verify pass and a wrong one costs it for
 nothing, so k is chosen by what was measured. If a guess is kept with probability a, k guesses
-yield E(k) = 1 + a + ... + a^k tokens for a step that costs c(k) = 1 + beta k one-row steps
-(beta: the measured cost of one more row, 0 if rows were free, 1 if each cost a whole step);
-the k with the most tokens per cost wins, and k = 0 is a plain step. a is estimated per kind
-of guess (per matched n-gram length: long matches guess better), beta from the steps' times,
-so a source of guesses that keeps failing stops guessing (free text is not slowed down) and
-one that keeps matching guesses long.
+yield E(k) = 1 + a + ... + a^k tokens for a step that costs c(k+1) one-row steps (StepCost: the
+pass of k+1 rows timed on this engine before the first step, then followed as the steps run);
+the k with the most tokens per cost wins, and k = 0 is a plain step. a is counted per kind of
+guess (per matched n-gram length: long matches guess better) and drawn from what the counts
+allow, so a kind that keeps failing stops guessing (free text is not slowed down), one that
+keeps matching guesses long, and one seldom tried is still tried now and then.
 
 Where it runs: `generate` (one sequence over the stage's arena: `python -m app run --spec`),
-and for a server, one sequence of a batch over the paged pool: its Segment carries
-[x_n, d_1 .. d_k] with all_logits=True (common/batch.py), then `accept` on its k+1 rows of the
-step's logits, then `table.truncate` to drop the rejected positions before `Batch.finish`
-registers the full pages; admission must reserve draft_max more positions than it generates
-(tests/test_speculative.py runs exactly that against plain paged decoding).
+and for a server, one sequence of a batch over the paged pool: `verify_segment` is its part of
+the step ([x_n, d_1 .. d_k], every row's logits: common/batch.py), `settle` applies the rule to
+its k+1 rows of the step's logits and drops the rejected positions (PageTable.truncate) before
+`Batch.finish` registers the full pages; admission must reserve draft_max more positions than
+it generates (tests/test_speculative.py runs exactly that against plain paged decoding).
 """
 
 from __future__ import annotations
@@ -292,6 +293,7 @@ class DraftLength:
     kind of guess seldom tried still drafts now and then, and one that keeps failing almost
     never does. The draw changes how many guesses are made, never which tokens come out."""
 
+    PRIOR = (1.0, 2.0)        # Beta(1, 2) before any evidence: a guess is more likely wrong than right
     DECAY = 0.95              # older evidence fades, so a text that changes character is followed
     SEED = 0                  # the draws are reproducible: the same run makes the same steps
 
@@ -303,9 +305,9 @@ class DraftLength:
         self.rng = np.random.default_rng(self.SEED)
 
     def rate(self, key) -> float:
-        """The mean accept rate the counts give (1/2 before any guess)."""
+        """The mean accept rate the counts give (PRIOR before any guess)."""
         kept, rejected = self.kept.get(key, (0.0, 0.0))
-        return (kept + 1) / (kept + rejected + 2)
+        return (kept + self.PRIOR[0]) / (kept + rejected + sum(self.PRIOR))
 
     @staticmethod
     def expected(k: int, a: float) -> float:
@@ -321,7 +323,7 @@ class DraftLength:
         if available <= 0:
             return 0
         kept, rejected = self.kept.get(key, (0.0, 0.0))
-        a = self.rng.beta(kept + 1, rejected + 1)
+        a = self.rng.beta(kept + self.PRIOR[0], rejected + self.PRIOR[1])
         return max(range(available + 1), key=lambda k: self.expected(k, a) / self.step_cost(k))
 
     def drafted_in(self, ms_per_guess: float):

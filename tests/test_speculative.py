@@ -696,3 +696,57 @@ def test_a_draft_model_of_another_vocabulary_is_refused_before_loading(default_m
             "--model-draft", other.path)
     assert p.returncode == 2 and "differ at token 9" in p.stderr and "Traceback" not in p.stderr
     assert "loading" not in p.stderr
+
+
+# ---- the benchmark's page, from a record made up here ----------------------------------------------
+
+def made_up_record(verify_ratio_at_4: float) -> dict:
+    """Two rounds, one prompt per set; ours plain 10 tokens/s, lookup 30 then 20 (copy), llama.cpp's lookup 15."""
+    k = list(range(6))
+    ours_ms = [[10.0 * (1 + (verify_ratio_at_4 - 1) * i / 4) for i in k]] * 2
+    runs = []
+    for r, lookup_tps in enumerate((30.0, 20.0)):
+        for set_name in ("copy", "free"):
+            for engine, tps in ((OURS_ENGINES[0], 10.0), (OURS_ENGINES[1], lookup_tps if set_name == "copy" else 9.6),
+                                (OURS_ENGINES[2], 12.0), (OURS_ENGINES[3], 15.0)):
+                runs.append({"round": r, "set": set_name, "prompt": 0, "engine": engine, "n_tokens": 11,
+                             "decode_s": 10 / tps, "tokens": [1] * 11, "drafted": 8, "accepted": 6,
+                             "parting": {"at": 3, "gap": 0.2} if engine == OURS_ENGINES[1] and r == 1 else None})
+    roof = {"ratio": [1.0] * 6, "ms": [5.0] * 6, "ridge_rows": 3.0, "bytes": 1e8, "flops_per_token": 2.7e8,
+            "bandwidth_gbs": 30.0, "peak_gflops": 90.0, "threads": 1, "source": "made up"}
+    return {"kind": "speculative", "model": "m.gguf", "stage": "fused", "settings": {
+        "rounds": 2, "n_predict": 11, "draft_max": 10, "k_max": 5, "context": 64, "quick": False},
+        "machine": {"cpu": "a CPU", "physical_cores": 2}, "provenance": {"code_hash": "abc", "commit": "0" * 40,
+                                                                        "dirty": False},
+        "load_average": {"start": "0.1", "end": "0.2"},
+        "threads": {"1": {"verify": {"k": k, "ours_ms": ours_ms, "roofline": roof}, "runs": runs}}}
+
+
+OURS_ENGINES = ("ours", "ours, lookup", "llama.cpp", "llama.cpp, lookup")
+
+
+def test_the_page_computes_medians_of_round_ratios_and_the_claims_verdict():
+    from app.report import speculative as page
+    assert OURS_ENGINES == page.ENGINES
+    rec = made_up_record(1.2)
+    runs = rec["threads"]["1"]["runs"]
+    assert page.throughput(runs, "copy", "ours, lookup") == pytest.approx([30.0, 20.0])
+    assert page.ratio(runs, "copy", "ours, lookup", "ours") == pytest.approx(2.5)      # median of 3.0 and 2.0
+    assert page.ratio(runs, "free", "ours, lookup", "ours") == pytest.approx(0.96)
+    assert page.accept_rate(runs, "copy") == pytest.approx(0.75)
+    assert page.same_text(runs, "copy") == "parted in 1 of 2, at a lead of at most 0.200 logits"
+    (row,) = page.claim_rows(rec, "r.json")
+    assert row.measured == pytest.approx(1.2) and row.verdict == "reproduced"
+    (row,) = page.claim_rows(made_up_record(2.9), "r.json")                # the twin that must be refuted
+    assert row.measured == pytest.approx(2.9) and row.verdict == "refuted"
+    text = page.page(rec, "r.json")
+    assert "| copy | 1 | ours, lookup / ours | 2.50x | 2.00x | yes |" in text
+    assert "| free | 1 | ours, lookup / ours | 0.96x | 0.95x | yes |" in text
+
+
+def test_the_chart_is_drawn_from_the_record(tmp_path):
+    from scripts.bench_speculative import draw
+    record = tmp_path / "speculative.json"
+    record.write_text(json.dumps(made_up_record(1.5)))
+    md, png = draw(json.loads(record.read_text()), record)
+    assert md == tmp_path / "speculative.md" and png == tmp_path / "speculative.png" and png.stat().st_size > 0
