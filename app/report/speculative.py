@@ -178,7 +178,8 @@ def chart(rec: dict, path):
     right.set_xticks(range(len(sets)), [f"{s} text" for s in sets])
     right.set_ylabel("tokens/s (after the first)")
     right.set_title("Plain decoding and prompt lookup", fontsize=10)
-    right.legend(fontsize=7)
+    right.margins(y=0.3)
+    right.legend(fontsize=7, ncol=2)
     fig.suptitle(f"Speculative decoding on {rec['model']} ({rec['machine']['cpu']}; medians of "
                  f"{rec['settings']['rounds']} rounds; profiles/bench/speculative.md)", fontsize=10)
     fig.tight_layout()
