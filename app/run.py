@@ -139,8 +139,8 @@ def add_spec_args(p: argparse.ArgumentParser):
                    help="guesses per step at most (default: %(default)s); fewer are made where the measured "
                         "cost of a verify pass and the accept rate say they do not pay")
     g.add_argument("-md", "--model-draft", default=None,
-                   help="draft model: a GGUF file with the same vocabulary as -m (e.g. its first layers, "
-                        "app/draft_model.py)")
+                   help="draft model: a GGUF file with the same vocabulary as -m (a smaller model of its family; "
+                        "first_layers() in app/draft_model.py cuts one from a model's first layers)")
 
 
 def sampling_params(args) -> SamplingParams:

@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="1 round, 1 thread, 2 prompts per set, 16 tokens, k up to 8: checks the script in about a "
                         "minute (the record says so; not a measurement to quote)")
-    p.add_argument("--out", type=Path, default=RECORD, help="the record (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=RECORD, help="the record (default: profiles/bench/speculative.json)")
     p.add_argument("--chart-only", action="store_true", help="redraw the page and chart from the record")
     args = p.parse_args(argv)
     if args.chart_only:
