@@ -234,7 +234,12 @@ class StepCost:
         nothing is read: the next pass writes over them). Call it before a sequence's tokens are
         fed, or with start = the positions its cache holds."""
         t0 = time.perf_counter()
-        start = start if engine.uses_kv_cache else 0
+        if not engine.uses_kv_cache:
+            # every step recomputes the whole text, so k more rows add k to its length: nearly
+            # free (not timed here: a pass of a stage without a cache takes seconds); the steps
+            # measure it as they run
+            self.ratios, self.t1_ms = {1: 1.0, max_rows: 1.0}, None
+            return
         rows = [m for m in self.ROWS if m <= max_rows and start + m <= engine.n_ctx] + [1]
 
         def timed(m: int) -> float:
@@ -255,7 +260,7 @@ class StepCost:
 
     @property
     def calibrated(self) -> bool:
-        return self.t1_ms is not None
+        return bool(self.ratios)
 
     def __call__(self, rows: int) -> float:
         if rows in self.ratios:
@@ -273,7 +278,8 @@ class StepCost:
     def observe(self, rows: int, ms: float):
         if self.t1_ms is None:
             if rows == 1:
-                self.t1_ms, self.ratios = ms, {1: 1.0}
+                self.t1_ms = ms
+                self.ratios[1] = 1.0
             return
         if rows == 1:
             self.t1_ms = (1 - self.SMOOTH) * self.t1_ms + self.SMOOTH * ms
