@@ -11,6 +11,7 @@ from app.chat import chat_loop
 from app.measure import bench
 from app.measure.counters import Counters
 from app.models import DEFAULT_MODEL, resolve
+from common import speculative
 from common.generate import (
     ParameterError,
     Sampler,
@@ -127,6 +128,21 @@ def add_sampling_args(p: argparse.ArgumentParser):
     arg("--seed", "seed", int, None, "random seed for sampling")
 
 
+def add_spec_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("speculative decoding (common/speculative.py): guess tokens, verify them in one pass")
+    g.add_argument("--spec", choices=("lookup", "draft", "off"), default=None,
+                   help="lookup: guess from n-grams earlier in the text; draft: guess with --model-draft; "
+                        "off (default; --model-draft alone means draft). Greedy text is plain decoding's, "
+                        "sampling keeps its distribution")
+    g.add_argument("--draft-max", type=checked(lambda n: check_count("draft_max (--draft-max)", n)),
+                   default=speculative.DRAFT_MAX,
+                   help="guesses per step at most (default: %(default)s); fewer are made where the measured "
+                        "cost of a verify pass and the accept rate say they do not pay")
+    g.add_argument("-md", "--model-draft", default=None,
+                   help="draft model: a GGUF file with the same vocabulary as -m (a smaller model of its family; "
+                        "first_layers() in app/draft_model.py cuts one from a model's first layers)")
+
+
 def sampling_params(args) -> SamplingParams:
     return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
@@ -142,6 +158,12 @@ def print_stats(rec: dict, out=sys.stderr):
     print(f"load {rec['load_s']:.2f} s | JIT/warm-up {rec['jit_s']:.2f} s | weights {rec['weights_mb']:.0f} MiB"
           f" | KV cache {rec['kv_cache_mb']:.0f} MiB | peak RSS {rec['peak_rss_mb']:.0f} MiB | page faults "
           f"{rec['minor_faults']} minor, {rec['major_faults']} major | threads {rec['threads']}", file=out)
+    if rec.get("spec", "off") != "off":
+        share = rec["accepted"] / rec["drafted"] if rec["drafted"] else float("nan")
+        print(f"speculative ({rec['spec']}, --draft-max {rec['draft_max']}): {rec['drafted']} tokens guessed, "
+              f"{rec['accepted']} accepted ({f(share * 100, '%')}) | {f(rec['tokens_per_s_mean'])} tokens/s "
+              f"(tokens after the first / their time) | step costs measured in {rec['spec_calibrate_s']:.2f} s",
+              file=out)
 
 
 def check_prompt_fits(args, stage: str, g: GGUFFile) -> tuple[list, int]:
@@ -156,12 +178,35 @@ def check_prompt_fits(args, stage: str, g: GGUFFile) -> tuple[list, int]:
     return prompt, n_predict
 
 
+def spec_mode(args) -> str:
+    """--spec as asked: --model-draft alone means draft; contradictions refused before loading."""
+    mode = args.spec or ("draft" if args.model_draft else "off")
+    if args.model_draft and mode != "draft":
+        raise ParameterError(f"--model-draft is for --spec draft (got --spec {mode}): drop one of them")
+    if mode == "draft" and not args.model_draft:
+        raise ParameterError("--spec draft needs a draft model: give --model-draft FILE (a smaller model with "
+                             "the same vocabulary; app/draft_model.py cuts one from the model's first layers)")
+    if mode != "off" and args.chat:
+        raise ParameterError("--spec runs with -p, not --chat: drop one of them")
+    return mode
+
+
+def load_draft(args, stage: str, g: GGUFFile):
+    """The draft model's file opened and its vocabulary checked against the target's before
+    either model's weights are read; then loaded on the same stage."""
+    d = GGUFFile(resolve(args.model_draft))
+    speculative.check_vocabulary(g, d)
+    return load(stage, d, n_ctx=args.ctx_size, threads=args.threads, progress=True)
+
+
 def cmd_run(args):
     stage = chosen_stage(args.stage)
     params = sampling_params(args)              # bad values refused before anything loads
+    mode = spec_mode(args)
     g = GGUFFile(resolve(args.model))           # opened once: tokenized and checked, then loaded
     if not args.chat:
         prompt, n_predict = check_prompt_fits(args, stage, g)
+    draft = load_draft(args, stage, g) if mode == "draft" else None
     engine = load(stage, g, n_ctx=args.ctx_size, threads=args.threads, progress=True)
     tok = engine.tokenizer
     if args.chat:
@@ -182,14 +227,28 @@ def cmd_run(args):
     profiler = engine.backend.profiler(engine) if args.profile else None
     if profiler:
         profiler.start()
+    spec = speculative.from_flags(mode, args.draft_max, draft, engine)
+    if spec:
+        if draft is not None:
+            jit_s += draft.warmup()
+        spec.prepare(session)                   # the step costs, measured before the timed region
     with Counters() as counted:
-        gen = session.generate(prompt, n_predict, Sampler(params), stop_ids=tok.eog_ids,
-                               on_token=on_token)
+        if spec:
+            gen = speculative.generate(session, prompt, n_predict, Sampler(params), spec, stop_ids=tok.eog_ids,
+                                       on_token=on_token)
+        else:
+            gen = session.generate(prompt, n_predict, Sampler(params), stop_ids=tok.eog_ids,
+                                   on_token=on_token)
     if profiler:
         profiler.stop()
     if echo:
         sys.stdout.write(stream.flush() + "\n")
     rec = bench.run_record(engine, stage, gen, tok.decode(gen.tokens), jit_s, counted.result)
+    rec.update(spec=mode, drafted=gen.drafted, accepted=gen.accepted)
+    if spec:
+        rec.update(draft_max=args.draft_max, model_draft=draft.gguf.path.split("/")[-1] if draft else None,
+                   spec_calibrate_s=spec.length.cost.calibrate_s,
+                   tokens_per_s_mean=1000.0 / gen.decode_ms_mean if gen.decode_ms else float("nan"))
     if profiler:
         rec["profile"] = profiler.rows()
     if args.json:
@@ -250,6 +309,7 @@ def add_commands(sub):
     p.add_argument("--profile", action="store_true",
                    help="time every op (matmul by weight, attention, norms, ...) and print an nvprof-style table")
     add_sampling_args(p)
+    add_spec_args(p)
     p.set_defaults(func=cmd_run)
 
     p = one_line_errors(sub.add_parser(

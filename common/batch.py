@@ -14,7 +14,8 @@ and attends only to its own sequence's pages (common/paged_kv.py):
     seq_start  int64 [S]            position of each segment's first new row
     seq_rows   int64 [S]            its number of new rows
     logit_rows int64 [L]            rows whose logits the step returns (last row of a segment
-                                    that asked for them), in segment order
+                                    that asked for them; every row of one with all_logits, as
+                                    speculative decoding's verification needs), in segment order
 
 Rows are padded to a multiple of the backend's `row_block` (common/backend.py says why: the
 multi-row kernels must take every row down the same path, or a row's last bits would depend
@@ -36,6 +37,7 @@ class Segment:
     table: PageTable
     tokens: list
     logits: bool = True
+    all_logits: bool = False         # logits of every row, not only the last
 
 
 def padded(n: int, block: int) -> int:
@@ -67,7 +69,9 @@ class Batch:
             self.positions[r:r + m] = np.arange(start, start + m)
             self.row_seq[r:r + m] = i
             self.seq_start[i], self.seq_rows[i] = start, m
-            if s.logits:
+            if s.all_logits:
+                logit_rows.extend(range(r, r + m))
+            elif s.logits:
                 logit_rows.append(r + m - 1)
             r += m
         width = max(len(s.table.pages) for s in segments)

@@ -119,10 +119,19 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, history=()) -> int:
         """logits [n_vocab] -> the next token id."""
+        if self.params.greedy:
+            return int(np.argmax(self.penalize(np.asarray(logits, dtype=np.float32), list(history))))
+        ids, probs = self.distribution(logits, history)
+        return int(ids[self.rng.choice(len(ids), p=probs)])
+
+    def distribution(self, logits: np.ndarray, history=()) -> tuple[np.ndarray, np.ndarray]:
+        """What __call__ draws from: (candidate ids, their probabilities, float64 summing to 1);
+        greedy: the argmax alone. Speculative decoding (common/speculative.py) verifies drafts
+        against exactly this distribution."""
         p = self.params
         logits = self.penalize(np.asarray(logits, dtype=np.float32), list(history))
         if p.greedy:
-            return int(np.argmax(logits))
+            return np.array([np.argmax(logits)]), np.ones(1)
         ids = np.argsort(-logits, kind="stable")                 # candidates, best first
         if p.top_k > 0:
             ids = ids[:p.top_k]
@@ -137,8 +146,7 @@ class Sampler:
             ids, cand = ids[keep], cand[keep]
         z = cand / p.temp
         probs = np.exp(z - z.max())
-        probs /= probs.sum()
-        return int(ids[self.rng.choice(len(ids), p=probs)])
+        return ids, probs / probs.sum()
 
 
 @dataclass
@@ -148,6 +156,8 @@ class Generation:
     ttft_ms: float = 0.0
     decode_ms: list = field(default_factory=list)       # one figure per token after the first
     stop_reason: str = ""                                # 'eog' | 'length'
+    drafted: int = 0                                     # speculative decoding: tokens guessed,
+    accepted: int = 0                                    # and those the model agreed with
 
     @property
     def decode_ms_median(self) -> float:
@@ -175,6 +185,16 @@ class Session:
     def reset(self):
         self.tokens, self.n_cached = [], 0
         self.engine.reset()
+
+    def truncate(self, n: int):
+        """Keep the first n tokens (speculative decoding's rollback of rejected guesses). The
+        arena needs nothing more: positions past what the cache holds are never read, and the
+        next forward pass writes over them. The newest kept token counts as not cached, so the
+        next step computes its logits (writing its K/V again, the same values)."""
+        if not 0 <= n <= len(self.tokens):
+            raise ValueError(f"cannot truncate {len(self.tokens)} tokens to {n}")
+        del self.tokens[n:]
+        self.n_cached = min(self.n_cached, max(n - 1, 0))
 
     def _next(self, sampler: Sampler) -> int:
         e = self.engine

@@ -152,6 +152,11 @@ class PagePool:
         self._node_of_page[page] = (key, node)
         return node
 
+    def unregister(self, page: int):
+        """Take a page out of the prefix cache (its K/V are about to stop matching its key)."""
+        if page in self._node_of_page:
+            self._forget(page)
+
     def _forget(self, page: int):
         key, _ = self._node_of_page.pop(page)
         del self._nodes[key]        # its descendants become unreachable and age out the same way
@@ -239,6 +244,31 @@ class PageTable:
             i = len(self.nodes)
             parent = self.nodes[-1] if self.nodes else 0
             self.nodes.append(self.pool.register(parent, tuple(self.tokens[i * P:(i + 1) * P]), self.pages[i]))
+
+    def truncate(self, n: int):
+        """Forget positions n.. (speculative decoding: the guesses the model rejected). Pages past
+        the new end go back to the pool and their promise back to this sequence's reservation, so
+        it can grow into them again. A page that held a rejected token leaves the prefix cache
+        unless another sequence shares it: its slots are about to be written with other tokens
+        (a page still shared is copied before that, as append_slots does for any shared page).
+        Call it before Batch.finish, so that no page full of rejected guesses is registered."""
+        P, pool = self.pool.page_size, self.pool
+        if not 0 <= n <= len(self.tokens):
+            raise ValueError(f"cannot truncate a sequence of {len(self.tokens)} positions to {n}")
+        if n == len(self.tokens):
+            return
+        keep = self.pages_for(n, P)
+        for page in self.pages[keep:]:
+            if pool.refs[page] == 1:
+                pool.unregister(page)
+            pool.release(page)
+            if pool.reserve(1):                   # a page freed just now: always available
+                self.reserved += 1
+        del self.pages[keep:]
+        if n % P and pool.refs[self.pages[-1]] == 1:
+            pool.unregister(self.pages[-1])       # the partial last page: rejected slots in it
+        del self.nodes[n // P:]
+        del self.tokens[n:]
 
     def _take_reserved(self):
         if self.reserved <= 0:

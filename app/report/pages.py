@@ -1,5 +1,5 @@
 """The generated pages under profiles/bench/: one markdown page per record that has one
-(a comparison with llama.cpp, the kernel throughput), redrawn from the record alone."""
+(a comparison with llama.cpp, the kernel throughput, speculative decoding), redrawn from the record alone."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 from app.measure import compare, kernel_bench
+from app.report import speculative
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = {"comparison": compare.page, "kernels": kernel_bench.page}
+PAGES = {"comparison": compare.page, "kernels": kernel_bench.page, "speculative": speculative.page}
 
 
 def page_for(record_path: Path) -> str | None:

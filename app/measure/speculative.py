@@ -1,0 +1,191 @@
+"""Speculative decoding, measured: what a verify pass of k+1 rows costs against one decode step
+(beside the roofline's prediction and llama.cpp's own pass), and what prompt lookup buys in
+tokens/s, ours and llama.cpp's (llama-cpp-python's LlamaPromptLookupDecoding), on text that
+copies itself and on free text. scripts/bench_speculative.py runs these into
+profiles/bench/speculative.json; the chapter notebooks/13_speculative.ipynb runs them live.
+
+The roofline's prediction for m rows (app/measure/roofline.py): a pass reads the weights once
+(and the KV cache) whatever m is, and computes m tokens' flops, so
+
+    t(m) = max(bytes / bandwidth, m x flops per token / peak)      ratio t(m) / t(1)
+
+flat while m stays under the ridge (bandwidth-bound), then rising by one step per row. It
+is a floor: a kernel slower than the machine's ceilings sits above it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from app.measure import roofline
+from app.measure.machine import machine_id
+from common import speculative as sp
+from common.generate import Sampler, Session, generate
+from common.model import flops_per_token
+
+PROMPTS_FILE = Path(__file__).with_name("speculative_prompts.json")
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "profiles" / "results"
+OURS, OURS_LOOKUP, LLAMA, LLAMA_LOOKUP = "ours", "ours, lookup", "llama.cpp", "llama.cpp, lookup"
+ENGINES = (OURS, OURS_LOOKUP, LLAMA, LLAMA_LOOKUP)
+
+
+def prompt_sets() -> dict[str, list[str]]:
+    """{'copy': [...], 'free': [...]}: the committed prompts (speculative_prompts.json)."""
+    data = json.loads(PROMPTS_FILE.read_text())
+    return {"copy": data["copy"], "free": data["free"]}
+
+
+# ---- one verify pass against one step ----------------------------------------------------------
+
+def verify_times(engine, context, k_max: int, rounds: int) -> list[list[float]]:
+    """ms[round][k] of one pass of k+1 rows at the end of a cached context (k = 0: the plain
+    decode step, greedy_next of one row). Rounds alternate the order of k, so a drift of the
+    machine's speed falls on every k alike. The rows land past what the cache holds: nothing
+    reads them, each pass writes over the last."""
+    engine.reset()
+    engine.forward(context, 0, all_logits=False)
+    at = len(context)
+    rows = [int(t) for t in context[:k_max + 1]]
+    out = []
+    for r in range(rounds):
+        order = list(range(k_max + 1))
+        ms = [0.0] * (k_max + 1)
+        for k in (order if r % 2 == 0 else order[::-1]):
+            t0 = time.perf_counter()
+            if k == 0:
+                engine.greedy_next(rows[:1], at)
+            else:
+                engine.forward(rows[:k + 1], at, all_logits=True)
+            ms[k] = (time.perf_counter() - t0) * 1e3
+        out.append(ms)
+    engine.reset()
+    return out
+
+
+def llama_verify_times(llm, context, k_max: int, rounds: int) -> list[list[float]]:
+    """The same passes through llama.cpp (a Llama with logits_all: every row's logits, as ours)."""
+    llm.reset()
+    llm.eval(list(context))
+    at = len(context)
+    rows = [int(t) for t in context[:k_max + 1]]
+    out = []
+    for r in range(rounds):
+        order = list(range(k_max + 1))
+        ms = [0.0] * (k_max + 1)
+        for k in (order if r % 2 == 0 else order[::-1]):
+            llm.n_tokens = at
+            llm._ctx.kv_cache_seq_rm(-1, at, -1)          # forget the last pass's rows
+            t0 = time.perf_counter()
+            llm.eval(rows[:k + 1])
+            ms[k] = (time.perf_counter() - t0) * 1e3
+        out.append(ms)
+    llm.reset()
+    return out
+
+
+def ceilings(threads: int) -> dict:
+    """This machine's bandwidth and peak at that many threads (the recorded machine.json, the
+    nearest thread count it has), else measured now; with where they came from."""
+    path = RESULTS_DIR / machine_id() / "machine.json"
+    if path.exists():
+        m = json.loads(path.read_text())
+        have = sorted(int(t) for t in m["bandwidth_gbs"])
+        t = min(have, key=lambda x: abs(x - threads))
+        return {"bandwidth_gbs": m["bandwidth_gbs"][str(t)], "peak_gflops": m["peak_gflops"][str(t)], "threads": t,
+                "source": f"profiles/results/{machine_id()}/machine.json"}
+    m = roofline.measure(threads=threads)
+    t = str(threads) if str(threads) in m["bandwidth_gbs"] else "1"
+    return {"bandwidth_gbs": m["bandwidth_gbs"][t], "peak_gflops": m["peak_gflops"][t], "threads": int(t),
+            "source": "measured by app/measure/roofline.py during this run"}
+
+
+def roofline_prediction(engine, context_len: int, k_max: int, ceil: dict) -> dict:
+    """The roofline's t(k+1) and t(k+1) / t(1) for k = 0..k_max (the module docstring)."""
+    cfg = engine.config
+    read = engine.weight_stream_bytes() + 2 * cfg.n_layer * cfg.kv_dim * 4 * context_len
+    flops = flops_per_token(cfg, context_len)
+    memory_s = read / (ceil["bandwidth_gbs"] * 1e9)
+    compute_s = flops / (ceil["peak_gflops"] * 1e9)
+    ms = [max(memory_s, (k + 1) * compute_s) * 1e3 for k in range(k_max + 1)]
+    return {"ms": ms, "ratio": [t / ms[0] for t in ms], "bytes": read, "flops_per_token": flops,
+            "ridge_rows": memory_s / compute_s, **ceil}
+
+
+# ---- generation: plain against prompt lookup ---------------------------------------------------
+
+def run_ours(engine, ids, n: int, spec: sp.Speculator | None = None) -> dict:
+    """Greedy, exactly n tokens; decode = the tokens after the first, and their time."""
+    if spec is None:
+        gen = generate(engine, ids, n, Sampler(), ignore_eos=True)
+    else:
+        gen = sp.generate(Session(engine), ids, n, Sampler(), spec, ignore_eos=True)
+    seconds = sum(gen.decode_ms) / 1e3
+    return {"tokens": gen.tokens, "decode_s": seconds, "tokens_per_s": (len(gen.tokens) - 1) / seconds,
+            "drafted": gen.drafted if spec else 0, "accepted": gen.accepted if spec else 0}
+
+
+def parting(engine, ids, plain, other) -> dict | None:
+    """Where another greedy text parts from plain decoding's, and by how much plain's one-row
+    logits preferred its own pick there: {"at": token index, "gap": logits}; None if they agree.
+    (A stage whose multi-row pass rounds differently parts only at near-ties.)"""
+    at = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), None)
+    if at is None:
+        return None
+    engine.reset()
+    row = engine.forward(ids, 0, all_logits=False)[0]
+    for i, t in enumerate(plain[:at]):
+        row = engine.forward([t], len(ids) + i, all_logits=False)[0]
+    engine.reset()
+    return {"at": at, "gap": float(row[plain[at]] - row[other[at]])}
+
+
+def run_llama(llm, ids, n: int) -> dict:
+    """llama-cpp-python's own loop (Llama.generate, greedy), with or without its draft model."""
+    llm.reset()
+    tokens = []
+    t_first = None
+    for tok in llm.generate(list(ids), temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+        tokens.append(int(tok))
+        if t_first is None:
+            t_first = time.perf_counter()
+        if len(tokens) == n:
+            break
+    seconds = time.perf_counter() - t_first
+    return {"tokens": tokens, "decode_s": seconds, "tokens_per_s": (len(tokens) - 1) / seconds,
+            "drafted": None, "accepted": None}
+
+
+def llama_engines(model_path, threads: int, draft_max: int, n_ctx: int = 2048) -> dict | None:
+    """{LLAMA: Llama, LLAMA_LOOKUP: Llama with LlamaPromptLookupDecoding(num_pred_tokens=draft_max)}
+    on the same file and threads; None where llama-cpp-python is not installed."""
+    try:
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        return None
+
+    def make(draft=None):
+        return llama_cpp.Llama(os.fspath(model_path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                               n_batch=512, draft_model=draft, verbose=False)
+    return {LLAMA: make(), LLAMA_LOOKUP: make(LlamaPromptLookupDecoding(num_pred_tokens=draft_max))}
+
+
+def llama_for_verify(model_path, threads: int, n_ctx: int = 2048):
+    """A Llama that keeps every row's logits, as our verify pass does; None without llama-cpp-python."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return llama_cpp.Llama(os.fspath(model_path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                           n_batch=512, logits_all=True, verbose=False)
+
+
+def medians(ms: list[list[float]]) -> list[float]:
+    """Per k, the median over rounds of t(k+1) / t(1) taken within each round."""
+    a = np.asarray(ms, dtype=float)
+    return np.median(a / a[:, :1], axis=0).tolist()
