@@ -25,7 +25,17 @@ from common.generate import (
 from common.gguf import GGUFFile
 from common.model import LlamaConfig, context_size
 from common.tokenizer import Tokenizer
-from stages import REGISTRY, STAGES, StageError, info, load, op_owners, runnable_stages, unavailable_reason
+from stages import (
+    REGISTRY,
+    STAGES,
+    StageError,
+    backend_class,
+    info,
+    load,
+    op_owners,
+    runnable_stages,
+    unavailable_reason,
+)
 
 
 def fastest_stage() -> str:
@@ -158,18 +168,21 @@ def check_prompt_fits(args, stage: str, g: GGUFFile) -> tuple[list, int]:
 
 def cmd_run(args):
     stage = chosen_stage(args.stage)
+    lead = backend_class(stage).reporting_process()   # tp: rank 0 prints, the other ranks compute
     params = sampling_params(args)              # bad values refused before anything loads
     g = GGUFFile(resolve(args.model))           # opened once: tokenized and checked, then loaded
     if not args.chat:
         prompt, n_predict = check_prompt_fits(args, stage, g)
-    engine = load(stage, g, n_ctx=args.ctx_size, threads=args.threads, progress=True)
+    engine = load(stage, g, n_ctx=args.ctx_size, threads=args.threads, progress=lead)
     tok = engine.tokenizer
+    if lead and engine.backend.banner():
+        print(engine.backend.banner(), file=sys.stderr)
     if args.chat:
         return chat_loop(engine, stage, args, params)
     session = Session(engine)
     jit_s = engine.warmup()
     stream = tok.stream_decoder()
-    echo = not args.json
+    echo = lead and not args.json
 
     def on_token(t):
         if echo:
@@ -192,6 +205,8 @@ def cmd_run(args):
     rec = bench.run_record(engine, stage, gen, tok.decode(gen.tokens), jit_s, counted.result)
     if profiler:
         rec["profile"] = profiler.rows()
+    if not lead:
+        return
     if args.json:
         rec.pop("decode_ms_all")
         print(json.dumps(rec))

@@ -94,6 +94,9 @@ REGISTRY = {s.name: s for s in (
     Stage("fused", 9, "stages.fused", "FusedBackend", "int8",
           "one compiled call per token: no Python or fork/join between the ops",
           kv_cache=True, chapter="09_fused", parallel=True),
+    Stage("tp", 11, "stages.tp", "TensorParallelBackend", "fused",
+          "split every layer across N processes (MPI ranks): two all-reduces per layer",
+          kv_cache=True, chapter="11_tp", parallel=True),
 )}
 
 STAGES = [s.name for s in sorted(REGISTRY.values(), key=lambda s: s.number) if s.variant_of is None]
