@@ -41,8 +41,9 @@ from stages import (
 def fastest_stage() -> str:
     """The stage `make run` uses: cuda where it can run; else the CPU stage with the best
     decode time recorded on this machine by `make report`; else the last CPU stage (measured,
-    not assumed: a later stage is not always a faster one)."""
-    runnable = runnable_stages()
+    not assumed: a later stage is not always a faster one). A stage that runs as several
+    processes (tp, under mpiexec) is run by name only."""
+    runnable = [s for s in runnable_stages() if not info(s).ranks]
     gpu = [s for s in runnable if info(s).gpu]
     if gpu:
         return gpu[-1]

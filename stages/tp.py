@@ -23,7 +23,7 @@ from Python (the base stage runs the whole stack in one compiled call, which has
 all-reduce). Wo's and W_down's sums are added in another order (each rank's part, then the parts),
 so logits move by float rounding and greedy text may differ at near-ties (tests/test_tp.py).
 
-What limits it: 2 x n_layer all-reduces and one gather per token, each a round trip whose latency
+What limits it: two all-reduces per layer and one gather per token, each a round trip whose latency
 does not shrink with the message (stages/parallel/ranks.py times them and counts their bytes);
 the Python between the ops, which the base stage had removed; unequal heads where N does not
 divide the KV heads (split.py evens out the bytes, so not the time: a rank waits for another at
@@ -35,6 +35,8 @@ come and ends every rank; one sequence at a time (serving a batch across ranks i
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 
 from common.cpu import physical_cores
@@ -45,6 +47,8 @@ from stages.parallel.split import SplitError, block_values, costs, plan
 
 # The stage tp builds on, the one name it inherits through: stages/registry.py's builds_on.
 BaseBackend = backend_class(info("tp").builds_on)
+# its numerics are tp's: how far they may depart from the float64 reference (tests/test_stages.py)
+LOGIT_TOLERANCE = importlib.import_module(BaseBackend.__module__).LOGIT_TOLERANCE
 
 # role of a layer matrix -> the Share range it is split by: rows (column-parallel) or columns
 BY_ROWS = {"attn_q": "q_rows", "attn_k": "kv_rows", "attn_v": "kv_rows", "ffn_gate": "ff", "ffn_up": "ff"}

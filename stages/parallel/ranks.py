@@ -20,8 +20,11 @@ process by its pid; `banner()` maps pids to ranks. MPI_Init itself waits for eve
 start, with no deadline of its own: a C watchdog (faulthandler) ends a rank stuck there.
 
 Time and bytes: the seconds spent in each kind of collective, and the bytes each rank sends as
-ring algorithms send them (an all-reduce of n bytes: 2 (N-1)/N x n; an all-gather: n less the
-rank's own piece), modelled from the message sizes, not counted on the wire.
+ring algorithms send them (an all-reduce of n bytes: 2 (N-1)/N x n; an all-gather: n less the piece of the
+next rank, the last it receives), modelled from the message sizes, not counted on the wire.
+A rank waiting at a collective polls it (as MPI's blocking calls do), yielding its core after
+SPINS tests: where other processes share the cores, a spinning rank would otherwise hold the
+core the rank it waits for needs.
 """
 
 from __future__ import annotations
@@ -167,7 +170,8 @@ class Ranks:
         displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
         req = self.comm.Iallgatherv(x, [out, (list(map(int, counts)), displs), self.MPI.FLOAT])
         self._wait(req, where)
-        self._count("gather", t0, out.nbytes, out.nbytes - x.nbytes)
+        # a ring passes every piece on but the one it receives last: the next rank's
+        self._count("gather", t0, out.nbytes, (sum(counts) - counts[(self.rank + 1) % self.size]) * 4)
         return out
 
     def barrier(self, where):
