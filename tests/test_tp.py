@@ -198,3 +198,26 @@ def test_the_chart_draws_from_the_record(record, tmp_path):
     assert (tmp_path / "tp.png").stat().st_size > 10_000
     two = tp_bench.summary(rec)[tp_bench.label({"stage": "tp", "n_ranks": 2})]
     assert all(0 <= rk["allreduce_share"] < 1 for rk in two["ranks"])
+
+
+# ---- the command a reader runs ---------------------------------------------------------------------
+
+def test_make_run_np_2_generates_the_base_stages_text_or_a_near_tie(default_model_path):
+    """`make stage=tp run np=2` (mpiexec -n 2 python -m app run --stage tp) on the default model:
+    the base stage's greedy tokens, or the same up to a step where the base's own logits were
+    nearly tied between its pick and tp's."""
+    def run(launcher):
+        stage = ["--stage", "tp"] if launcher else ["--stage", info("tp").builds_on, "-t", "1"]
+        p = subprocess.run(launcher + [sys.executable, "-m", "app", "run", "-m", str(default_model_path), "-n", "24",
+                                       "--json", *stage], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
+    base, _ = run([])
+    tp, err = run([str(MPIEXEC), "-n", "2"])
+    assert "tp: 2 ranks: rank 0 (pid" in err and tp["prompt_tokens"] == base["prompt_tokens"]
+    same = next((i for i, (a, b) in enumerate(zip(base["tokens"], tp["tokens"])) if a != b), None)
+    if same is not None:
+        engine = load(info("tp").builds_on, default_model_path, threads=1)
+        row = engine.forward(base["prompt_tokens"] + base["tokens"][:same], 0, all_logits=False)[0]
+        gap = row.max() - row[tp["tokens"][same]]
+        assert gap <= NEAR_TIE, f"step {same}: tp chose {tp['tokens'][same]}, {gap:.3f} below the base's best"
