@@ -20,8 +20,9 @@ by `mpiexec -n N`, on one machine's cores or on several machines listed in a hos
 Numerics and kernels are those of the stage it builds on (`BaseBackend`, the registry's builds_on:
 the fastest CPU stage): its matmul, attention, norms and RoPE on the rank's slices, called per op
 from Python (the base stage runs the whole stack in one compiled call, which has no place for an
-all-reduce). Wo's and W_down's sums are added in another order (each rank's part, then the parts),
-so logits move by float rounding and greedy text may differ at near-ties (tests/test_tp.py).
+all-reduce). Wo's and W_down's sums are added in another order (each rank's part, then the parts):
+a rounding of a float, which can tip the next layer's int8 rounding of a value, so the logits move
+within the base's LOGIT_TOLERANCE and greedy text may differ at near-ties (tests/test_tp.py).
 
 What limits it: two all-reduces per layer and one gather per token, each a round trip whose latency
 does not shrink with the message (stages/parallel/ranks.py times them and counts their bytes);
