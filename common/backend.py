@@ -16,7 +16,10 @@ overrides only what its optimization changes, and inherits the rest from the sta
     hooks        unavailable_reason                                what this machine lacks, or None
                  open_model                                        the file and shapes, before any weight
                  reporting_process banner                          which process prints a run; its note
-                 fuses_layers forward_layers                       the whole layer stack in one call
+                 finish_load                                       after every weight is prepared
+                 fuses_layers forward_layers                       the whole layer stack in one call,
+                 forward_layers_batch                              for one sequence or a batch
+                 kv_dtype                                          how K and V are stored
                  max_batch                                         rows one forward call may take
                  profiler                                          per-op timing (common/profile.py)
                  warmup                                            compile before anything is timed
@@ -221,6 +224,10 @@ class Backend:
         """A line `run` prints on stderr before it generates, or None (tp: its ranks, hosts and pids)."""
         return None
 
+    def finish_load(self, model):
+        """Called once every weight is prepared, before the KV cache is made: a stage that lays
+        all its weights out anew (the repack stage) does it here, so load time includes it."""
+
     # True: forward_layers runs every layer in one call, and the graph of common/model.py is not
     # walked op by op (the fused stage: no Python between the ops).
     fuses_layers = False
@@ -229,6 +236,15 @@ class Backend:
         """With fuses_layers: the layer stack for one sequence, tokens [M] at positions
         start_pos.., K and V into model.kv -> h [M, D] before the final norm."""
         raise NotImplementedError(f"stage '{self.name}' does not run the layer stack in one call")
+
+    def forward_layers_batch(self, model, batch):
+        """With fuses_layers: the layer stack for a step of many sequences (common/batch.py),
+        each row at its own position, K and V into the pages of batch.pool -> h [M, D]."""
+        raise NotImplementedError(f"stage '{self.name}' does not run the layer stack in one call")
+
+    # How the KV cache stores K and V (the arena and the page pool): float32, or float16 (half
+    # the bytes attention reads; llama.cpp's default), for the kernels that read it.
+    kv_dtype = np.float32
 
     # Rows one forward call may take (cuda: its scratch memory is sized for them); a longer
     # prompt goes in pieces. None: any number.

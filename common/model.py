@@ -178,6 +178,7 @@ class LlamaModel:
         self._tokenizer = None
         backend.open_model(gguf, cfg, self.n_ctx)
         self._load_weights(progress)
+        backend.finish_load(self)
         freq_factors = None
         if "rope_freqs.weight" in gguf.tensors:
             freq_factors = dequantize_tensor(gguf.tensors["rope_freqs.weight"])
@@ -338,7 +339,10 @@ class LlamaModel:
         def attend(il, q, k, v):
             return b.attention_paged(q, k, v, cfg.n_head, cfg.n_head_kv, il, batch)
 
-        h = self.layer_stack(b.embed(self.token_embd, batch.tokens), rope, attend)     # [M, D]
+        if b.fuses_layers:
+            h = b.forward_layers_batch(self, batch)                                # [M, D]
+        else:
+            h = self.layer_stack(b.embed(self.token_embd, batch.tokens), rope, attend)
         n = len(batch.logit_rows)
         if n == 0:
             return np.zeros((0, cfg.n_vocab), dtype=np.float32)

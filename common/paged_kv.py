@@ -41,15 +41,15 @@ class PagesExhausted(RuntimeError):
 class PagePool:
     """K/V pages for every layer, their reference counts and the cache of full prefix pages."""
 
-    def __init__(self, n_layer: int, kv_dim: int, n_pages: int, page_size: int = PAGE_SIZE):
+    def __init__(self, n_layer: int, kv_dim: int, n_pages: int, page_size: int = PAGE_SIZE, dtype=np.float32):
         if n_pages < 1 or page_size < 1:
             raise ValueError(f"a page pool needs at least one page of at least one position "
                              f"(asked for {n_pages} pages of {page_size})")
         self.n_layer, self.kv_dim, self.n_pages, self.page_size = n_layer, kv_dim, n_pages, page_size
         # np.zeros: the OS hands out zeroed pages as they are first written, so an idle pool
         # costs address space, not resident memory
-        self.k = np.zeros((n_layer, n_pages, page_size, kv_dim), dtype=np.float32)
-        self.v = np.zeros((n_layer, n_pages, page_size, kv_dim), dtype=np.float32)
+        self.k = np.zeros((n_layer, n_pages, page_size, kv_dim), dtype=dtype)     # dtype: the backend's kv_dtype
+        self.v = np.zeros((n_layer, n_pages, page_size, kv_dim), dtype=dtype)
         self.refs = np.zeros(n_pages, dtype=np.int64)
         self._never_used = list(range(n_pages - 1, -1, -1))     # a stack: page 0 is handed out first
         self._idle_cached = OrderedDict()                       # page -> None, least recently released first

@@ -26,7 +26,7 @@ import time
 from collections import defaultdict
 
 OPS = ("matmul", "add", "mul", "rms_norm", "silu", "rope", "scale", "dot", "softmax", "argmax",
-       "embed", "attention", "swiglu", "forward_layers")
+       "embed", "attention", "swiglu", "forward_layers", "forward_layers_batch")
 
 
 def weight_group(name: str) -> str:

@@ -3,6 +3,7 @@
     python scripts/bench_vs_llama.py                                   # SmolLM2 and TinyLlama's geometry
     python scripts/bench_vs_llama.py --model smollm2 --rounds 5
     python scripts/bench_vs_llama.py --engines threads,int8,int8-loops,llama.cpp --threads 1,2
+    python scripts/bench_vs_llama.py --llama-quantize Q4_K_M      # each model made Q4_K_M by llama-quantize first
 
 Writes profiles/bench/vs_llama_<model>.json (every measurement, each a record of the one harness,
 app/measure/bench.py) and the page drawn from it, vs_llama_<model>.md. What is measured and how the
@@ -47,6 +48,9 @@ def main(argv=None) -> int:
                    help="prompt length (default: %(default)s)")
     p.add_argument("--no-llama", action="store_true", help=f"leave {BASELINE} out even if it is installed")
     p.add_argument("--out-dir", type=Path, default=OUT_DIR, help="where the record and page go (default: %(default)s)")
+    p.add_argument("--llama-quantize", metavar="RECIPE", default=None,
+                   help="measure each model as llama.cpp's llama-quantize makes it with RECIPE (e.g. Q4_K_M): built "
+                        "from llama-cpp-python's sources and run once (app/measure/llama_tools.py)")
     args = p.parse_args(argv)
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -60,6 +64,10 @@ def main(argv=None) -> int:
     threads = tuple(int(t) for t in args.threads.split(",")) if args.threads else tuple(sorted({1, physical_cores()}))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for model in args.model or MODELS:
+        if args.llama_quantize:
+            from app.measure.llama_tools import quantized
+            from app.models import resolve
+            model = str(quantized(resolve(model), args.llama_quantize))
         print(f"{model}:", file=sys.stderr)
         record = compare.compare(model, engines, threads, args.rounds, args.prompt_tokens,
                                  log=lambda msg: print(msg, file=sys.stderr, flush=True))

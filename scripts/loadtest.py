@@ -324,7 +324,12 @@ def ceilings(rec: dict, clients) -> list[float]:
 
 
 def round_ratios(ours: dict, theirs: dict) -> list[float]:
-    """Our tokens/s over llama-server's, round by round (the rounds ran side by side)."""
+    """Our tokens/s over llama-server's, round by round (the rounds ran side by side). Both rows
+    must have every round: a missing one would pair the rest out of step."""
+    if len(ours["rounds"]) != len(theirs["rounds"]):
+        raise ValueError(f"{ours['clients']} clients: {len(ours['rounds'])} rounds of ours and "
+                         f"{len(theirs['rounds'])} of llama-server's; the ratios pair them round by round "
+                         f"(measure the level again)")
     return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(ours["rounds"], theirs["rounds"])]
 
 

@@ -17,7 +17,11 @@ from common.model import LlamaModel
 from stages.registry import REGISTRY, STAGES, VARIANTS, Stage
 
 __all__ = ["STAGES", "VARIANTS", "REGISTRY", "Stage", "StageError", "info", "load", "backend_class",
-           "unavailable_reason", "runnable_stages", "SURFACE", "op_owners"]
+           "unavailable_reason", "runnable_stages", "SURFACE", "op_owners", "logit_tolerance", "FLOAT_TOLERANCE"]
+
+# Logits, max |stage - float64 reference|: what float32 arithmetic in another order costs. A stage
+# that rounds its activations more coarsely declares its own LOGIT_TOLERANCE in its module.
+FLOAT_TOLERANCE = 5e-3
 
 
 class StageError(ValueError):
@@ -40,6 +44,12 @@ def backend_class(stage: str):
 def unavailable_reason(stage: str) -> str | None:
     """None if this machine can run the stage, else a sentence saying what is missing."""
     return backend_class(stage).unavailable_reason()
+
+
+def logit_tolerance(stage: str) -> float:
+    """The bound a stage's logits keep to the float64 reference (common/reference.py)."""
+    module = importlib.import_module(backend_class(stage).__module__)
+    return getattr(module, "LOGIT_TOLERANCE", FLOAT_TOLERANCE)
 
 
 def runnable_stages() -> list[str]:

@@ -9,13 +9,13 @@ calls each matmul, norm and attention, and each parallel kernel forks numba's po
   `prange` with one iteration per thread, which stays inside for every op of every layer and
   meets the others at a spin barrier between dependent ops (stages/kernels/sync.py). Per token:
   one fork/join for the layers and one for the output head, instead of one per op; the count
-  of barriers is OPS_PER_LAYER per layer (stages/kernels/fused.py lists the ops). The work of
+  of barriers is OPS_PER_LAYER per layer (stages/kernels/layer_stack.py lists the ops). The work of
   an op is handed out in items from an atomic counter, so a thread slowed by another process
   takes fewer.
 * Fused projections: Wq, Wk, Wv are one list of row chunks over one rounded activation, RoPE
   and the KV cache write on the way out; W_gate and W_up in one pass with silu(gate) * up
   applied as they finish; residual adds folded into Wo and W_down.
-* Integer tiles (stages/kernels/fused_ir.py): each block's integer sum is scaled into a float
+* Integer tiles (stages/kernels/int_tiles.py): each block's integer sum is scaled into a float
   vector accumulator, one horizontal add per row (the int8 stage adds per block); prefill runs
   them register-blocked, 4 weight rows x 4 prompt rows (1 x 8 for the K-quants), so each
   loaded block serves several products: an integer GEMM where int8 multiplied floats.
@@ -43,9 +43,18 @@ import numba
 import numpy as np
 
 from stages.int8 import LOGIT_TOLERANCE, Int8Backend
-from stages.kernels.fused import OPS_PER_LAYER, matmul_rows, run_layers
+from stages.kernels.layer_stack import (
+    OPS_PER_LAYER,
+    ROWS,
+    Cache,
+    Dims,
+    Rows,
+    Weights,
+    matmul_rows,
+    matrix_table,
+    run_layers,
+)
 from stages.kernels.sync import new_sync
-from stages.kernels.toolkit import F16_TO_F32
 from stages.quantized import QuantMatrix
 
 __all__ = ["FusedBackend", "LOGIT_TOLERANCE", "OPS_PER_LAYER", "BARRIER_LAYERS"]
@@ -71,24 +80,30 @@ def _address(a: np.ndarray) -> int:
 
 
 class _Plan:
-    """What the compiled layer stack reads, gathered once per model: `blob` uint8 holding every
-    layer matrix (the mapped file itself when they all come from it, else a copy), `mats`
-    [n_layer * 7, 4] (byte offset, rows, bytes per row, ggml type) of wq wk wv wo gate up down,
-    `norms` [n_layer, 2, D] (attn_norm, ffn_norm)."""
+    """What the compiled layer stack reads, gathered once per model (layer_stack.Weights): `blob`
+    uint8 holding every layer matrix (the buffer they all come from: the mapped file, or the
+    repack stage's one buffer; else a copy), `mats` their MATRIX records (wq wk wv wo gate up down
+    of each layer), `norms` [n_layer, 2, D] (attn_norm, ffn_norm)."""
 
-    def __init__(self, model):
+    def __init__(self, model, layout_of):
         mats = [m for L in model.layers for m in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down)]
         roots = {id(_root(m.data)): _root(m.data) for m in mats}
         root = next(iter(roots.values()))
         if len(roots) == 1 and root.dtype == np.uint8 and root.ndim == 1 and root.flags.c_contiguous:
-            self.blob = root
+            blob = root
             offsets = [_address(m.data) - _address(root) for m in mats]
         else:                                   # matrices from several buffers: one copy of them all
-            self.blob = np.concatenate([m.data.reshape(-1) for m in mats])
+            blob = np.concatenate([m.data.reshape(-1) for m in mats])
             offsets = np.cumsum([0] + [m.data.nbytes for m in mats[:-1]]).tolist()
-        self.mats = np.array([[o, m.shape[0], m.data.shape[1], m.kind] for o, m in zip(offsets, mats)], np.int64)
-        self.norms = np.ascontiguousarray(np.stack([np.stack([L.attn_norm, L.ffn_norm]) for L in model.layers]),
-                                          dtype=np.float32)
+        table = matrix_table([(o, m.shape[0], m.row_bytes, m.kind, layout_of(m)) for o, m in zip(offsets, mats)])
+        norms = np.ascontiguousarray(np.stack([np.stack([L.attn_norm, L.ffn_norm]) for L in model.layers]),
+                                     dtype=np.float32)
+        self.weights = Weights(blob, table, norms)
+
+
+def kv_view(a: np.ndarray) -> np.ndarray:
+    """A K/V array as the kernels read it: float32 as it is, float16 as its bits (uint16)."""
+    return a.view(np.uint16) if a.dtype == np.float16 else a
 
 
 class FusedBackend(Int8Backend):
@@ -104,11 +119,21 @@ class FusedBackend(Int8Backend):
                     f"numba loads)")
         return None
 
+    # Rows per padded batch: the prefill tiles take 4 (32-value types) or 8 (K-quants) activation
+    # rows, the rows left over another path; a multiple of both sends every row of a batch down the
+    # tiles, so a row's bits do not depend on its neighbours (common/backend.py, row_block).
+    row_block = 8
+
     def __init__(self, threads: int | None = None):
         super().__init__(threads)
         self._plan = None
-        self._single = {}               # id(weight) -> (blob, [[0, rows, bytes per row, type]])
+        self._heads = {}                # id(weight) -> (its blocks as a blob, its one MATRIX record)
         self.kernel_seconds = 0.0       # time inside the compiled calls, for Python's share
+        self.barriers = 0               # barriers crossed in the last call (counted by the threads)
+
+    def layout_of(self, w) -> int:
+        """How a matrix's rows are stored (layer_stack.MATRIX.layout): as the file stores them."""
+        return ROWS
 
     def _threads(self) -> int:
         """The region's iterations: numba's pool size as the backend set it (one thread per
@@ -116,36 +141,61 @@ class FusedBackend(Int8Backend):
         self._pool()
         return numba.get_num_threads()
 
-    def forward_layers(self, model, tokens, start_pos: int):
-        """Every layer in one compiled call: h [M, D] before the final norm."""
+    def _dims(self, model) -> Dims:
+        cfg = model.config
+        return Dims(cfg.n_head, cfg.n_head_kv, cfg.n_ff, cfg.eps, np.float32(1.0 / np.sqrt(cfg.head_dim)),
+                    model.rope_cos, model.rope_sin)
+
+    def _run(self, model, tokens, cache: Cache, rows: Rows):
+        """The layer stack over the rows `tokens` [M]: h [M, D] before the final norm."""
         if self._plan is None:
-            self._plan = _Plan(model)
-        cfg, p, kv = model.config, self._plan, model.kv
+            self._plan = _Plan(model, self.layout_of)
         h = self.embed(model.token_embd, tokens)
-        self._pool()
         nt = self._threads()
         sync = new_sync()
         t0 = time.perf_counter()
-        run_layers(h, p.blob, p.mats, p.norms, cfg.eps, model.rope_cos, model.rope_sin, start_pos, kv.k, kv.v,
-                   cfg.n_head, cfg.n_head_kv, cfg.n_ff, np.float32(1.0 / np.sqrt(cfg.head_dim)), sync, F16_TO_F32,
-                   nt)
+        run_layers(h, self._plan.weights, cache, rows, self._dims(model), sync, nt)
         self.kernel_seconds += time.perf_counter() - t0
+        self.barriers = int(sync[0]) // nt
         if sync[1]:
-            raise RuntimeError(f"the fused stage's {nt} threads did not all run (a barrier gave up): "
+            raise RuntimeError(f"the {self.name} stage's {nt} threads did not all run (a barrier gave up): "
                                "numba's threading layer must give each parallel iteration its own thread")
         return h
+
+    def forward_layers(self, model, tokens, start_pos: int):
+        """One sequence: its arena is one page of n_ctx positions, row m at start_pos + m."""
+        kv = model.kv
+        positions = np.arange(start_pos, start_pos + len(tokens), dtype=np.int64)
+        cache = Cache(kv_view(kv.k), kv_view(kv.v), np.zeros((1, 1), np.int64), kv.k.shape[1])
+        return self._run(model, tokens, cache, Rows(positions, positions, np.zeros(len(tokens), np.int64)))
+
+    def forward_layers_batch(self, model, batch):
+        """Many sequences (common/batch.py): each row at its own position and cache slot, reading its
+        own sequence's pages, all in the same one call."""
+        pool = batch.pool
+        k, v = (kv_view(a.reshape(pool.n_layer, -1, pool.kv_dim)) for a in (pool.k, pool.v))
+        rows = Rows(batch.positions, batch.slots, np.maximum(batch.row_seq, 0))
+        return self._run(model, batch.tokens, Cache(k, v, batch.tables, pool.page_size), rows)
+
+    def _head(self, w):
+        """The output matrix as a blob and its one MATRIX record."""
+        head = self._heads.get(id(w))
+        if head is None:
+            head = self._heads[id(w)] = (w.data.reshape(-1),
+                                         matrix_table([(0, w.shape[0], w.row_bytes, w.kind, self.layout_of(w))]))
+        return head
 
     def matmul(self, x, w):
         """The output head (the one matmul the graph still calls): one compiled call."""
         if not isinstance(w, QuantMatrix):
             return super().matmul(x, w)
-        single = self._single.get(id(w))
-        if single is None:           # the weight's own blocks as the blob, its one row of `mats`
-            rows, row_bytes = w.data.shape
-            single = self._single[id(w)] = (w.data.reshape(-1), np.array([[0, rows, row_bytes, w.kind]], np.int64))
+        return self.matmul_blocks(x, w)
+
+    def matmul_blocks(self, x, w):
+        blob, mat = self._head(w)
         x = np.ascontiguousarray(x, dtype=np.float32)
         nt = self._threads()
         t0 = time.perf_counter()
-        y = matmul_rows(x, single[0], single[1], F16_TO_F32, nt)
+        y = matmul_rows(x, blob, mat, nt)
         self.kernel_seconds += time.perf_counter() - t0
         return y

@@ -5,7 +5,7 @@ matrix multiply it rounds the activation row to blocks of 8-bit integers with on
 block (Q8_0/Q8_1: 32 values, a float16 scale; Q8_K: 256 values, a float32 scale and the sums
 of every 16, for the K-quants), so that a block's dot product is a sum of small integer
 products and the scales are applied once per block. This stage does the same
-(stages/kernels/int8.py: ggml's quantize_row_q8_0/_q8_1/_q8_K_ref and vec_dot formulas).
+(stages/kernels/int_dot.py: ggml's quantize_row_q8_0/_q8_1/_q8_K_ref and vec_dot formulas).
 
 * The compiler will not find llama.cpp's instruction. Written as plain integer loops, the sums
   vectorize into vpmaddwd (16-bit products, 8 per instruction), each block ending in a
@@ -43,14 +43,8 @@ from __future__ import annotations
 import numpy as np
 
 from common.gguf import GGMLType
-from stages.kernels.int8 import (
-    ACTIVATION_BLOCK,
-    add_block_offsets,
-    dequantize_q8,
-    matvec_int8,
-    matvec_int8_auto,
-    quantize_q8,
-)
+from stages.kernels.int_dot import add_block_offsets, matvec_int8, matvec_int8_auto
+from stages.kernels.q8 import ACTIVATION_BLOCK, dequantize_q8, quantize_q8
 from stages.kernels.toolkit import F16_TO_F32
 from stages.quantized import QuantMatrix
 from stages.threads import ThreadsBackend

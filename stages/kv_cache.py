@@ -31,11 +31,12 @@ from stages.simd import SimdBackend
 
 
 class KVCache:
-    """K and V for every layer and position: two [n_layer, n_ctx, kv_dim] float32 arrays."""
+    """K and V for every layer and position: two [n_layer, n_ctx, kv_dim] arrays (float32, or the
+    backend's kv_dtype)."""
 
-    def __init__(self, n_layer: int, n_ctx: int, kv_dim: int):
-        self.k = np.zeros((n_layer, n_ctx, kv_dim), dtype=np.float32)
-        self.v = np.zeros((n_layer, n_ctx, kv_dim), dtype=np.float32)
+    def __init__(self, n_layer: int, n_ctx: int, kv_dim: int, dtype=np.float32):
+        self.k = np.zeros((n_layer, n_ctx, kv_dim), dtype=dtype)
+        self.v = np.zeros((n_layer, n_ctx, kv_dim), dtype=dtype)
         self.n_ctx = n_ctx
         self.nbytes = self.k.nbytes + self.v.nbytes
 
@@ -55,4 +56,4 @@ class KVCacheBackend(SimdBackend):
     name = "kv_cache"
 
     def new_kv_cache(self, n_layer, n_ctx, kv_dim):
-        return KVCache(n_layer, n_ctx, kv_dim)
+        return KVCache(n_layer, n_ctx, kv_dim, self.kv_dtype)

@@ -12,7 +12,7 @@ weight per token. This stage streams the file's bits instead:
   mapped file (`QuantMatrix`); the OS pages the file in as it is read and shares those pages
   with every process that maps it. The tied output matrix is the embedding table itself, and
   the embedding lookup decodes only the rows of the tokens it is given.
-* Decode (M = 1): a fused kernel per format (stages/kernels/quantized.py) reads each row's
+* Decode (M = 1): a fused kernel per format (stages/kernels/dequant_dot.py) reads each row's
   blocks once, unpacks the 4-8 bit integers with AND/shift, converts them to float and
   multiplies them into x, 8 lanes at a time, applying the block scales once per block. A
   weight's float32 value exists only in a register (or a one-row buffer that stays in L1).
@@ -37,7 +37,7 @@ import numpy as np
 
 from common.gguf import GGMLType
 from common.quants import UnsupportedTypeError
-from stages.kernels.quantized import CPU_KERNEL_TYPES, MATVEC, dequantize_rows, embed_rows, matvec_rows
+from stages.kernels.dequant_dot import CPU_KERNEL_TYPES, MATVEC, dequantize_rows, embed_rows, matvec_rows
 from stages.kernels.toolkit import F16_TO_F32
 from stages.kv_cache import KVCacheBackend
 from stages.simd import PANEL, matmul_panels
@@ -67,6 +67,10 @@ class QuantMatrix:
         self.kind = int(t)
         self.shape = (int(tensor.shape[0]), int(tensor.shape[1]))
         self.nbytes = int(data.nbytes)
+
+    @property
+    def row_bytes(self) -> int:
+        return int(self.data.shape[1])
 
 
 class QuantizedBackend(KVCacheBackend):

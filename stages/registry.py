@@ -4,8 +4,9 @@ the Makefile's help and the benchmarks all read this table, and nothing else say
 Adding a stage is one entry here plus its module (a Backend subclass of the stage it builds on).
 
 Numbers follow the article's chapters (1-6, cuda being its sixth), then ours (7 on); `STAGES`
-is in that order. `builds_on` is the stage a stage's backend inherits from: the stage it is
-compared with ("vs previous" in the report). A variant is the same lesson with one part
+is in that order, and a stage's chapter is notebooks/<its number>_<its name> (chapters that are no
+stage take numbers no stage has: 00, and 12 on). `builds_on` is the stage a stage's backend
+inherits from: the stage it is compared with ("vs previous" in the report). A variant is the same lesson with one part
 swapped (e.g. int8 with its plain loops instead of the named instructions), loadable by name
 for side-by-side measurements but not a stage of its own.
 
@@ -85,16 +86,19 @@ REGISTRY = {s.name: s for s in (
           kv_cache=True, chapter="06_cuda", gpu=True),
     Stage("threads", 7, "stages.threads", "ThreadsBackend", "quantized",
           "all cores: what a second core buys a memory-bound loop",
-          kv_cache=True, chapter="08_beyond", parallel=True),
+          kv_cache=True, chapter="07_threads", parallel=True),
     Stage("int8", 8, "stages.int8", "Int8Backend", "threads",
           "round activations to int8, as llama.cpp does, for integer dot products",
-          kv_cache=True, chapter="08_beyond", parallel=True),
+          kv_cache=True, chapter="08_int8", parallel=True),
     Stage("int8-loops", 8, "stages.int8", "Int8LoopsBackend", "threads",
           "int8 with plain integer loops for LLVM's auto-vectorizer instead of the named instructions",
-          kv_cache=True, chapter="08_beyond", parallel=True, variant_of="int8"),
+          kv_cache=True, chapter="08_int8", parallel=True, variant_of="int8"),
     Stage("fused", 9, "stages.fused", "FusedBackend", "int8",
           "one compiled call per token: no Python or fork/join between the ops",
           kv_cache=True, chapter="09_fused", parallel=True),
+    Stage("repack", 10, "stages.repack", "RepackBackend", "fused",
+          "lay the weights out as the vector unit reads them: 8 rows interleaved, one lane each",
+          kv_cache=True, chapter="10_repack", parallel=True),
     Stage("tp", 11, "stages.tp", "TensorParallelBackend", "fused",
           "split every layer across N processes (MPI ranks): two all-reduces per layer",
           kv_cache=True, chapter="11_tp", parallel=True, ranks=True),

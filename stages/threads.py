@@ -15,7 +15,7 @@ What changes, and nothing else:
 
 * Decode (one activation row): the rows of a weight are split into --threads contiguous
   ranges, one per iteration of a numba `prange`, each running the quantized stage's fused
-  kernel for the weight's type (stages/kernels/threads.py). The threads share nothing but the
+  kernel for the weight's type (stages/kernels/parallel.py). The threads share nothing but the
   activation row (a few KiB): each streams its own rows' blocks.
 * Prefill (M prompt rows): the 64-row panels are split the same way; each thread decodes its
   own panels into its own buffer and runs the simd stage's 4 x 4 kernel on them.
@@ -42,7 +42,7 @@ import numba
 import numpy as np
 
 from common.cpu import physical_cores
-from stages.kernels.threads import attention_paged_parallel, attention_parallel, matvec_parallel, prefill_parallel
+from stages.kernels.parallel import attention_paged_parallel, attention_parallel, matvec_parallel, prefill_parallel
 from stages.kernels.toolkit import F16_TO_F32
 from stages.quantized import PREFILL_ROWS, X_CHUNK_BYTES, QuantizedBackend, QuantMatrix
 from stages.simd import PANEL

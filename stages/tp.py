@@ -118,13 +118,13 @@ class TensorParallelBackend(BaseBackend):
             self.copied_bytes += t.nbytes
             return super().prepare_matrix(t)
         if role == "output":
-            return self._head(tensor)
+            return self._vocab_shard(tensor)
         return super().prepare_matrix(tensor)
 
     def tie_output(self, embedding, tensor):
-        return self._head(tensor) if self.share else super().tie_output(embedding, tensor)
+        return self._vocab_shard(tensor) if self.share else super().tie_output(embedding, tensor)
 
-    def _head(self, tensor):
+    def _vocab_shard(self, tensor):
         v0, v1 = self.share.vocab
         return VocabShard(super().prepare_matrix(map_rows(self.path, tensor, v0, v1)),
                           [s.vocab[1] - s.vocab[0] for s in self.shares])
@@ -174,15 +174,8 @@ class TensorParallelBackend(BaseBackend):
         return out
 
     # ---- a batch of sequences (the server) needs every head on one rank ------------------------------
-    def _one_sequence(self):
+    def forward_layers_batch(self, model, batch):
         if self.ranks.size > 1:
             raise StageError(f"stage 'tp' over {self.ranks.size} ranks runs one sequence at a time (run, chat): "
                              "serving a batch across ranks is not built; serve with a single-process stage")
-
-    def rope_at(self, x, cos, sin, positions, n_heads):
-        self._one_sequence()
-        return super().rope_at(x, cos, sin, positions, n_heads)
-
-    def attention_paged(self, q, k, v, n_head, n_head_kv, layer, batch):
-        self._one_sequence()
-        return super().attention_paged(q, k, v, n_head, n_head_kv, layer, batch)
+        return super().forward_layers_batch(model, batch)          # 1 rank: the whole model, the base's kernels

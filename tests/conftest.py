@@ -3,6 +3,8 @@
 Markers:
     slow     long-running; skipped unless LLM_SLOW_TESTS=1 (`make test-all` sets it)
     gpu      needs an NVIDIA GPU and PyCUDA; skipped where there is none
+    needs    needs(NAME): reads a file `make test` fetches first (FIXTURE_FILES: the default model,
+             llama.cpp's vocab files); a test using the default_model_path fixture needs "model"
     timeout  (pytest-timeout) every test has one: TIMEOUT_S unless it sets its own, SLOW_TIMEOUT_S
              for slow tests; past it the run stops with every thread's stack. Compiled code that
              holds the interpreter's lock (a numba loop) keeps pytest-timeout's watchdog from
@@ -10,9 +12,17 @@ Markers:
              fails instead of stalling CI
 
 Skips are printed with their reasons (`make test` runs -rs). In CI (the environment variable
-CI set, as CI services do) a skip whose reason EXPECTED_SKIPS does not list fails its test: a
-test that silently stops running is a check lost, so only what a machine without a GPU, the
-CUDA toolkit or llama.cpp cannot run may skip there.
+CI set, as CI services do) a skip whose reason EXPECTED_SKIPS does not describe, whole, fails:
+a test that silently stops running is a check lost, so only what a machine without a GPU, the
+CUDA toolkit, llama.cpp or a vector instruction cannot run may skip there. That holds for a skip
+at collection too (a module-level `pytest.importorskip`: the whole module would vanish), which
+fails the run there. Expected failures are strict (pyproject.toml: an xfail that passes fails),
+and in CI only a strict xfail marker whose test ran and failed counts as one: `pytest.xfail()`
+called inside a test, or `xfail(run=False)`, is a skip by another name.
+
+A fixture file that is missing (`pytest tests/` without `make test`'s set-up) is one message
+naming the make target: a skip with that reason outside CI, and in CI one failure, the other
+tests that need it skipped behind it.
 """
 
 from __future__ import annotations
@@ -34,16 +44,33 @@ TIMEOUT_S = int(os.environ.get("LLM_TEST_TIMEOUT", "300"))
 SLOW_TIMEOUT_S = 3 * 3600 // 4
 GRACE_S = int(os.environ.get("LLM_TEST_TIMEOUT_GRACE", "60"))
 
-# reason pattern -> why a machine may legitimately skip it
+# reason pattern -> why a machine may legitimately skip it. A pattern describes the whole reason
+# (re.fullmatch): a sentence that merely contains "this CPU" is not one of these.
 EXPECTED_SKIPS = {
-    r"^gpu test: ": "no NVIDIA GPU, driver or PyCUDA (every gpu-marked test says which)",
-    r"^nvcc not found": "no CUDA toolkit to compile the kernels with",
-    r"^this machine can run the cuda stage": "the checks of the no-GPU messages, on a machine with a GPU",
-    r"llama-cpp-python (is )?not installed": "llama.cpp is optional (`make baseline` installs it)",
-    r"^slow test: ": "slow tests run with LLM_SLOW_TESTS=1 (`make test-all`)",
-    r"\bthis CPU\b|reads x86 assembly": "vector instructions this CPU does not have",
-    r"has no page \(only comparison and kernel records do\)": "records of a kind that has no page",
+    r"gpu test: .+": "no NVIDIA GPU, driver or PyCUDA (every gpu-marked test says which)",
+    r"nvcc not found \(the CUDA toolkit is not installed\)": "no CUDA toolkit to compile the kernels with",
+    r"this machine can run the cuda stage": "the checks of the no-GPU messages, on a machine with a GPU",
+    r"llama-cpp-python (is )?not installed\b.*": "llama.cpp is optional (`make baseline` installs it)",
+    r"slow test: set LLM_SLOW_TESTS=1 \(or `make test-all`\) to run it": "slow tests run with `make test-all`",
+    # tests/util.py decides these from LLVM's view of the CPU, not from the probe under test
+    r"this CPU has no [A-Za-z0-9+, -]+ \(LLVM's host features\)(: .+)?": "vector instructions this CPU lacks",
+    r"numba's target is set \(NUMBA_CPU_NAME=.*, NUMBA_CPU_FEATURES=.*\): it compiles for that, not this CPU":
+        "a portable numba target (no host-only instructions)",
+    r"the check reads x86 assembly; this is an? \S+ machine": "assembly checks of x86 code, on another machine",
 }
+
+
+def _fixture_files() -> dict:
+    """The files `make test` fetches before the suite: name -> (the file whose presence says it
+    is complete, the make target that fetches it, what it is)."""
+    from app.models import DEFAULT_MODEL, VOCAB_DIR
+    return {"model": (DEFAULT_MODEL.path, "make model", "the default model"),
+            "vocab": (VOCAB_DIR / ".complete", "make vocab", "llama.cpp's vocab-only GGUF files")}
+
+
+FIXTURE_FILES = _fixture_files()
+# a test using one of these fixtures needs that file (a test module may add its own NEEDS_BY_FIXTURE)
+NEEDS_BY_FIXTURE = {"default_model_path": "model"}
 
 
 def in_ci() -> bool:
@@ -51,7 +78,31 @@ def in_ci() -> bool:
 
 
 def expected_skip(reason: str) -> bool:
-    return any(re.search(pattern, reason) for pattern in EXPECTED_SKIPS)
+    return any(re.fullmatch(pattern, reason, re.S) for pattern in EXPECTED_SKIPS)
+
+
+def missing_fixture_message(name: str) -> str | None:
+    """None if fixture file `name` is there, else the one message that says how to get it."""
+    path, target, what = FIXTURE_FILES[name]
+    if path.exists():
+        return None
+    shown = path.parent if path.name.startswith(".") else path      # a folder's completion stamp: the folder
+    try:
+        shown = shown.relative_to(ROOT)
+    except ValueError:
+        pass
+    return f"{what} ({shown}) missing: run `{target}` (`make test` fetches it before the suite)"
+
+
+def needed_files(item) -> set:
+    names = {name for m in item.iter_markers("needs") for name in m.args}
+    by_fixture = {**NEEDS_BY_FIXTURE, **getattr(getattr(item, "module", None), "NEEDS_BY_FIXTURE", {})}
+    names |= {need for fixture, need in by_fixture.items() if fixture in getattr(item, "fixturenames", ())}
+    unknown = names - set(FIXTURE_FILES)
+    if unknown:
+        raise pytest.UsageError(f"{item.nodeid}: needs({', '.join(sorted(unknown))}): "
+                                f"tests/conftest.py FIXTURE_FILES knows {', '.join(FIXTURE_FILES)}")
+    return names
 
 
 def _gpu_missing_reason() -> str | None:
@@ -76,6 +127,29 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("timeout") is None:
             seconds = SLOW_TIMEOUT_S if "slow" in item.keywords else TIMEOUT_S
             item.add_marker(pytest.mark.timeout(seconds, method="thread"))
+    for item in items:
+        item.stash[_MISSING] = [m for m in map(missing_fixture_message, sorted(needed_files(item))) if m]
+
+
+_MISSING = pytest.StashKey[list]()          # the missing fixture files' messages, per test
+_REPORTED_ONCE = pytest.StashKey[bool]()    # skipped behind the one CI failure for its missing file
+_failed_for: set = set()                     # the messages already reported as a failure (CI)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A missing fixture file: skip with its message; in CI the first test that needs it fails
+    with that message instead and the rest skip behind it, so the run says it once. (A test
+    skipped anyway, slow or gpu, keeps its own reason.)"""
+    if item.get_closest_marker("skip") is not None:
+        return
+    for message in item.stash.get(_MISSING, []):
+        if in_ci() and message not in _failed_for:
+            _failed_for.add(message)
+            pytest.fail(f"{message}; the other tests that need it are skipped", pytrace=False)
+        if in_ci():
+            item.stash[_REPORTED_ONCE] = True
+        pytest.skip(message)
 
 
 _terminal_fd = None              # stderr as it was before pytest captured it: where a dump must go
@@ -109,17 +183,55 @@ def skip_reason(report) -> str:
     return text.removeprefix("Skipped: ")
 
 
+ALLOWED_IN_CI = ("(tests/conftest.py EXPECTED_SKIPS lists the skips allowed there: what a machine without a GPU, "
+                 "the CUDA toolkit, llama.cpp or a vector instruction cannot run)")
+
+
+def xfail_problem(item, call, report) -> str | None:
+    """Why an xfail outcome does not count as an expected failure in CI, or None if it does:
+    only a strict xfail marker whose test ran and failed does."""
+    if report.passed:                                           # XPASS of a marker someone made non-strict
+        return f"an expected failure passed in CI: {report.wasxfail} (xfail markers are strict)"
+    marker = item.get_closest_marker("xfail")
+    if call.excinfo is not None and call.excinfo.errisinstance(pytest.xfail.Exception):
+        return (f"xfail without running the test, in CI: {report.wasxfail} (pytest.xfail() or "
+                f"xfail(run=False) is a skip by another name)")
+    if marker is None or not marker.kwargs.get("strict", item.config.getini("xfail_strict")):
+        return f"a non-strict xfail in CI: {report.wasxfail} (only strict xfail markers are allowed there)"
+    return None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if not (report.skipped and in_ci()) or hasattr(report, "wasxfail"):
+    if not in_ci():
         return
-    reason = skip_reason(report)
-    if not expected_skip(reason):
+    if hasattr(report, "wasxfail"):
+        problem = xfail_problem(item, call, report)
+    elif report.skipped and not item.stash.get(_REPORTED_ONCE, False):
+        reason = skip_reason(report)
+        problem = None if expected_skip(reason) else f"unexpected skip in CI: {reason}\n{ALLOWED_IN_CI}"
+    else:
+        problem = None
+    if problem:
         report.outcome = "failed"
-        report.longrepr = (f"unexpected skip in CI: {reason}\n(tests/conftest.py EXPECTED_SKIPS lists the skips "
-                           f"allowed there: what a machine without a GPU, the CUDA toolkit or llama.cpp cannot run)")
+        report.longrepr = problem
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A skip while collecting (a module-level importorskip or skip) drops every test of the
+    module before any of them can report: in CI it is judged like a test's skip, and an
+    unexpected one is a collection error, which fails the run."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and in_ci():
+        reason = skip_reason(report)
+        if not expected_skip(reason):
+            report.outcome = "failed"
+            report.longrepr = (f"unexpected skip in CI, at collection: {reason}\n(none of {collector.nodeid}'s tests "
+                               f"would run) {ALLOWED_IN_CI}")
 
 
 @pytest.fixture(scope="session")
@@ -129,9 +241,9 @@ def repo_root() -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
-    """The default model file (SmolLM2-135M-Instruct Q4_1); fails, not skips, if it is missing."""
-    from app.models import DEFAULT_MODEL
-    path = DEFAULT_MODEL.path
-    if not path.exists():
-        pytest.fail(f"default model missing at {path}: run `make model`", pytrace=False)
+    """The default model file (SmolLM2-135M-Instruct Q4_1). A test that uses it needs "model":
+    if the file is missing, pytest_runtest_setup has skipped it (or, in CI, failed once)."""
+    path = FIXTURE_FILES["model"][0]
+    if not path.exists():                     # only reachable from a fixture of another fixture file
+        pytest.fail(missing_fixture_message("model"), pytrace=False)
     return path

@@ -116,3 +116,16 @@ def cycles(root: Path) -> list[list[str]]:
         if v not in index:
             visit(v)
     return [c for c in found if not all(m == c[0] or m.startswith(c[0] + ".") for m in c)]
+
+
+def wide_functions(root: Path, folder: str = "stages/kernels", limit: int = 12) -> list[str]:
+    """'file:function (n)' for every function under `folder` with more than `limit` positional
+    parameters (a kernel that takes many arrays takes them as named records instead)."""
+    out = []
+    for path in sorted((root / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = len(node.args.posonlyargs) + len(node.args.args)
+                if n > limit:
+                    out.append(f"{path.relative_to(root).as_posix()}:{node.name} ({n})")
+    return out

@@ -157,6 +157,7 @@ class StubEngine:
 
     class backend:
         row_block = 1
+        kv_dtype = np.float32
 
     n_ctx = 64
 

@@ -30,6 +30,23 @@ def test_run_json_has_the_protocol_fields(default_model_path):
     assert rec["ttft_ms"] > 0 and rec["peak_rss_mb"] > 0
 
 
+def test_run_opens_the_model_file_once(default_model_path, monkeypatch, capsys):
+    """The prompt is tokenized and checked against the context from the same open file the
+    weights then load from: one GGUFFile per run (a counted constructor)."""
+    from app.cli import main
+    from common.gguf import GGUFFile
+    opened = []
+    real = GGUFFile.__init__
+
+    def counted(self, path):
+        opened.append(str(path))
+        real(self, path)
+    monkeypatch.setattr(GGUFFile, "__init__", counted)
+    assert main(["run", "--stage", "quantized", "-m", str(default_model_path), "-n", "2", "--json"]) == 0
+    assert len(opened) == 1, opened
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n_generated"] == 2
+
+
 def test_run_streams_text_then_prints_the_figures(default_model_path):
     p = run("run", "--stage", "kv_cache", "-m", str(default_model_path), "-p", "The capital of France is",
             "-n", "6", "--profile")
@@ -165,14 +182,19 @@ def test_after():
 
 
 def run_pytest(tmp_path, source, *args, **env):
-    """pytest on one test file beside a copy of tests/conftest.py, in a fresh process."""
+    """pytest on one test file (or {name: source} of several) beside copies of tests/conftest.py
+    and pyproject.toml (its pytest settings: xfail_strict), in a fresh process."""
     (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
-    (tmp_path / "test_sample.py").write_text(source)
-    environ = {k: v for k, v in os.environ.items() if k not in ("CI", "LLM_TEST_TIMEOUT", "LLM_TEST_TIMEOUT_GRACE")}
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    files = source if isinstance(source, dict) else {"test_sample.py": source}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("CI", "LLM_TEST_TIMEOUT", "LLM_TEST_TIMEOUT_GRACE", "LLM_MODELS_DIR")}
     environ.update(PYTHONPATH=str(ROOT), **env)
     return subprocess.run([sys.executable, "-m", "pytest", "-rfEsx", "-p", "no:cacheprovider", *args,
-                           str(tmp_path / "test_sample.py")], cwd=tmp_path, env=environ, capture_output=True,
-                          text=True, timeout=120)
+                           *(str(tmp_path / name) for name in files)], cwd=tmp_path, env=environ,
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_skips_show_their_reasons(tmp_path):
@@ -188,6 +210,132 @@ def test_in_ci_an_unexpected_skip_fails(tmp_path):
     assert "FAILED test_sample.py::test_needs_a_file" in p.stdout
     assert "unexpected skip in CI: the default model is not there" in p.stdout
     assert "1 failed, 1 passed, 1 skipped, 1 xfailed" in p.stdout        # the gpu skip is an expected one
+
+
+MODULE_SKIPS = {
+    "test_gone.py": 'import pytest\npytest.importorskip("no_such_module_anywhere")\n\ndef test_never_collected():\n'
+                    '    pass\n',
+    "test_kept.py": "def test_runs():\n    pass\n",
+}
+EXPECTED_MODULE_SKIP = dict(MODULE_SKIPS, **{
+    "test_gone.py": 'import pytest\npytest.skip("gpu test: no NVIDIA GPU here", allow_module_level=True)\n\n'
+                    'def test_never_collected():\n    pass\n'})
+
+
+def test_in_ci_an_unexpected_module_level_skip_fails_the_run(tmp_path):
+    """A module-level importorskip skips at collection, before any test of the module can report:
+    outside CI a skip with its reason, in CI a collection error that fails the run."""
+    p = run_pytest(tmp_path, MODULE_SKIPS)
+    assert p.returncode == 0 and "1 passed, 1 skipped" in p.stdout, p.stdout
+    p = run_pytest(tmp_path, MODULE_SKIPS, CI="1")
+    assert p.returncode not in (0, 5), p.stdout
+    assert "ERROR collecting test_gone.py" in p.stdout
+    assert "unexpected skip in CI, at collection: could not import 'no_such_module_anywhere'" in p.stdout
+
+
+def test_in_ci_an_expected_module_level_skip_passes(tmp_path):
+    p = run_pytest(tmp_path, EXPECTED_MODULE_SKIP, CI="1")
+    assert p.returncode == 0 and "1 passed, 1 skipped" in p.stdout, p.stdout
+
+
+XFAILS = '''
+import pytest
+
+@pytest.mark.xfail(reason="a known gap")
+def test_strict_gap():
+    assert False
+
+@pytest.mark.xfail(reason="a gap that was closed")
+def test_closed_gap():
+    pass
+
+@pytest.mark.xfail(strict=False, reason="a loose gap")
+def test_loose_gap():
+    assert False
+
+def test_imperative_xfail():
+    pytest.xfail("not today")
+
+@pytest.mark.xfail(run=False, reason="never run")
+def test_not_run():
+    assert False
+'''
+
+
+def test_xfails_are_strict_and_in_ci_only_a_strict_marker_counts(tmp_path):
+    """pyproject.toml's xfail_strict: an xfail that passes fails, everywhere. In CI only a strict
+    xfail marker whose test ran and failed is an expected failure; a non-strict one, an xfail
+    called inside the test and one that never runs are skips by another name."""
+    p = run_pytest(tmp_path, XFAILS)
+    assert p.returncode == 1, p.stdout
+    assert "[XPASS(strict)] a gap that was closed" in p.stdout and "1 failed, 4 xfailed" in p.stdout
+    p = run_pytest(tmp_path, XFAILS, CI="1")
+    assert p.returncode == 1, p.stdout
+    assert "3 failed, 1 xfailed, 1 error" in p.stdout, p.stdout               # run=False: at setup
+    assert "a non-strict xfail in CI: a loose gap" in p.stdout
+    assert "xfail without running the test, in CI: not today" in p.stdout
+    assert "xfail without running the test, in CI: [NOTRUN] never run" in p.stdout
+
+
+NEEDS_VOCAB = '''
+import pytest
+
+@pytest.mark.needs("vocab")
+def test_a():
+    pass
+
+@pytest.mark.needs("vocab")
+def test_b():
+    pass
+
+@pytest.mark.needs("vocab")
+def test_c():
+    pass
+
+def test_free():
+    pass
+'''
+
+
+def test_a_missing_fixture_file_is_one_message_naming_make(tmp_path):
+    """models/vocab/ absent (LLM_MODELS_DIR pointed at an empty folder): outside CI the tests
+    that need it skip with one reason, `make vocab`; in CI the first fails with it and the rest
+    skip behind it; with the folder there, they run."""
+    empty = tmp_path / "models"
+    empty.mkdir()
+    p = run_pytest(tmp_path, NEEDS_VOCAB, LLM_MODELS_DIR=str(empty))
+    assert p.returncode == 0 and "1 passed, 3 skipped" in p.stdout, p.stdout
+    skipped = [line for line in p.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert len(skipped) == 1 and "SKIPPED [3]" in skipped[0] and "run `make vocab`" in skipped[0], skipped
+    p = run_pytest(tmp_path, NEEDS_VOCAB, LLM_MODELS_DIR=str(empty), CI="1")
+    assert p.returncode == 1 and "1 passed, 2 skipped, 1 error" in p.stdout, p.stdout       # the error: at setup
+    failed = [line for line in p.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    assert len(failed) == 1 and "make vocab" in failed[0], failed
+    (empty / "vocab").mkdir()
+    (empty / "vocab" / ".complete").touch()
+    p = run_pytest(tmp_path, NEEDS_VOCAB, LLM_MODELS_DIR=str(empty), CI="1")
+    assert p.returncode == 0 and "4 passed" in p.stdout, p.stdout
+
+
+def test_the_allowed_skip_reasons_are_anchored():
+    """EXPECTED_SKIPS patterns describe a whole reason: the reasons tests/util.py writes match;
+    a sentence that only contains their words (an ISA probe that regressed, the old unanchored
+    forms) does not."""
+    from tests.conftest import expected_skip
+    from tests.util import lacks
+    allowed = [lacks("avx2", "f16c", have=frozenset(), then="the int8 stage runs its loops"),
+               lacks("avx2", "fma", have=frozenset({"avx2"})),
+               "gpu test: no NVIDIA GPU, driver or PyCUDA", "nvcc not found (the CUDA toolkit is not installed)",
+               "llama-cpp-python not installed (`make baseline`)",
+               "the check reads x86 assembly; this is an arm64 machine",
+               "slow test: set LLM_SLOW_TESTS=1 (or `make test-all`) to run it"]
+    refused = ["the ISA probe found no AVX2, though this CPU has no trouble with it",
+               "this CPU (or numba's target) has no AVX2: the int8 stage runs its auto-vectorized loops only",
+               "named_isa() says this CPU has no AVX2 (LLVM's host features)",
+               "not a gpu test: the default model is missing", "the default model is not there",
+               "records.json has no page (only comparison and kernel records do)", "the check reads x86 assembly"]
+    assert [r for r in allowed if not expected_skip(r)] == []
+    assert [r for r in refused if expected_skip(r)] == []
 
 
 def test_a_python_hang_is_stopped(tmp_path):

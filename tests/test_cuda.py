@@ -773,11 +773,11 @@ def test_profile_counts_every_launch(emulator, tiny_model_path):
 
 
 @pytest.mark.slow
-def test_default_model_on_the_emulator(emulator):
+def test_default_model_on_the_emulator(emulator, default_model_path):
     """SmolLM2 through the emulated kernels (about a minute): Q4_1 and Q8_0 blocks, 9 query heads
     on 3 KV heads, tied embeddings, a 49152-way argmax, against the float64 reference."""
     from common import reference
-    path = _default_model()
+    path = default_model_path
     from common.model import LlamaModel
     engine = LlamaModel(GGUFFile(path), cs.CudaBackend(device=emulator), n_ctx=64)
     tokens = engine.tokenizer.encode("The quick brown fox")
@@ -792,21 +792,14 @@ def test_default_model_on_the_emulator(emulator):
 
 # ---- the default model, on a GPU --------------------------------------------------------------
 
-def _default_model():
-    from app.models import DEFAULT_MODEL
-    if not DEFAULT_MODEL.path.exists():
-        pytest.skip(f"the default model is not at {DEFAULT_MODEL.path} (`make model`)")
-    return DEFAULT_MODEL.path
-
-
 @pytest.mark.gpu
-def test_default_model_logits_and_greedy_tokens(gpu):
+def test_default_model_logits_and_greedy_tokens(gpu, default_model_path):
     """SmolLM2's logits within LOGIT_TOLERANCE of the float64 reference at every position, and
     the greedy continuation identical to a CPU stage's."""
     from common import reference
     from common.generate import generate
     from stages import STAGES, load
-    path = _default_model()
+    path = default_model_path
     engine = load("cuda", path)
     cpu_stage = "quantized" if "quantized" in STAGES else "simd"
     prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. Then it")
@@ -822,10 +815,10 @@ def test_default_model_logits_and_greedy_tokens(gpu):
 
 
 @pytest.mark.gpu
-def test_default_model_generates_without_allocating(gpu):
+def test_default_model_generates_without_allocating(gpu, default_model_path):
     from common.generate import generate
     from stages import load
-    engine = load("cuda", _default_model())
+    engine = load("cuda", default_model_path)
     engine.warmup()
     b = engine.backend
     allocs = b.device_allocs

@@ -6,8 +6,6 @@ bit, within int8's tolerance of the float64 reference, int8's greedy tokens but 
 
 from __future__ import annotations
 
-import inspect
-
 import numba
 import numpy as np
 import pytest
@@ -16,32 +14,34 @@ from common import reference
 from common.gguf import GGMLType, GGUFFile
 from stages import load
 from stages.int8 import LOGIT_TOLERANCE as INT8_TOLERANCE
-from stages.kernels import fused as F
-from stages.kernels import fused_ir
-from stages.kernels.int8 import ACTIVATION_BLOCK, dequantize_q8, matvec_int8_auto, quantize_q8
+from stages.kernels import int_tiles, repacked, vector_ir
+from stages.kernels import layer_stack as F
+from stages.kernels.int_dot import matvec_int8_auto
+from stages.kernels.layer_ops import CHUNK, attend_chunk, chunks_of, fast_exp, merge_chunks
+from stages.kernels.q8 import ACTIVATION_BLOCK, dequantize_q8, new_packs, quantize_q8, quantize_row
 from stages.kernels.sync import new_sync
-from stages.kernels.toolkit import F16_TO_F32
+from stages.kernels.toolkit import BLOCK_BYTES, F16_TO_F32
 from tests.test_int8 import activations
 from tests.test_quantized import MIXED_TYPES, n_cols_for, random_blocks, stage_logits, write_tiny_llama
-from tests.util import attention_numpy
+from tests.util import attention_numpy, expected_isa, lacks, lacks_vnni, some, thread_counts
 
 F32 = np.float32
 POOL = numba.config.NUMBA_NUM_THREADS
 INT_TYPES = [GGMLType(t) for t in ACTIVATION_BLOCK]
-NO_TILES = "this CPU (or numba's target) has no AVX2 + F16C: the fused stage runs the int8 stage's loops"
+NO_TILES = lacks("avx2", "f16c", then="the fused stage runs the int8 stage's loops, which the tiles are compared with")
 
 
 def packs_of(x, K):
     """The fused kernels' activation packs for rows x [M, K]: both formats."""
-    P32, PK = F.new_packs(x.shape[0], K)
-    _quantize_all(x, P32, PK, K % 256 == 0)
-    return P32, PK
+    p32, pk = new_packs(x.shape[0], K)
+    _quantize_all(x, p32, pk, K % 256 == 0)
+    return p32, pk
 
 
 @numba.njit
-def _quantize_all(x, P32, PK, with_k):
+def _quantize_all(x, p32, pk, with_k):
     for m in range(x.shape[0]):
-        F.quantize_row(x[m], m, x.shape[1], True, with_k, P32, PK)
+        quantize_row(x[m], m, x.shape[1], True, with_k, p32, pk)
 
 
 def test_activation_blocks_are_int8s():
@@ -49,13 +49,13 @@ def test_activation_blocks_are_int8s():
     (which tests/test_int8.py holds to ggml's), and the 32-value sums are pairs of 16-value ones."""
     x = activations(np.random.default_rng(0), 3, 512)
     x[1, :256] = 0.0
-    P32, PK = packs_of(x, 512)
+    p32, pk = packs_of(x, 512)
     q, d, s, sums = quantize_q8(x, 32)
-    for got, want in zip(P32, (q, d, s, sums)):
+    for got, want in zip(p32, (q, d, s, sums)):
         assert np.array_equal(got, want)
     q, d, _, sums = quantize_q8(x, 256)
-    assert np.array_equal(PK[0], q) and np.array_equal(PK[1], d)
-    assert np.array_equal(PK[2][:, :32], sums) and np.array_equal(PK[3], sums.reshape(3, 16, 2).sum(axis=2))
+    assert np.array_equal(pk.q, q) and np.array_equal(pk.d, d)
+    assert np.array_equal(pk.b16[:, :32], sums) and np.array_equal(pk.b32, sums.reshape(3, 16, 2).sum(axis=2))
 
 
 def _weights(ggml_type, n_rows, seed):
@@ -77,10 +77,11 @@ def _int8_rows(x, raw, ggml_type):
     return want, np.abs(xq) @ np.abs(w64).T
 
 
-def _matmul(x, raw, ggml_type, threads):
-    mat = np.array([[0, raw.shape[0], raw.shape[1], int(ggml_type)]], np.int64)
+def _matmul(x, raw, ggml_type, threads, layout=F.ROWS):
+    mat = F.matrix_table([(0, raw.shape[0], raw.shape[1], int(ggml_type), layout)])
     numba.set_num_threads(threads)
-    return F.matmul_rows(np.ascontiguousarray(x), raw.reshape(-1), mat, F16_TO_F32, threads)
+    blob = raw.reshape(-1) if layout == F.ROWS else repacked.repack(raw, int(ggml_type))
+    return F.matmul_rows(np.ascontiguousarray(x), blob, mat, threads)
 
 
 @pytest.mark.parametrize("ggml_type", INT_TYPES, ids=lambda t: t.name)
@@ -92,7 +93,7 @@ def test_tiles_against_the_int8_loops(ggml_type):
     for M in (1, 5, 11):
         x = activations(rng, M, K)
         want, scale = _int8_rows(x, raw, ggml_type)
-        runs = [_matmul(x, raw, ggml_type, n) for n in sorted({1, POOL})]
+        runs = [_matmul(x, raw, ggml_type, n) for n in thread_counts()]
         assert all(np.array_equal(r, runs[0]) for r in runs)
         err = np.abs(runs[0] - want) / np.maximum(scale, 1e-30)
         assert np.isfinite(runs[0]).all() and err.max() < 2e-6, f"{ggml_type.name} M={M}: {err.max():.2e}"
@@ -111,55 +112,52 @@ def test_float_weights_are_multiplied_in_float():
         np.testing.assert_allclose(_matmul(x, raw, ggml_type, 1), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(fused_ir.ISA is None, reason="the tiles are what the loops are compared with: " + NO_TILES)
+@pytest.mark.skipif(expected_isa() is None, reason=str(NO_TILES))
 def test_the_loops_fallback_equals_the_tiles():
     """Where a CPU has no AVX2 the stage runs the int8 stage's loops instead of the tiles
     (_chunk_loops): the same products."""
     for ggml_type in INT_TYPES:
         raw, K, rng = _weights(ggml_type, 6, 60 + int(ggml_type))
         x = activations(rng, 3, K)
-        P32, PK = packs_of(x, K)
+        p32, pk = packs_of(x, K)
         out = np.zeros((3, 6), F32)
-        F._chunk_loops(int(ggml_type), raw.reshape(-1), 0, raw.shape[1], 0, 6, 3, P32, PK, out, 0, F16_TO_F32)
+        F._chunk_loops(int(ggml_type), raw.reshape(-1), 0, raw.shape[1], 0, 6, 3, p32, pk, out, 0)
         want, scale = _int8_rows(x, raw, ggml_type)
         assert (np.abs(out - want) / np.maximum(scale, 1e-30)).max() < 2e-6, ggml_type.name
 
 
-def _tile_runner(kind):
-    """A fresh 1 x 1 tile and a fresh rows kernel of one type, compiled now (so with the ISA
-    fused_ir holds now), as one jitted function."""
-    tile, rows = fused_ir._tile(kind, 1, 1), fused_ir._rows(kind)
-
+def _tile_runner():
+    """The two kernels compiled now (with the ISA vector_ir holds now), in one jitted function:
+    one tile of the type's shape at the top, the rows below one by one."""
     @numba.njit
-    def run(w, rb, nb, P, out):
-        for n in range(out.shape[1] - 1):
-            tile(w, n * rb, rb, nb, P[0], P[1], P[2], P[3], 0, out, n)
-        n = out.shape[1] - 1
-        rows(w, n * rb, rb, nb, P[0], P[1], P[2], P[3], 1, out, n, 1)
+    def run(kind, w, rb, nb, p32, pk, out, R):
+        int_tiles.prefill_tile(kind, w, 0, rb, nb, p32, pk, 0, out, 0)
+        int_tiles.decode_rows(kind, w, R * rb, rb, nb, p32, pk, 0, out, R, out.shape[1] - R)
     return run
 
 
-@pytest.mark.skipif(fused_ir.ISA != "vnni", reason="the AVX2 form is compared with the VNNI one here; this CPU "
-                    + ("has no AVX2" if fused_ir.ISA is None else "runs the AVX2 form itself"))
+@pytest.mark.skipif(expected_isa() != "vnni", reason=str(lacks_vnni(
+    then="the AVX2 form is compared with the VNNI one here, and this CPU runs the AVX2 form itself")))
 def test_the_avx2_form_on_a_vnni_cpu(monkeypatch):
     """CPUs with AVX2 but no VNNI take vpmaddubsw + vpmaddwd for the byte products: compiled here
     in that form too, the same integer sums (the same bits) and no vpdpbusd in the code."""
+    results, asm = {}, {}
+    for isa in ("vnni", "avx2"):
+        monkeypatch.setattr(vector_ir, "ISA", isa)
+        run = _tile_runner()
+        for ggml_type in INT_TYPES:
+            R, C = int_tiles.TILE[int(ggml_type)]
+            raw, K, rng = _weights(ggml_type, R + 3, 80 + int(ggml_type))
+            x = activations(rng, C, K)
+            p32, pk = packs_of(x, K)
+            out = np.zeros((C, R + 3), F32)
+            nb = raw.shape[1] // BLOCK_BYTES[int(ggml_type)]
+            run(int(ggml_type), raw.reshape(-1), raw.shape[1], nb, p32, pk, out, R)
+            results[isa, ggml_type] = out
+        asm[isa] = "\n".join(run.inspect_asm().values())
+    assert "vpdpbusd" in asm["vnni"] and "vpdpbusd" not in asm["avx2"]
     for ggml_type in INT_TYPES:
-        raw, K, rng = _weights(ggml_type, 5, 80 + int(ggml_type))
-        x = activations(rng, 2, K)
-        P32, PK = packs_of(x, K)
-        P = PK if int(ggml_type) in fused_ir.TYPES_K else P32
-        nb = raw.shape[1] // fused_ir.BLOCK_BYTES[int(ggml_type)]
-        results = []
-        for isa in ("vnni", "avx2"):
-            monkeypatch.setattr(fused_ir, "ISA", isa)
-            run = _tile_runner(int(ggml_type))
-            out = np.zeros((2, 5), F32)
-            run(raw.reshape(-1), raw.shape[1], nb, P, out)
-            results.append(out)
-            asm = "\n".join(run.inspect_asm().values())
-            assert ("vpdpbusd" in asm) == (isa == "vnni" and int(ggml_type) in fused_ir.TYPES_32), ggml_type.name
-        assert np.array_equal(results[0], results[1]), ggml_type.name
+        assert np.array_equal(results["vnni", ggml_type], results["avx2", ggml_type]), ggml_type.name
 
 
 def test_fast_exp_is_close_to_exp():
@@ -174,38 +172,53 @@ def test_fast_exp_is_close_to_exp():
 def _exp_all(x):
     out = np.empty_like(x)
     for i in range(x.shape[0]):
-        out[i] = F.fast_exp(x[i])
+        out[i] = fast_exp(x[i])
     return out
 
 
 @numba.njit
-def _attend(items, H, n_chunks, p0, y, kc, vc, group, hd, scale, part, out):
-    scores = np.zeros(F.CHUNK if n_chunks > 1 else p0 + y.shape[0], np.float32)
+def _attend(items, H, n_chunks, positions, y, kc, vc, table, page_size, group, hd, scale, part, out):
+    scores = np.zeros(CHUNK, np.float32)
     for item in items:
-        F.attend_item(item, H, n_chunks, p0, y, kc, vc, group, hd, scale, scores, part)
+        m = item // (H * n_chunks)
+        hh, c = (item % (H * n_chunks)) // n_chunks, item % n_chunks
+        t0, t1 = c * CHUNK, min(positions[m] + 1, (c + 1) * CHUNK)
+        if t0 < t1:
+            attend_chunk(y[m, hh * hd:(hh + 1) * hd], kc, vc, table, page_size, hh // group, hd, t0, t1, scale,
+                         scores, part[m, hh, c])
     for m in range(y.shape[0]):
-        F.merge_row(part[m], n_chunks, hd, out[m])
+        for hh in range(H):
+            merge_chunks(part[m, hh], chunks_of(positions[m]), hd, out[m, hh * hd:(hh + 1) * hd])
 
 
-@pytest.mark.parametrize("p0,M", [(700, 1), (F.CHUNK - 1, 1), (F.CHUNK, 1), (0, 9), (5, 3)])
-def test_attention_split_by_positions_against_numpy(p0, M):
-    """Decode at long contexts splits each head's positions in chunks of CHUNK (flash-decoding)
-    and merges them; prefill takes each row's positions whole. Against float64 numpy, and the
-    items taken in any order give the same bits (whichever thread takes which)."""
+@pytest.mark.parametrize("p0,M", [(700, 1), (CHUNK - 1, 1), (CHUNK, 1), (0, 9), (250, 12)])
+@pytest.mark.parametrize("page_size", [16, None])
+def test_attention_split_by_positions_against_numpy(p0, M, page_size):
+    """Each row's positions in chunks of CHUNK (flash-decoding), merged; K and V read through a
+    page table (pages of 16 positions taken in a shuffled order; or the arena: one page). Against
+    float64 numpy, and the items taken in any order give the same bits (whichever thread takes
+    which)."""
     rng = np.random.default_rng(p0 + M)
     H, Hkv, hd = 9, 3, 64
     T = p0 + M
-    n_chunks = (T + F.CHUNK - 1) // F.CHUNK if M == 1 else 1
+    positions = np.arange(p0, T)
+    n_chunks = max(chunks_of(p) for p in positions)
     q = rng.standard_normal((M, H * hd)).astype(F32)
     k = rng.standard_normal((T, Hkv * hd)).astype(F32)
     v = rng.standard_normal((T, Hkv * hd)).astype(F32)
     want = attention_numpy(q, k, v, H, Hkv, p0)
+    P = page_size or T
+    n_pages = -(-T // P)
+    table = rng.permutation(n_pages + 3)[:n_pages].astype(np.int64)      # pages anywhere in the pool
+    kc, vc = np.zeros(((n_pages + 3) * P, Hkv * hd), F32), np.zeros(((n_pages + 3) * P, Hkv * hd), F32)
+    slots = table[np.arange(T) // P] * P + np.arange(T) % P
+    kc[slots], vc[slots] = k, v
     runs = []
     for order in (1, -1):
         items = np.arange(M * H * n_chunks)[::order].copy()
         part = np.zeros((M, H, n_chunks, hd + 2), F32)
         out = np.zeros((M, H * hd), F32)
-        _attend(items, H, n_chunks, p0, q, k, v, H // Hkv, hd, F32(1 / np.sqrt(hd)), part, out)
+        _attend(items, H, n_chunks, positions, q, kc, vc, table, P, H // Hkv, hd, F32(1 / np.sqrt(hd)), part, out)
         runs.append(out)
     np.testing.assert_allclose(runs[0], want, rtol=1e-4, atol=1e-5)
     assert np.array_equal(runs[0], runs[1])
@@ -225,14 +238,14 @@ def test_tiny_model_of_every_type_against_the_reference(tiny_path):
     greedy choices wherever its own top two are apart."""
     tokens = [3, 17, 42, 5, 63, 0, 8, 21, 9, 30]
     want = reference.forward(GGUFFile(tiny_path), tokens)
-    runs = [stage_logits(load("fused", tiny_path, threads=n), tokens, split=6) for n in sorted({1, POOL})]
+    runs = [stage_logits(load("fused", tiny_path, threads=n), tokens, split=6) for n in thread_counts()]
     got = runs[0]
     assert np.isfinite(got).all() and all(np.array_equal(r, got) for r in runs)
     rel = np.sqrt(((got - want) ** 2).mean() / (want ** 2).mean())
     assert rel < 0.05, f"relative RMS difference {rel:.4f}"
     floats = stage_logits(load("threads", tiny_path), tokens, split=6)
     top2 = np.sort(floats, axis=1)[:, -2:]
-    apart = top2[:, 1] - top2[:, 0] > 0.1 * np.abs(floats).max()
+    apart = some(top2[:, 1] - top2[:, 0] > 0.1 * np.abs(floats).max(), what="positions whose top two are apart")
     assert (got.argmax(axis=1)[apart] == floats.argmax(axis=1)[apart]).all()
 
 
@@ -269,22 +282,23 @@ def test_one_compiled_call_per_token_for_the_layers(tiny_path, monkeypatch):
     engine.greedy_next([4], 3)
     assert calls == {"run_layers": 1, "matmul_rows": 1}
     assert engine.backend.kernel_seconds > before
-    assert inspect.getsource(F.run_layers.py_func).count("prange(") == 1
-    assert F.OPS_PER_LAYER == 9
+    # the threads count the barriers they cross: one after every phase but the last
+    assert engine.backend.barriers == engine.config.n_layer * F.OPS_PER_LAYER - 1
+    assert F.OPS_PER_LAYER == len(F.PHASES)
 
 
 @pytest.fixture(scope="module")
 def default_engines(default_model_path):
-    return {n: load("fused", default_model_path, threads=n, n_ctx=512) for n in sorted({1, POOL})}
+    return {n: load("fused", default_model_path, threads=n, n_ctx=512) for n in thread_counts()}
 
 
 def test_one_thread_and_all_give_the_same_logits(default_engines):
     """Prefill, then decode steps past CHUNK positions (the attention split in chunks): the same
     bits on 1 thread and on all of them."""
-    tokens = [int(t) for t in np.random.default_rng(1).integers(100, 40000, F.CHUNK + 40)]
+    tokens = [int(t) for t in np.random.default_rng(1).integers(100, 40000, CHUNK + 40)]
     runs = []
     for engine in default_engines.values():
-        runs.append(stage_logits(engine, tokens, split=F.CHUNK - 2))
+        runs.append(stage_logits(engine, tokens, split=CHUNK - 2))
     assert np.isfinite(runs[0]).all()
     assert all(np.array_equal(r, runs[0]) for r in runs[1:])
 
@@ -307,8 +321,3 @@ def test_greedy_tokens_are_int8s_but_at_near_ties(default_model_path, default_en
     assert (ours.argmax(axis=1)[clear] == np.array(cont)[clear]).all()
     want = reference.forward(GGUFFile(default_model_path), ids)[len(prompt) - 1:-1]
     assert np.abs(ours - want).max() <= INT8_TOLERANCE
-
-
-def test_the_tolerance_is_int8s():
-    from stages.fused import LOGIT_TOLERANCE
-    assert LOGIT_TOLERANCE == INT8_TOLERANCE

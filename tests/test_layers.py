@@ -51,3 +51,25 @@ def test_stage_docstrings_teach_in_a_screenful():
     for path in sorted((ROOT / "stages").glob("*.py")):
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         assert len(doc.splitlines()) <= MAX_STAGE_DOCSTRING_LINES, f"{path.name}: {len(doc.splitlines())} lines"
+
+
+def test_no_kernel_takes_more_than_twelve_positional_parameters(tmp_path):
+    assert layers.wide_functions(ROOT) == []
+    planted = tmp_path / "stages" / "kernels" / "k.py"
+    planted.parent.mkdir(parents=True)
+    wide = ", ".join(f"a{i}" for i in range(13))
+    planted.write_text(f"def ok(a, b, *, c=1):\n    pass\n\n\ndef wide({wide}):\n    pass\n")
+    assert layers.wide_functions(tmp_path) == ["stages/kernels/k.py:wide (13)"]
+
+
+def test_importing_a_stage_leaves_numbas_configuration_alone():
+    """The entry points set numba's threading layers and cache folder (app.configure_numba); a
+    stage module, imported on its own, changes neither."""
+    import subprocess
+    import sys
+    code = ("import numba; a = numba.config.THREADING_LAYER_PRIORITY; c = numba.config.CACHE_DIR; "
+            "import stages.fused, stages.repack; "
+            "assert numba.config.THREADING_LAYER_PRIORITY == a and numba.config.CACHE_DIR == c, 'changed'")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("NUMBA_")}
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-500:]

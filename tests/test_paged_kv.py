@@ -17,8 +17,8 @@ import pytest
 from common.batch import Batch, Segment
 from common.paged_kv import PagePool, PagesExhausted, PageTable
 from stages import backend_class
-from stages.kernels.threads import attention_paged_parallel, attention_parallel
-from tests.util import attention_numpy, cpu_stages
+from stages.kernels.parallel import attention_paged_parallel, attention_parallel
+from tests.util import attention_numpy, cpu_stages, thread_counts
 
 P = 4                                    # positions per page: small, so a few tokens span pages
 
@@ -172,7 +172,7 @@ def test_paged_attention_kernel_gives_each_row_its_single_sequence_bits(n_head, 
     assert batch.n_rows == 12 and M % 4 == 0
     q = rng.standard_normal((M, n_head * hd)).astype(np.float32)
     results = []
-    for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+    for threads in thread_counts():
         numba.set_num_threads(threads)
         results.append(attention_paged_parallel(q, batch.pool.k[layer], batch.pool.v[layer], batch.tables,
                                                 batch.row_seq, batch.positions, batch.n_rows, n_head, n_kv, scale))

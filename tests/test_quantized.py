@@ -8,7 +8,6 @@ are checked for every stage, this one included, in tests/test_stages.py.)
 
 from __future__ import annotations
 
-import platform
 import re
 
 import numpy as np
@@ -18,10 +17,10 @@ from common import quants as Q
 from common import reference
 from common.gguf import BLOCK_SIZES, GGMLType, GGUFFile, GGUFWriter, ValueType
 from stages import load
-from stages.kernels.quantized import CPU_KERNEL_TYPES, MATVEC, matvec_rows
+from stages.kernels.dequant_dot import CPU_KERNEL_TYPES, MATVEC, matvec_rows
 from stages.kernels.toolkit import F16_TO_F32
 from stages.quantized import QuantizedBackend, QuantMatrix
-from tests.util import tensor_from_raw
+from tests.util import lacks, not_x86_reason, tensor_from_raw
 
 TYPES = list(CPU_KERNEL_TYPES)
 ACTIVATION_ROWS = (1, 3, 5, 17)          # decode (1), prefill with 4x4 blocks and leftovers
@@ -118,13 +117,11 @@ def test_weights_stay_in_the_mapped_file(default_model_path):
     assert engine.weight_bytes() < g.file_size
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the check reads x86 assembly")
+@pytest.mark.skipif(not_x86_reason() is not None, reason=str(not_x86_reason()))
+@pytest.mark.skipif(lacks("avx2", "fma") is not None, reason=str(lacks("avx2", "fma", then="no packed FMA to find")))
 def test_decode_kernels_are_vectorized():
     """The fused Q4_K and Q4_1 decode kernels hold packed FMAs and int->float conversions on
     256/512-bit registers (what makes the unpacking cost a few instructions per 8 values)."""
-    from app.measure.machine import simd_features
-    if not {"avx2", "fma"} <= set(simd_features()):
-        pytest.skip("this CPU has no AVX2+FMA")
     rng = np.random.default_rng(0)
     for t in (GGMLType.Q4_K, GGMLType.Q4_1):
         raw = random_blocks(rng, t, 3, n_cols_for(t))

@@ -46,7 +46,7 @@ def test_block_dtypes_match_ggml_block_sizes():
 
 # ---- dequantize --------------------------------------------------------------------------------
 
-@pytest.mark.skipif(not DEFAULT_MODEL.exists(), reason=f"{DEFAULT_MODEL.name} not fetched (make model)")
+@pytest.mark.needs("model")
 def test_dequantize_default_model_bit_exact_with_gguf_py():
     with GGUFFile(DEFAULT_MODEL) as f:
         types = Counter(t.ggml_type for t in f.tensors.values())
@@ -60,7 +60,7 @@ def test_dequantize_default_model_bit_exact_with_gguf_py():
         assert not mismatched, f"differ from gguf-py: {mismatched}"
 
 
-@pytest.mark.skipif(not DEFAULT_MODEL.exists(), reason=f"{DEFAULT_MODEL.name} not fetched (make model)")
+@pytest.mark.needs("model")
 def test_dequantize_rows_equals_rows_of_the_whole_tensor():
     with GGUFFile(DEFAULT_MODEL) as f:
         emb = f.tensors["token_embd.weight"]
@@ -286,8 +286,9 @@ Q6K_LAYERS = {0, 1, 4, 7, 10, 13, 16, 19, 20, 21}   # llama.cpp's use_more_bits 
 
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
-    if not LLAMA_SPM_VOCAB.exists():
-        pytest.skip(f"{LLAMA_SPM_VOCAB} not fetched (make vocab)")
+    if not LLAMA_SPM_VOCAB.exists():                           # the vocab folder is there (needs), this file not
+        pytest.fail(f"{LLAMA_SPM_VOCAB.name} is missing from {LLAMA_SPM_VOCAB.parent}: run `make vocab` again",
+                    pytrace=False)
     from app.synthetic import write_tinyllama_synthetic
     path = tmp_path_factory.mktemp("synthetic") / "tinyllama-synthetic.gguf"
     write_tinyllama_synthetic(path, LLAMA_SPM_VOCAB, progress=False)
@@ -295,6 +296,7 @@ def synthetic(tmp_path_factory):
     path.unlink(missing_ok=True)                             # 636 MiB: do not leave it in /tmp
 
 
+@pytest.mark.needs("vocab")
 def test_synthetic_metadata(synthetic):
     with GGUFFile(synthetic) as f, GGUFFile(LLAMA_SPM_VOCAB) as vocab:
         md = f.metadata
@@ -316,6 +318,7 @@ def test_synthetic_metadata(synthetic):
         assert "<|assistant|>" in md["tokenizer.chat_template"]
 
 
+@pytest.mark.needs("vocab")
 def test_synthetic_tensors_shapes_and_type_mix(synthetic):
     with GGUFFile(synthetic) as f:
         t = f.tensors
@@ -337,6 +340,7 @@ def test_synthetic_tensors_shapes_and_type_mix(synthetic):
         assert 636 * 2**20 <= synthetic.stat().st_size < 637 * 2**20
 
 
+@pytest.mark.needs("vocab")
 def test_synthetic_opens_with_gguf_py_and_weights_have_the_intended_scale(synthetic):
     reader = gguf.GGUFReader(synthetic)
     assert len(reader.tensors) == 201
@@ -358,6 +362,7 @@ def test_synthetic_opens_with_gguf_py_and_weights_have_the_intended_scale(synthe
         assert 0.018 < out.std() < 0.022
 
 
+@pytest.mark.needs("vocab")
 def test_synthetic_is_deterministic(synthetic, tmp_path):
     from app.synthetic import write_tinyllama_synthetic
     again = write_tinyllama_synthetic(tmp_path / "again.gguf", LLAMA_SPM_VOCAB, progress=False)

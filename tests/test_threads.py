@@ -17,24 +17,16 @@ import pytest
 
 from common.gguf import GGMLType
 from stages import load
-from stages.kernels.quantized import CPU_KERNEL_TYPES, MATVEC, matvec_rows
-from stages.kernels.threads import attention_parallel, matvec_parallel, prefill_parallel
+from stages.kernels.dequant_dot import CPU_KERNEL_TYPES, MATVEC, matvec_rows
+from stages.kernels.parallel import attention_parallel, matvec_parallel, prefill_parallel
 from stages.kernels.toolkit import F16_TO_F32
 from stages.quantized import PREFILL_ROWS, QuantizedBackend
 from stages.threads import ThreadsBackend, default_threads
 from tests.test_quantized import n_cols_for, random_blocks
-from tests.util import attention_numpy, tensor_from_raw
+from tests.util import attention_numpy, tensor_from_raw, thread_counts
 
 POOL = numba.config.NUMBA_NUM_THREADS
 TYPES = list(CPU_KERNEL_TYPES)
-
-
-def thread_counts() -> list[int]:
-    """1 and numba's whole pool, which must be at least 2 threads: comparing one thread with one
-    thread would pass whatever the parallel code does."""
-    assert POOL >= 2, (f"numba's pool has {POOL} thread (NUMBA_NUM_THREADS={POOL}): the tests comparing 1 thread "
-                       "with N need N >= 2; set NUMBA_NUM_THREADS=2 or more (it may exceed the cores)")
-    return [1, POOL]
 
 
 def close(got, want, x, w64):

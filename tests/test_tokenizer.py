@@ -29,6 +29,14 @@ GOLDEN_FILES = sorted(GOLDEN_DIR.glob("*.json"))
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB_DIR = ROOT / "models" / "vocab"
 REGENERATE = "regenerate with `.venv/bin/python scripts/make_tokenizer_golden.py`"
+# the fixture files these tests read (tests/conftest.py: one message, naming the make target, if one is missing)
+NEEDS_BY_FIXTURE = {"smol": "model", "smol_meta": "model", "spm": "vocab"}
+NEEDS_VOCAB = pytest.mark.needs("vocab")
+
+
+def needs_of(name: str):
+    """The fixture file vocabulary `name` is read from: the default model, or llama.cpp's vocab files."""
+    return pytest.mark.needs("model" if name == "smollm2" else "vocab")
 
 
 
@@ -62,6 +70,7 @@ def _expected_bytes(value, text: str) -> bytes:
 
 
 GOLDEN_NAMES = [p.stem for p in GOLDEN_FILES]
+GOLDEN_VOCABS = [pytest.param(name, marks=needs_of(name)) for name in GOLDEN_NAMES]
 
 
 def test_golden_files_cover_every_vocabulary():
@@ -72,7 +81,7 @@ def test_golden_files_cover_every_vocabulary():
 
 # ---- exactness against llama.cpp (committed golden ids) ------------------------------------------
 
-@pytest.mark.parametrize("name", GOLDEN_NAMES)
+@pytest.mark.parametrize("name", GOLDEN_VOCABS)
 def test_ids_match_llama_cpp(name):
     g = _golden(name)
     tok = _tokenizer(g["file"])
@@ -93,7 +102,7 @@ def test_ids_match_llama_cpp(name):
     assert not bad, f"{len(bad)} of {n} texts differ from llama.cpp:\n" + "\n".join(bad[:8])
 
 
-@pytest.mark.parametrize("name", GOLDEN_NAMES)
+@pytest.mark.parametrize("name", GOLDEN_VOCABS)
 def test_vocabulary_facts_match_llama_cpp(name):
     g = _golden(name)
     tok = _tokenizer(g["file"])
@@ -115,7 +124,7 @@ def test_vocabulary_facts_match_llama_cpp(name):
     assert ours == expected, "token attributes (control / user-defined / byte / strip) differ"
 
 
-@pytest.mark.parametrize("name", GOLDEN_NAMES)
+@pytest.mark.parametrize("name", GOLDEN_VOCABS)
 def test_every_token_piece_matches_llama_cpp(name):
     g = _golden(name)
     tok = _tokenizer(g["file"])
@@ -130,7 +139,7 @@ def test_every_token_piece_matches_llama_cpp(name):
                 f"token pieces (special={special}) differ from llama.cpp in ids {k * chunk}..{(k + 1) * chunk - 1}"
 
 
-@pytest.mark.parametrize("name", GOLDEN_NAMES)
+@pytest.mark.parametrize("name", GOLDEN_VOCABS)
 def test_decode_matches_llama_cpp(name):
     g = _golden(name)
     tok = _tokenizer(g["file"])
@@ -149,7 +158,7 @@ def test_decode_matches_llama_cpp(name):
     assert not bad, f"{len(bad)} decodes differ from llama.cpp's detokenize:\n" + "\n".join(bad[:8])
 
 
-@pytest.mark.parametrize("name", GOLDEN_NAMES)
+@pytest.mark.parametrize("name", GOLDEN_VOCABS)
 def test_round_trip_wherever_llama_cpp_round_trips(name):
     """decode(encode(x)) == x exactly where llama.cpp's detokenize gives x back (it does not
     where BPE space clean-up rewrites " ," and friends, or SPM drops a leading space)."""
@@ -163,6 +172,7 @@ def test_round_trip_wherever_llama_cpp_round_trips(name):
     assert n > len(g["cases"]["plain"]) // 2
 
 
+@NEEDS_VOCAB
 @pytest.mark.parametrize("name", [n for n in golden_script.VOCABS
                                   if n not in ("smollm2", "baichuan", "aquila", "gpt-neox")])
 def test_llama_cpp_own_test_pairs(name):
@@ -308,6 +318,7 @@ def test_missing_pre_falls_back_to_default_with_a_warning(smol_meta):
     assert tok.encode("Hello world") == [19556, 905]
 
 
+@NEEDS_VOCAB
 def test_unsupported_vocab_file_is_a_clear_error():
     with pytest.raises(TokenizerError, match="WordPiece"):
         Tokenizer.from_gguf(_need(VOCAB_DIR / "ggml-vocab-bert-bge.gguf"))
@@ -380,6 +391,7 @@ def test_chat_template_helpers_and_sandbox(smol_meta):
         Tokenizer.from_metadata(smol_meta).apply_chat_template("hello")
 
 
+@NEEDS_VOCAB
 def test_chat_templates_of_other_vocabularies():
     cmdr = _tokenizer("models/vocab/ggml-vocab-command-r.gguf")
     text = cmdr.apply_chat_template(CONVERSATION)
@@ -392,6 +404,7 @@ def test_chat_templates_of_other_vocabularies():
 
 # ---- live comparison with llama.cpp, where llama-cpp-python is installed --------------------------
 
+@pytest.mark.needs("model", "vocab")
 def test_live_fuzz_against_llama_cpp():
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (`make baseline`); "
                                     "the committed golden ids cover the same ground")
@@ -407,6 +420,7 @@ def test_live_fuzz_against_llama_cpp():
                     f"{name}: {text!r}"
 
 
+@NEEDS_VOCAB
 def test_chat_templates_render_like_llama_cpp_python(smol_meta):
     """Same text as llama-cpp-python's Jinja2ChatFormatter (Hugging Face's settings), including
     Gemma 4's 12 KB template (rendered here over SmolLM2's vocabulary: only the template matters)."""

@@ -1,10 +1,20 @@
-"""Helpers shared by the stage tests."""
+"""Helpers shared by the stage tests: tensors from bytes, the CPU stages, numpy oracles, the
+thread counts a "1 thread and N agree" test compares, what this CPU offers numba (decided apart
+from the probes under test), a check that a mask selects something, and llama.cpp's recorded
+departure from the float64 reference."""
 
 from __future__ import annotations
 
+import functools
+import platform
+from pathlib import Path
+
 import numpy as np
+import pytest
 
 from common.gguf import BLOCK_SIZES, GGMLType, TensorInfo
+
+GOLDEN_LOGITS = Path(__file__).parent / "golden" / "llama_cpp_logits.npz"
 
 
 def tensor_from_raw(raw: np.ndarray, ggml_type: GGMLType, shape, name: str = "w") -> TensorInfo:
@@ -38,3 +48,134 @@ def attention_numpy(q, k, v, n_head, n_kv, start):
         p = np.exp(sc - sc.max(axis=1, keepdims=True))
         out[:, h * hd:(h + 1) * hd] = (p / p.sum(axis=1, keepdims=True)) @ v[:, kh * hd:(kh + 1) * hd]
     return out
+
+
+# ---- thread counts ---------------------------------------------------------------------------------
+
+def thread_counts(pool: int | None = None) -> list[int]:
+    """[1, N]: the thread counts a "1 thread and N agree" test runs, N numba's whole pool (or
+    `pool`). Refuses a pool of one thread: [1, 1] would compare a run with itself, which passes
+    whatever the parallel code does."""
+    if pool is None:
+        import numba
+        pool = numba.config.NUMBA_NUM_THREADS
+    if pool < 2:
+        pytest.fail(f"numba's pool has {pool} thread (NUMBA_NUM_THREADS={pool}): comparing 1 thread with N needs "
+                    "N >= 2; set NUMBA_NUM_THREADS=2 or more (it may exceed the cores)", pytrace=False)
+    return [1, pool]
+
+
+# ---- what this CPU offers numba ------------------------------------------------------------------
+#
+# Skips for a missing vector instruction are decided here from LLVM's view of the host (what numba
+# compiles for), not from common/cpu.py or the int8 stage's named_isa(): a regression in those
+# probes then fails the tests that need the instructions instead of skipping them as "expected".
+# The reasons' form is one tests/conftest.py EXPECTED_SKIPS knows.
+
+FEATURE_NAMES = {"avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "avxvnni": "AVX-VNNI", "avx512vnni": "AVX512-VNNI",
+                 "avx512vl": "AVX512VL"}
+
+
+@functools.lru_cache(maxsize=None)
+def host_features() -> frozenset:
+    """LLVM's feature names that are on for this CPU ('avx2', 'f16c', 'avxvnni', ...)."""
+    import llvmlite.binding as llvm
+    return frozenset(name for name, on in llvm.get_host_cpu_features().items() if on)
+
+
+def numba_target_reason() -> str | None:
+    """Why numba does not compile for this CPU (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES set), or None."""
+    from numba import config
+    if config.CPU_NAME or config.CPU_FEATURES:
+        return (f"numba's target is set (NUMBA_CPU_NAME={config.CPU_NAME or ''}, NUMBA_CPU_FEATURES="
+                f"{config.CPU_FEATURES or ''}): it compiles for that, not this CPU")
+    return None
+
+
+def not_x86_reason() -> str | None:
+    machine = platform.machine()
+    if machine in ("x86_64", "AMD64"):
+        return None
+    return f"the check reads x86 assembly; this is {'an' if machine[:1].lower() in 'aeiou' else 'a'} {machine} machine"
+
+
+def lacks(*features: str, then: str = "", have=None) -> str | None:
+    """None if numba compiles for this CPU and LLVM says it has every one of `features` (LLVM's
+    names), else the skip reason; `then` says what the code does instead, `have` stands in
+    for the host's features (the planted cases in tests/test_int8.py)."""
+    if have is None:
+        why = numba_target_reason()
+        if why:
+            return why
+        have = host_features()
+    missing = [FEATURE_NAMES.get(f, f.upper()) for f in features if f not in have]
+    if not missing:
+        return None
+    return f"this CPU has no {' + '.join(missing)} (LLVM's host features)" + (f": {then}" if then else "")
+
+
+def expected_isa(have=None) -> str | None:
+    """The int8 kernels' instruction set this CPU should get (stages/kernels/vector_ir.py named_isa's
+    rule, from LLVM's features): 'vnni' (vpdpbusd on 256-bit registers: AVX-VNNI, or AVX512-VNNI
+    with AVX512VL), 'avx2', or None (no AVX2 + F16C, or numba's target set)."""
+    if have is None:
+        if not_x86_reason() or numba_target_reason():
+            return None
+        have = host_features()
+    if not {"avx2", "f16c"} <= have:
+        return None
+    return "vnni" if "avxvnni" in have or {"avx512vnni", "avx512vl"} <= have else "avx2"
+
+
+def lacks_vnni(then: str) -> str | None:
+    """None on a VNNI CPU, else the skip reason."""
+    if expected_isa() == "vnni":
+        return None
+    why = lacks("avx2", "f16c", then=then)
+    return why or f"this CPU has no AVX-VNNI, nor AVX512-VNNI with AVX512VL (LLVM's host features): {then}"
+
+
+# ---- masks -----------------------------------------------------------------------------------------
+
+def some(mask, at_least: int = 1, what: str = "positions") -> np.ndarray:
+    """The mask, once it selects at least `at_least` entries: a check over an empty selection
+    (`(a[mask] == b[mask]).all()`) is true whatever a and b hold."""
+    mask = np.asarray(mask, dtype=bool)
+    n = int(mask.sum())
+    assert n >= at_least, f"the check would cover {n} {what} (of {mask.size}); it needs at least {at_least}"
+    return mask
+
+
+# ---- llama.cpp's departure from the float64 reference (tests/golden) ------------------------------
+
+def golden_prompts() -> list[str]:
+    golden = np.load(GOLDEN_LOGITS)
+    return sorted({k.split("_")[0] for k in golden.files if k.startswith("p")})
+
+
+@functools.lru_cache(maxsize=None)
+def golden_reference(prompt: str, model_path: str) -> np.ndarray:
+    """The float64 reference's logits [n_ids, n_vocab] for a golden prompt ('p0', ...), computed
+    once per test run (tests/test_reference.py, test_int8.py and the tolerance check share it)."""
+    from common import reference
+    from common.gguf import GGUFFile
+    ids = np.load(GOLDEN_LOGITS)[f"{prompt}_ids"].tolist()
+    with GGUFFile(model_path) as g:
+        logits = reference.forward(g, ids)
+    logits.flags.writeable = False
+    return logits
+
+
+def departure(ref: np.ndarray, golden, prompt: str) -> float:
+    """max |llama.cpp - reference| of one prompt, over the recorded logits (a subset of the vocabulary
+    at every position, and llama.cpp's top candidates)."""
+    diff = ref[:, golden["subset_ids"]] - golden[f"{prompt}_subset_logits"]
+    top = np.take_along_axis(ref, golden[f"{prompt}_top_ids"], 1) - golden[f"{prompt}_top_logits"]
+    return float(max(np.abs(diff).max(), np.abs(top).max()))
+
+
+def llama_cpp_departure(model_path) -> float:
+    """The largest departure of llama.cpp's recorded logits from the float64 reference over every
+    golden prompt: how far 8-bit activations (llama.cpp's) move the default model's logits."""
+    golden = np.load(GOLDEN_LOGITS)
+    return max(departure(golden_reference(p, str(model_path)), golden, p) for p in golden_prompts())

@@ -29,6 +29,7 @@ every figure measured) and the tables mark it.
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import math
 import os
@@ -47,7 +48,7 @@ from app.measure.provenance import provenance
 from app.models import resolve
 from common.generate import Generation, Sampler, generate
 from common.model import LlamaConfig, flops_per_token, n_params
-from stages import info, load
+from stages import info, load, logit_tolerance
 from stages.registry import REPORT_PROMPT_TOKENS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -257,6 +258,40 @@ def cold_start(stage: str, model_path, prompt_tokens: int, n_ctx=None, threads=N
             "prompt_tokens": len(prompt), "layers": len(engine.layers), "n_layer": len(every_layer)}
 
 
+VALIDATE_POSITIONS = 4      # prompt positions whose logits are checked before a stage is measured
+
+
+def _reference_logits(engine, tokens) -> np.ndarray:
+    """float64 logits of the reference forward (common/reference.py), kept beside the records'
+    scratch files (profiles/results/<machine>/tmp/, not committed) so every stage of a report
+    compares with the same array without computing it again."""
+    from common import reference
+    st = os.stat(engine.gguf.path)
+    key = hashlib.sha256(f"{engine.gguf.path}:{st.st_size}:{st.st_mtime_ns}:{list(tokens)}".encode()).hexdigest()[:16]
+    cache = RESULTS_DIR / machine_id() / "tmp" / f"reference-{key}.npy"
+    if cache.exists():
+        return np.load(cache)
+    ref = reference.forward(engine.gguf, tokens)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    np.save(cache, ref)
+    return ref
+
+
+def validate(engine, stage: str, prompt: list) -> dict:
+    """Before a stage is timed, its logits for the first prompt positions against the float64
+    reference, within the stage's own tolerance (stages.logit_tolerance): what the record says
+    about its numbers, and what the tables and charts check before they show its figures."""
+    tokens = prompt[:VALIDATE_POSITIONS]
+    engine.reset()
+    got = np.asarray(engine.forward(tokens, 0), dtype=np.float64)
+    engine.reset()
+    want = _reference_logits(engine, tokens)
+    diff = float(np.abs(got - want).max()) if np.isfinite(got).all() else float("inf")
+    tol = logit_tolerance(stage)
+    return {"positions": len(tokens), "max_abs_diff": diff, "tolerance": tol, "passed": bool(diff <= tol),
+            "against": "common/reference.py (float64)"}
+
+
 def bench_stage(stage: str, model, prompt_tokens=None, n_predict=None, threads=None, ctx_size=None,
                 out_dir=None, profile_n: int = 0, write: bool = True, cold: bool | None = None):
     """Load, measure and (unless write=False) record one stage or variant; with profile_n, add a
@@ -269,8 +304,12 @@ def bench_stage(stage: str, model, prompt_tokens=None, n_predict=None, threads=N
     layers = layers_to_measure(engine) if too_slow_for(stage, n_params(engine.config)) else None
     if layers:
         rec = measure_extrapolated(engine, stage, prompt_tokens, n_predict, layers)
+        rec["validation"] = {"skipped": "measured on a few layers only (extrapolated): no whole-model forward "
+                                        "to compare with the reference"}
     else:
+        checked = validate(engine, stage, bench_prompt(engine.tokenizer, prompt_tokens))
         rec = measure(engine, stage, prompt_tokens, n_predict)
+        rec["validation"] = checked
         if profile_n:
             rec["profile"] = profile_run(engine, stage, prompt_tokens, profile_n)
             rec["profile_settings"] = {"prompt_tokens": prompt_tokens, "n_predict": profile_n}

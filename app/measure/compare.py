@@ -34,7 +34,7 @@ from stages.registry import Tokens
 
 PROMPT_TOKENS = 128          # TTFT at a prompt long enough for prefill to be a matrix-matrix product
 N_CTX = 2048                 # our default context, and llama.cpp's for the same cache
-DEFAULT_ENGINES = ("simd", "kv_cache", "quantized", "threads", "int8", "fused", BASELINE)
+DEFAULT_ENGINES = ("simd", "kv_cache", "quantized", "threads", "int8", "fused", "repack", BASELINE)
 
 
 def rows_for(engines, thread_counts) -> list[dict]:
@@ -93,6 +93,15 @@ def _median(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def same_rounds(row: str, recs: list, other: str, theirs: list) -> list[tuple]:
+    """The rounds of two rows, paired: a ratio is taken within a round, so a round one row lacks
+    would pair the others out of step (zip would drop the rest without a word)."""
+    if len(recs) != len(theirs):
+        raise ValueError(f"{row} has {len(recs)} rounds and {other} {len(theirs)}: the ratios pair the rows round "
+                         f"by round, so both need every round (measure the comparison again)")
+    return list(zip(recs, theirs))
+
+
 def summary(record: dict) -> dict:
     """{row: figures} computed from the runs: medians over rounds, and the median of the per-round
     ratios against llama.cpp and against the stage each row builds on (same thread count)."""
@@ -107,8 +116,9 @@ def summary(record: dict) -> dict:
         for name, other in (("llama_cpp", f"{BASELINE}@{t}"),
                             ("builds_on", None if r["engine"] == BASELINE else _builds_on_row(record, r))):
             if other and other in runs and other != row:
+                pairs = same_rounds(row, recs, other, runs[other])
                 for key in ("decode_ms", "ttft_ms"):
-                    s[f"{key}_over_{name}"] = _median(a[key] / b[key] for a, b in zip(recs, runs[other]))
+                    s[f"{key}_over_{name}"] = _median(a[key] / b[key] for a, b in pairs)
                 s[f"{name}_row"] = other
         floor = record["decode_floor_ms"].get(str(t))
         if floor:

@@ -34,6 +34,7 @@ import errno
 import mmap
 import os
 import platform
+import re
 import resource
 import time
 from dataclasses import dataclass
@@ -330,25 +331,60 @@ def resident_fraction(path) -> float | None:
         os.close(fd)
 
 
+MEMORY_FILESYSTEMS = {"tmpfs", "ramfs"}        # the page cache is the file's only copy: nothing to drop
+
+
+def _unescape(field: str) -> str:
+    """A mount point as /proc/self/mountinfo writes it: space, tab, newline, backslash as octal."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def filesystem(path, mountinfo: str | None = None) -> str | None:
+    """The type of the file system `path` is on ('ext4', 'tmpfs', ...): the longest mount point
+    above it in /proc/self/mountinfo (or the text given), or None where there is none."""
+    here = mountinfo is None                     # this machine's mounts: the path as the kernel resolves it
+    if here:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return None
+    path = os.path.realpath(path) if here else os.path.normpath(os.fspath(path))
+    best, kind = -1, None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        point, fstype = _unescape(fields[4]), fields[fields.index("-", 6) + 1]
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best:
+            best, kind = len(point), fstype
+    return kind
+
+
 @dataclass
 class Eviction:
     path: str
     resident_before: float | None
     resident_after: float | None
     method: str = "posix_fadvise(POSIX_FADV_DONTNEED), no root needed"
+    filesystem: str | None = None
 
     def as_dict(self) -> dict:
         note = None
-        if self.resident_after is not None and self.resident_after > 0.01:
+        if self.filesystem in MEMORY_FILESYSTEMS:
+            note = (f"the file is on {self.filesystem}, which keeps files in memory with no disk behind them: "
+                    f"nothing can be evicted, and no read of it waits for a disk")
+        elif self.resident_after is not None and self.resident_after > 0.01:
             note = (f"{self.resident_after:.0%} of the file stayed in the page cache: pages another process "
                     f"has mapped cannot be dropped, and reads of them are not from the disk")
-        return {"file": os.path.basename(self.path), "method": self.method, "resident_before": self.resident_before,
-                "resident_after": self.resident_after, "note": note}
+        return {"file": os.path.basename(self.path), "method": self.method, "filesystem": self.filesystem,
+                "resident_before": self.resident_before, "resident_after": self.resident_after, "note": note}
 
 
 def evict(path) -> Eviction:
     """Drop a file's clean pages from the page cache, so that the next reads come from the disk.
-    Pages still mapped by any process stay: resident_after says how many."""
+    Pages still mapped by any process stay, and a file on tmpfs has no disk to come from:
+    resident_after says how many stayed, filesystem and the note say why."""
     path = os.fspath(path)
     before = resident_fraction(path)
     fd = os.open(path, os.O_RDONLY)
@@ -356,4 +392,4 @@ def evict(path) -> Eviction:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    return Eviction(path, before, resident_fraction(path))
+    return Eviction(path, before, resident_fraction(path), filesystem=filesystem(path))

@@ -69,9 +69,9 @@ def page(record: dict, source: str) -> str:
         f"`{record['command']}`._",
         "",
         "Every 2-D weight of the model of that type, times one activation row; the least CPU time of "
-        f"{record['passes']} passes. quantized: float kernels (stages/kernels/quantized.py); int8: the named "
-        "instructions where the CPU has them (stages/kernels/int8.py); int8-loops: the same stage with plain "
-        "integer loops; fused: the fused stage's tiles, one horizontal add per row (stages/kernels/fused_ir.py). "
+        f"{record['passes']} passes. quantized: float kernels (stages/kernels/dequant_dot.py); int8: the named "
+        "instructions where the CPU has them (stages/kernels/int_dot.py); int8-loops: the same stage with plain "
+        "integer loops; fused: the fused stage's tiles, one horizontal add per row (stages/kernels/int_tiles.py). "
         "Compare GB/s with the machine's read bandwidth (the roofline chart): a kernel below it "
         "is limited by its unpacking, not by memory.",
         "",

@@ -51,6 +51,7 @@ class Results:
     problems: list = field(default_factory=list)         # sentences for the reader
     chart_notes: list = field(default_factory=list)      # charts the records could not draw (not in tables)
     missing: dict = field(default_factory=dict)          # expected stage -> why it has no record
+    failed: list = field(default_factory=list)           # records whose logits failed their validation
 
     @property
     def names(self):
@@ -89,6 +90,9 @@ def load_results(folder, expected=None, why_missing=None) -> Results:
         bad = [k for k in ("ttft_ms", "decode_ms") if not _finite(rec.get(k))]
         if bad:
             res.problems.append(f"{name}: {', '.join(bad)} missing or NaN in {name}.json; left out")
+            continue
+        if (rec.get("validation") or {}).get("passed") is False:       # a wrong answer is no figure
+            res.failed.append(rec)
             continue
         res.stages.append(rec)
     for name in expected or []:
@@ -357,6 +361,17 @@ def results_table(res: Results) -> str:
         lines.append(f"| llama.cpp ({t} thread{'s' if t > 1 else ''}) | {_fmt(b['ttft_ms'])} | {_fmt(b['decode_ms'])} "
                      f"| {_fmt(b['tokens_per_s'])} | - | - | {_fmt(b.get('peak_rss_mb'), 0)} "
                      f"| {b['n_prompt']} / {b['n_generated']} |")
+    for r in res.failed:
+        v = r["validation"]
+        lines.append(f"| {r['stage']} | **failed validation** | - | - | - | - | - | max logit error "
+                     f"{_fmt(v['max_abs_diff'], 3)} > {v['tolerance']:g} |")
+    unchecked = [r["stage"] for r in res.stages if "validation" not in r]
+    if unchecked:
+        lines.append(f"\n_not validated in the run that measured them (records from before `make report` checked "
+                     f"each stage's logits against the float64 reference first): {', '.join(unchecked)}_")
+    skipped = [r["stage"] for r in res.stages if "skipped" in (r.get("validation") or {})]
+    if skipped:
+        lines.append(f"\n_not validated: {', '.join(skipped)} (measured on a few layers only)_")
     extrapolated = [r for r in res.stages if r.get("extrapolated")]
     if extrapolated:
         e = extrapolated[0]["extrapolated"]

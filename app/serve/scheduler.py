@@ -80,7 +80,7 @@ class Scheduler:
             raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0")
         cfg = engine.config
         self.engine = engine
-        self.pool = PagePool(cfg.n_layer, cfg.kv_dim, kv_pages, page_size)
+        self.pool = PagePool(cfg.n_layer, cfg.kv_dim, kv_pages, page_size, engine.backend.kv_dtype)
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -17,7 +17,7 @@ import app
 app.configure_numba()                  # a notebook is an entry point: numba's cache and threading layers
 
 from notebooks.nb import article  # noqa: E402
-from notebooks.nb.asm import fma_counts, hot_loop, kernel_asm
+from notebooks.nb.asm import fma_counts, hot_loop, integer_kernel_asm, kernel_asm
 from notebooks.nb.measure import (
     MatmulWork,
     Recorded,
@@ -69,7 +69,8 @@ __all__ = [
     "article",
     "Findings", "MODEL_ENV", "MatmulWork", "QUICK_ENV", "ROOT", "Recorded", "Settings", "bar_chart", "best_seconds",
     "cache_sizes", "ceilings", "class_source_from_file", "faults_between", "find_kernels", "find_records",
-    "fma_counts", "hot_loop", "human_bytes", "is_quick", "kernel_asm", "line_chart", "load", "matmul_share",
+    "fma_counts", "hot_loop", "integer_kernel_asm", "human_bytes", "is_quick", "kernel_asm", "line_chart", "load",
+    "matmul_share",
     "matmul_work", "md", "md_table", "measure", "measure_in_subprocess", "memory_now", "missing_stage", "model_path",
     "module_kernels", "ops_chart", "ops_chart_with_records", "print_profile", "profile", "prompt_ids", "recorded",
     "recorded_vs_llama", "rel", "roofline_chart", "settings", "show", "show_class_from_file", "show_file_excerpt",

@@ -32,9 +32,10 @@ def fma_counts(asm: str) -> dict:
             "scalar mul / add": len(SCALAR_MUL_ADD.findall(asm))}
 
 
-def hot_loop(asm: str, max_lines: int = 40) -> str:
+def hot_loop(asm: str, max_lines: int = 40, work: str | None = None) -> str:
     """The basic block with the most floating-point multiply-adds (packed or scalar, or plain
-    multiplies and adds): the inner loop, in practice."""
+    multiplies and adds), or with the most instructions matching `work` (a regular expression,
+    e.g. r"vpdpbusd|vpmaddubsw" for the integer kernels): the inner loop, in practice."""
     blocks, current = [], []
     for line in asm.splitlines():
         if re.match(r"^\.?L\w+:", line.strip()) and current:
@@ -42,9 +43,35 @@ def hot_loop(asm: str, max_lines: int = 40) -> str:
             current = []
         current.append(line)
     blocks.append(current)
-    work = re.compile(r"\bv?(?:fn?m(?:add|sub)\d+|mul|add)[sp]s\b")
+    work = re.compile(work or r"\bv?(?:fn?m(?:add|sub)\d+|mul|add)[sp]s\b")
     best = max(blocks, key=lambda b: sum(bool(work.search(x)) for x in b))
     text = "\n".join(x for x in best if x.strip())
     lines = text.splitlines()
     return "\n".join(lines[:max_lines] + ([f"    ... ({len(lines) - max_lines} more lines)"]
                                           if len(lines) > max_lines else []))
+
+
+def integer_kernel_asm(kind: int, kernel: str = "repacked", rows: int = 1) -> str:
+    """The assembly of one integer matmul kernel for ggml type `kind`, compiled now: the repack
+    stage's group kernel ("repacked") or the fused stage's row kernel ("rows"), on `rows`
+    activation rows."""
+    import numpy as np
+
+    from stages.kernels import int_tiles, repacked
+    from stages.kernels.q8 import new_packs
+    from stages.kernels.toolkit import BLOCK_BYTES, BLOCK_VALUES
+
+    if kernel == "repacked":
+        @njit
+        def run(kind, w, rb, nb, p32, pk, out):
+            repacked.group_gemm(kind, w, 0, rb, p32, pk, out.shape[0], out, 0, 0, out.shape[1])
+    else:
+        @njit
+        def run(kind, w, rb, nb, p32, pk, out):
+            int_tiles.decode_rows(kind, w, 0, rb, nb, p32, pk, 0, out, 0, out.shape[1])
+    K = 256                                          # one block of every type
+    nb = K // BLOCK_VALUES[kind]
+    rb = nb * BLOCK_BYTES[kind]
+    p32, pk = new_packs(rows, K)
+    run(kind, np.zeros(8 * rb, np.uint8), rb, nb, p32, pk, np.zeros((rows, 8), np.float32))
+    return "\n".join(run.inspect_asm().values())

@@ -142,7 +142,7 @@ if not missing["fused"]:
 # %%
 if not missing["fused"]:
     import stages.fused as sf
-    import stages.kernels.fused as kf
+    import stages.kernels.layer_stack as kf
     import stages.kernels.sync as ks
     nb.show_source(sf.FusedBackend.forward_layers)
     nb.show_source(ks.barrier)
@@ -180,6 +180,29 @@ if not (missing["fused"] or missing["int8"]):
                  "Decode kernels per type")
     findings["decode kernels"] = ", ".join(f"{tn}: {rates[('fused', tn)] / rates[('int8', tn)]:.2f}x int8"
                                            for (n, tn) in rates if n == "fused")
+
+# %% [markdown]
+# ## The Q4_K decode tile, as the CPU runs it
+#
+# The tiles are LLVM IR written through `stages/kernels/vector_ir.py`; here is the inner block of
+# the Q4_K decode kernel numba compiled on this machine: per 32 bytes of one row, the nibbles
+# masked and shifted out, `vpmaddubsw` (32 byte products into 16 sums) and `vpmaddwd` with the
+# sub-block scales; the block's sum converted and scaled into a float accumulator. (Chapter 10
+# shows the repack stage's kernel beside it.)
+
+# %%
+from stages.kernels.toolkit import Q4_K
+from stages.kernels.vector_ir import ISA
+
+if ISA is None:
+    nb.md("_This CPU has no AVX2 + F16C: the fused stage runs the int8 stage's loops instead of the tiles._")
+else:
+    from collections import Counter
+    asm = nb.integer_kernel_asm(Q4_K, "rows", rows=1)
+    nb.md("```asm\n" + nb.hot_loop(asm, 48, r"vpmaddubsw|vpdpbusd|vpmaddwd") + "\n```")
+    ops = Counter(x.split()[0] for x in nb.hot_loop(asm, 10_000, r"vpmaddubsw|vpdpbusd|vpmaddwd").splitlines()
+                  if x.strip() and not x.strip().endswith(":"))
+    findings["Q4_K decode tile"] = ", ".join(f"{op} {n}" for op, n in ops.most_common(4))
 
 # %% [markdown]
 # ## Decode and prefill, live

@@ -3,6 +3,9 @@ block readers every format's kernel calls, and a guard for numba's on-disk cache
 
     FASTMATH        the floating-point liberties the kernels take (the simd stage's lesson)
     Q4_0 ... BF16   ggml type ids as plain ints (numba compiles them in as constants)
+    BLOCK_BYTES, BLOCK_VALUES, block_bytes(kind), block_values(kind)
+                    bytes and values of one block of each type (common/gguf.py's table, the one
+                    definition), as dicts for IR and as compiled lookups for jitted code
     F16_TO_F32      every float16 bit pattern -> its float32 value: how a kernel reads a scale
     read_f16(row, o, table), read_u32(row, o)    little-endian fields inside a block
     guard_cache     empty a module's cached kernels when a file they call into has changed
@@ -16,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from common.gguf import GGMLType
+from common.gguf import BLOCK_SIZES, GGMLType
 
 # Reassociation (so a sum may be split across the lanes of a vector register), contraction
 # into fused multiply-adds, and ignoring the sign of zero: what vectorizing a sum needs, and
@@ -28,9 +31,27 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (int(GGMLType.Q4_0), int(GGMLType.Q4_1), int(GGML
                                 int(GGMLType.Q5_1), int(GGMLType.Q8_0))
 Q4_K, Q5_K, Q6_K = int(GGMLType.Q4_K), int(GGMLType.Q5_K), int(GGMLType.Q6_K)
 
+BLOCK_VALUES = {int(t): v for t, (v, _) in BLOCK_SIZES.items()}
+BLOCK_BYTES = {int(t): n for t, (_, n) in BLOCK_SIZES.items()}
+# indexed by type id (a global array is a constant to numba)
+_BLOCK_VALUES = np.zeros(max(BLOCK_VALUES) + 1, np.int64)
+_BLOCK_BYTES = np.zeros(max(BLOCK_BYTES) + 1, np.int64)
+for _t in BLOCK_VALUES:
+    _BLOCK_VALUES[_t], _BLOCK_BYTES[_t] = BLOCK_VALUES[_t], BLOCK_BYTES[_t]
+
 # numba has no float16: a field's two bytes index this 65536-entry table (exact, subnormals
 # included), passed to the kernels as an argument rather than compiled in as a 256 KiB constant.
 F16_TO_F32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+@njit(cache=True, inline="always")
+def block_bytes(kind):
+    return _BLOCK_BYTES[kind]
+
+
+@njit(cache=True, inline="always")
+def block_values(kind):
+    return _BLOCK_VALUES[kind]
 
 
 @njit(cache=True, inline="always")

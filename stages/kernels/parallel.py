@@ -14,7 +14,7 @@ Three parallel kernels, each a `prange` loop around work the earlier stages alre
                                                            row reading its own sequence's keys and
                                                            values through its page table
 
-The first two call the quantized stage's kernels (stages/kernels/quantized.py) and the simd
+The first two call the quantized stage's kernels (stages/kernels/dequant_dot.py) and the simd
 stage's matmul: nothing about a block format is written twice. One compiled signature each
 serves every weight type (the type id picks the kernel inside), which keeps the cold JIT short.
 Because they inline code from those files, `guard_cache` (stages/kernels/toolkit.py) empties
@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
-from stages.kernels import quantized as quantized_kernels
+from stages.kernels import dequant_dot as quantized_kernels
 from stages.kernels import toolkit
-from stages.kernels.quantized import dequantize_rows, matvec_any
+from stages.kernels.dequant_dot import dequantize_rows, matvec_any
 from stages.kernels.toolkit import FASTMATH, guard_cache
 from stages.simd import PANEL, matmul_panels
 

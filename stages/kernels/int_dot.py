@@ -1,12 +1,7 @@
 """The int8 stage's numba code (stages/int8.py tells the story).
 
-Two halves:
+The activations arrive as llama.cpp's 8-bit blocks (stages/kernels/q8.py rounds them);
 
-    quantize_q8(x, qk)          activation rows [M, K] float32 -> llama.cpp's 8-bit blocks:
-                                qk = 32:  Q8_0 / Q8_1 (d = amax/127 stored as float16,
-                                          q = roundf(x/d); Q8_1 adds s = d * sum(q))
-                                qk = 256: Q8_K (d = max/-127 as float32, q = nearest_int(x/d)
-                                          capped at 127, bsums: sums of 16 q's)
     matvec_int8(...)            decode: the weight's integer values times the activation's,
                                 summed in int32, one float multiply per block. Two versions:
                                 matvec_int8_named (the x86 instructions asked for by name,
@@ -62,114 +57,22 @@ read with `fn.inspect_asm()`; tests/test_int8.py checks the instructions):
   quantized stage's float kernels: profiles/bench/kernels.md (`python scripts/bench_kernels.py`).
   numba's cache key holds the CPU's features, so a cache never carries these kernels to a CPU
   without them.
-* Only the activation quantizers are compiled without fastmath: roundf(x * id) must round
-  the float32 product, not a fused multiply-add.
 """
 
 from __future__ import annotations
 
-import math
-import platform
-
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils, config, errors
-from numba.extending import intrinsic
 
-from common.cpu import simd_features
-from stages.kernels import quantized as quantized_kernels
-from stages.kernels import toolkit
-from stages.kernels.quantized import _k4_scale_min, _q6_values
-from stages.kernels.toolkit import FASTMATH, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, read_f16
+from stages.kernels import dequant_dot as quantized_kernels
+from stages.kernels import toolkit, vector_ir
+from stages.kernels.dequant_dot import _k4_scale_min, _q6_values
+from stages.kernels.toolkit import FASTMATH, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0, read_f16
+from stages.kernels.vector_ir import B16, B32, D8, I8, I16, W8, W16, Emit, vector_intrinsic
 
 # numba computes integers in 64 bits unless every step is cast back: these are the casts.
 i16, i32, u64, f32 = np.int16, np.int32, np.uint64, np.float32
-
-# ggml type id -> the activation block its dot product takes (vec_dot_type): 32 = Q8_0/Q8_1,
-# 256 = Q8_K. Types not listed (F32, F16, BF16) are multiplied in float.
-ACTIVATION_BLOCK = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256}
-
-
-# ---- activations: float32 rows -> 8-bit blocks (ggml's quantize_row_q8_0/_q8_1/_q8_K_ref) ------
-
-@njit(cache=True)
-def f16_round(f):
-    """The float16 value nearest to float32 f (ties to even), as a float32: what storing a
-    scale in a float16 field (GGML_FP32_TO_FP16) and reading it back gives."""
-    a = abs(np.float64(f))
-    if a == 0.0 or a != a:
-        return np.float32(f)
-    if a >= 65520.0:                                     # beyond the largest float16, 65504
-        return np.float32(math.copysign(np.inf, f))
-    if a < 6.103515625e-05:                              # float16 subnormals: multiples of 2^-24
-        return np.float32(math.copysign(np.rint(a * 16777216.0) / 16777216.0, f))
-    m, e = math.frexp(a)                                 # a = m * 2^e, 0.5 <= m < 1
-    return np.float32(math.copysign(math.ldexp(np.rint(m * 2048.0), e - 11), f))   # 11 bits
-
-
-@njit(cache=True)
-def quantize_q8(x, qk):
-    """x [M, K] float32 -> (q int8 [M, K], d float32 [M, K/qk], s float32 [M, K/qk],
-    sums int32 [M, K/16 or K/32]).
-
-    qk = 32: Q8_0/Q8_1 blocks; d is the float16 value of amax/127, q = roundf(x / d)
-    (computed as x * (1/d) in float32, rounding half away from zero), s = float16(d * sum q)
-    (Q8_1's field, used by Q4_1/Q5_1), sums = sum q per block (Q4_0/Q5_0's offsets).
-    qk = 256: Q8_K blocks; d = 1/iscale with iscale = -127/max (max: the value of largest
-    magnitude, the first one on ties), q = min(127, nearest_int(iscale * x)) (ties to even),
-    sums = ggml's bsums: the sums of every 16 q's."""
-    M, K = x.shape
-    nb = K // qk
-    q = np.empty((M, K), dtype=np.int8)
-    d = np.empty((M, nb), dtype=np.float32)
-    s = np.zeros((M, nb), dtype=np.float32)
-    group = 32 if qk == 32 else 16
-    sums = np.zeros((M, K // group), dtype=np.int32)
-    for m in range(M):
-        for b in range(nb):
-            k0 = b * qk
-            if qk == 32:
-                amax = np.float32(0.0)
-                for j in range(32):
-                    amax = max(amax, abs(x[m, k0 + j]))
-                dd = amax / np.float32(127.0)
-                inv = np.float32(1.0) / dd if dd != 0 else np.float32(0.0)
-                total = 0
-                for j in range(32):
-                    v = np.float64(x[m, k0 + j] * inv)              # the float32 product, exactly
-                    r = int(math.floor(abs(v) + 0.5))               # roundf: half away from zero
-                    r = r if v >= 0 else -r
-                    q[m, k0 + j] = r
-                    total += r
-                d[m, b] = f16_round(dd)
-                s[m, b] = f16_round(np.float32(np.float32(total) * dd))
-                sums[m, b] = total
-            else:
-                amax = np.float32(0.0)
-                vmax = np.float32(0.0)
-                for j in range(qk):
-                    v = x[m, k0 + j]
-                    if abs(v) > amax:
-                        amax = abs(v)
-                        vmax = v
-                if amax == 0:
-                    d[m, b] = 0.0
-                    for j in range(qk):
-                        q[m, k0 + j] = 0
-                    continue
-                iscale = np.float32(-127.0) / vmax
-                for j in range(qk):
-                    r = int(np.rint(np.float32(iscale * x[m, k0 + j])))   # nearest_int: ties to even
-                    q[m, k0 + j] = min(127, r)
-                for g in range(qk // 16):
-                    t = 0
-                    for j in range(16):
-                        t += q[m, k0 + 16 * g + j]
-                    sums[m, b * (qk // 16) + g] = t
-                d[m, b] = np.float32(1.0) / iscale
-    return q, d, s, sums
-
 
 # ---- the integer dot products, one weight row at a time -------------------------------------------
 
@@ -337,7 +240,7 @@ def _dot_row(kind, row, a, da, sa, sums, f16, buf):
 def matvec_int8_auto(a, da, sa, sums, w, kind, f16, n_chunks):
     """Decode: y [N] = W x with x given as one quantized activation row (a int8 [K] and its
     block fields da, sa, sums from quantize_q8). W's rows in n_chunks contiguous ranges, one
-    per iteration of the parallel loop, as in stages/kernels/threads.py."""
+    per iteration of the parallel loop, as in stages/kernels/parallel.py."""
     N = w.shape[0]
     K = a.shape[0]
     y = np.empty(N, dtype=np.float32)
@@ -375,195 +278,107 @@ def add_block_offsets(y, c, w, size, f16, n_chunks):
 # ---- the same dot products with the instructions named (where the CPU has them) -----------------
 #
 # LLVM's auto-vectorizer never forms vpdpbusd / vpmaddubsw from the loops above (see the module
-# docstring). numba's `intrinsic` lets a jitted function emit LLVM IR itself, and LLVM IR can call
-# the x86 intrinsics by name. Each helper below loads 32 weight bytes and 32 activation bytes as
-# vectors, unpacks the weights to unsigned bytes, and multiplies them with one of:
-#
-#   u8 x s8 -> int32  vpdpbusd  (AVX-VNNI / AVX512-VNNI)  32 products, 4 summed per int32 lane
-#   u8 x s8 -> int16  vpmaddubsw (AVX2)                    32 products, 2 summed per int16 lane
-#   s16 x s16 -> int32 vpmaddwd (AVX2)                     then pairs of those, times the
-#                                                          sub-block scales or times 1
-#
-# and ends in one horizontal add (returning an int32). The unpacking is ggml's, the instruction
-# choice llama.cpp's hand-written AVX2/VNNI code's. Q5_0/Q5_1/Q5_K keep the loops above (no
-# model here uses them).
-
-def named_isa():
-    """'vnni' (vpdpbusd), 'avx2' (vpmaddubsw + vpmaddwd) or None (the auto-vectorized kernels):
-    what this CPU offers numba's code generator (AVX2 and F16C at least; AVX-VNNI, or
-    AVX512-VNNI with AVX512VL, for vpdpbusd on 256-bit registers). numba compiles for the host
-    CPU unless told otherwise (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, e.g. for a portable
-    cache): then None."""
-    if platform.machine() not in ("x86_64", "AMD64") or config.CPU_NAME or config.CPU_FEATURES:
-        return None
-    f = set(simd_features())
-    if not {"avx2", "f16c"} <= f:
-        return None
-    return "vnni" if "avx_vnni" in f or {"avx512_vnni", "avx512vl"} <= f else "avx2"
+# docstring), so each helper below asks for them through stages/kernels/vector_ir.py (the one
+# place that writes vector instructions; its docstring lists each helper with the scalar code it
+# stands for and the instructions it becomes). Each loads 32 weight bytes and 32 activation bytes
+# as vectors, unpacks the weights to unsigned bytes, multiplies with dpbusd (Q4_0/Q4_1/Q8_0) or
+# pairs + madd carrying the sub-block scales (Q4_K/Q6_K), and ends in one horizontal add
+# (returning an int32). The unpacking is ggml's, the instruction choice llama.cpp's hand-written
+# AVX2/VNNI code's. Q5_0/Q5_1/Q5_K keep the loops above (no model here uses them).
 
 
-ISA = named_isa()
-_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_B32, _W16, _D8 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
-
-
-class _IR:
-    """A few lines of LLVM IR per operation, for the intrinsics below. `isa` is read when a
-    kernel is compiled (numba's cache key includes the CPU's features)."""
-
-    def __init__(self, context, builder, isa):
-        self.c, self.b, self.isa = context, builder, isa
-
-    def call(self, name, ret, *args):
-        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ret, [a.type for a in args]), name)
-        return self.b.call(fn, args)
-
-    def bytes(self, arrty, arr, offset, n=32):
-        """<n x i8> at element `offset` of a uint8/int8 array (no alignment assumed)."""
-        data = self.c.make_array(arrty)(self.c, self.b, arr).data
-        p = self.b.gep(data, [offset])
-        return self.b.load(self.b.bitcast(p, ir.VectorType(_I8, n).as_pointer()), align=1)
-
-    @staticmethod
-    def splat(ty, value):
-        return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
-
-    def nibbles(self, v, high):
-        """The low or high 4 bits of each byte."""
-        b = self.b
-        return b.lshr(v, self.splat(v.type, 4)) if high else b.and_(v, self.splat(v.type, 15))
-
-    def pairs(self, u, s):
-        """vpmaddubsw: <16 x i16>, lane i = u[2i] s[2i] + u[2i+1] s[2i+1] (u unsigned, s signed;
-        saturating, which none of the products here reach: |sum| <= 2 * 128 * 127)."""
-        return self.call("llvm.x86.avx2.pmadd.ub.sw", _W16, u, s)
-
-    def scaled(self, w16, scale16):
-        """vpmaddwd: <8 x i32>, lane i = w16[2i] scale16[2i] + w16[2i+1] scale16[2i+1]."""
-        return self.call("llvm.x86.avx2.pmadd.wd", _D8, w16, scale16)
-
-    def quads(self, u, s):
-        """<8 x i32>, lane i = the sum of the 4 products u[4i..4i+3] s[4i..4i+3]."""
-        if self.isa == "vnni":      # vpdpbusd (the <8 x i32> operand form: LLVM 15 to 22 accept it)
-            cast = lambda v: self.b.bitcast(v, _D8)
-            return self.call("llvm.x86.avx512.vpdpbusd.256", _D8, ir.Constant(_D8, None), cast(u), cast(s))
-        return self.scaled(self.pairs(u, s), self.splat(_W16, 1))
-
-    def hsum(self, v):
-        return self.call("llvm.vector.reduce.add.v8i32", _I32, v)
-
-    def i64(self, ty, v):
-        return self.c.cast(self.b, v, ty, types.int64)
-
-
-def _need_isa():
-    if ISA is None:
-        raise errors.TypingError("the named-instruction kernels need AVX2 (see stages/kernels/int8.py, named_isa)")
-
-
-@intrinsic
+@vector_intrinsic
 def f16_at(typingctx, w, o):
     """The little-endian float16 at w[o:o+2] as float32, converted by the CPU (F16C's
     vcvtph2ps: LLVM's half -> float) instead of looked up in the 256 KiB F16_TO_F32 table,
     which does not fit in L1 and costs two loads per scale field. Exact, as the table is."""
-    _need_isa()
+    vector_ir.need_isa("f16_at")
 
-    def codegen(context, builder, sig, args):
-        g = _IR(context, builder, ISA)
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        p = builder.bitcast(builder.gep(data, [g.i64(sig.args[1], args[1])]), ir.HalfType().as_pointer())
-        return builder.fpext(builder.load(p, align=1), ir.FloatType())
-    return types.float32(w, o), codegen
+    def body(g, a):
+        return g.b.fpext(g.load(a.w, a.o, vector_ir.F16), vector_ir.F32)
+    return types.float32(w, o), body
 
 
-@intrinsic
+@vector_intrinsic
 def dot_q8_32(typingctx, w, wo, a, ao):
     """sum_{j<32} int8(w[wo+j]) * a[ao+j]: Q8_0's block. Both signed, so llama.cpp's trick:
     |w| as the unsigned operand, a with w's sign as the signed one (|w| <= 128, |a| <= 127)."""
-    _need_isa()
+    vector_ir.need_isa("dot_q8_32")
 
-    def codegen(context, builder, sig, args):
-        g = _IR(context, builder, ISA)
-        wv = g.bytes(sig.args[0], args[0], g.i64(sig.args[1], args[1]))
-        av = g.bytes(sig.args[2], args[2], g.i64(sig.args[3], args[3]))
-        neg = builder.icmp_signed("<", wv, ir.Constant(_B32, None))
+    def body(g, x):
+        builder = g.b
+        wv, av = g.load(x.w, x.wo, B32), g.load(x.a, x.ao, B32)
+        neg = builder.icmp_signed("<", wv, ir.Constant(B32, None))
         u = builder.select(neg, builder.neg(wv), wv)                       # |w|: -128 -> 128 unsigned
         s = builder.select(neg, builder.neg(av), av)                       # a * sign(w) (w = 0: u = 0)
-        return g.hsum(g.quads(u, s))
-    return types.int32(w, wo, a, ao), codegen
+        return g.isum(g.dpbusd(ir.Constant(D8, None), u, s))
+    return types.int32(w, wo, a, ao), body
 
 
-@intrinsic
+@vector_intrinsic
 def dot_nibbles_16(typingctx, w, wo, a, ao):
     """Q4_0/Q4_1's block: the 16 bytes at w[wo:] hold values j (low nibble) and j + 16 (high),
     0..15; their products with the 32 int8 at a[ao:], summed."""
-    _need_isa()
+    vector_ir.need_isa("dot_nibbles_16")
 
-    def codegen(context, builder, sig, args):
-        g = _IR(context, builder, ISA)
-        packed = g.bytes(sig.args[0], args[0], g.i64(sig.args[1], args[1]), 16)
-        u = builder.shuffle_vector(g.nibbles(packed, False), g.nibbles(packed, True),
-                                   ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
-        av = g.bytes(sig.args[2], args[2], g.i64(sig.args[3], args[3]))
-        return g.hsum(g.quads(u, av))
-    return types.int32(w, wo, a, ao), codegen
+    def body(g, x):
+        packed = g.load(x.w, x.wo, B16)
+        u = g.shuffle(g.nibbles(packed, False), g.nibbles(packed, True), range(32))
+        return g.isum(g.dpbusd(ir.Constant(D8, None), u, g.load(x.a, x.ao, B32)))
+    return types.int32(w, wo, a, ao), body
 
 
-@intrinsic
+@vector_intrinsic
 def dot_nibbles_64(typingctx, w, wo, a, ao, sc0, sc1):
     """Q4_K's 64-value chunk: the 32 bytes at w[wo:] hold sub-block 2c (low nibbles, times the
     activations a[ao:ao+32]) and 2c+1 (high, times a[ao+32:ao+64]); returns
-    sc0 * (the first sum) + sc1 * (the second). ggml's AVX2 form: vpmaddubsw, then vpmaddwd
-    with the scales."""
-    _need_isa()
+    sc0 * (the first sum) + sc1 * (the second). ggml's AVX2 form: pairs (vpmaddubsw), then madd
+    (vpmaddwd) with the scales."""
+    vector_ir.need_isa("dot_nibbles_64")
 
-    def codegen(context, builder, sig, args):
-        g = _IR(context, builder, ISA)
-        packed = g.bytes(sig.args[0], args[0], g.i64(sig.args[1], args[1]))
-        k = g.i64(sig.args[3], args[3])
-        a0 = g.bytes(sig.args[2], args[2], k)
-        a1 = g.bytes(sig.args[2], args[2], builder.add(k, ir.Constant(_I64, 32)))
+    def body(g, x):
+        builder = g.b
+        packed = g.load(x.w, x.wo, B32)
         total = None
-        for high, a_half, sc, sc_ty in ((False, a0, args[4], sig.args[4]), (True, a1, args[5], sig.args[5])):
-            s16 = builder.trunc(g.i64(sc_ty, sc), _I16)
-            scale = builder.shuffle_vector(builder.insert_element(ir.Constant(_W16, None), s16, ir.Constant(_I32, 0)),
-                                           ir.Constant(_W16, None), ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
-            part = g.scaled(g.pairs(g.nibbles(packed, high), a_half), scale)
+        for high, off, sc in ((False, 0, x.sc0), (True, 32, x.sc1)):
+            scale = g.splat(W16, builder.trunc(sc, I16))
+            part = g.madd(g.pairs(g.nibbles(packed, high), g.load(x.a, builder.add(x.ao, g.const(off)), B32)), scale)
             total = part if total is None else builder.add(total, part)
-        return g.hsum(total)
-    return types.int32(w, wo, a, ao, sc0, sc1), codegen
+        return g.isum(total)
+    return types.int32(w, wo, a, ao, sc0, sc1), body
 
 
-@intrinsic
+@vector_intrinsic
 def dot_q6_128(typingctx, w, ql, qh, sc, a, ao):
     """Q6_K's 128-value half: value 32i + l (i < 4, l < 32) has its low 4 bits in nibble i // 2
     of w[ql + 32 (i % 2) + l] and its top 2 in bits 2i, 2i+1 of w[qh + l], 0..63; values of
     16 share the int8 scale w[sc + (32i + l) // 16]. Returns sum scale * value * a[ao + 32i + l]
     (the -32 of ggml's q - 32 is the caller's, through the activation's 16-value sums)."""
-    _need_isa()
+    vector_ir.need_isa("dot_q6_128")
 
-    def codegen(context, builder, sig, args):
-        g = _IR(context, builder, ISA)
-        wt, at = sig.args[0], sig.args[4]
-        lo0 = g.bytes(wt, args[0], g.i64(sig.args[1], args[1]))
-        lo1 = g.bytes(wt, args[0], builder.add(g.i64(sig.args[1], args[1]), ir.Constant(_I64, 32)))
-        hi = g.bytes(wt, args[0], g.i64(sig.args[2], args[2]))
-        scales = builder.sext(g.bytes(wt, args[0], g.i64(sig.args[3], args[3]), 8), ir.VectorType(_I16, 8))
-        k = g.i64(sig.args[5], args[5])
-        c = lambda v: g.splat(_B32, v)
-        top = [builder.shl(builder.and_(hi, c(3)), c(4)), builder.shl(builder.and_(hi, c(12)), c(2)),
-               builder.and_(hi, c(48)), builder.lshr(builder.and_(hi, c(192)), c(2))]
-        low = [g.nibbles(lo0, False), g.nibbles(lo1, False), g.nibbles(lo0, True), g.nibbles(lo1, True)]
+    def body(g, x):
+        builder = g.b
+        lo0, lo1 = g.load(x.w, x.ql, B32), g.load(x.w, builder.add(x.ql, g.const(32)), B32)
+        hi = g.load(x.w, x.qh, B32)
+        scales = builder.sext(g.load(x.w, x.sc, ir.VectorType(I8, 8)), W8)
+        top, low = q6_top_bits(g, hi), [g.nibbles(lo0, False), g.nibbles(lo1, False),
+                                       g.nibbles(lo0, True), g.nibbles(lo1, True)]
         total = None
         for i in range(4):
-            q = builder.or_(low[i], top[i])
-            av = g.bytes(at, args[4], builder.add(k, ir.Constant(_I64, 32 * i)))
-            scale = builder.shuffle_vector(scales, scales, ir.Constant(ir.VectorType(_I32, 16),
-                                                                       [2 * i] * 8 + [2 * i + 1] * 8))
-            part = g.scaled(g.pairs(q, av), scale)
+            av = g.load(x.a, builder.add(x.ao, g.const(32 * i)), B32)
+            scale = g.shuffle(scales, scales, [2 * i] * 8 + [2 * i + 1] * 8)
+            part = g.madd(g.pairs(builder.or_(low[i], top[i]), av), scale)
             total = part if total is None else builder.add(total, part)
-        return g.hsum(total)
-    return types.int32(w, ql, qh, sc, a, ao), codegen
+        return g.isum(total)
+    return types.int32(w, ql, qh, sc, a, ao), body
+
+
+def q6_top_bits(g: Emit, qh):
+    """Q6_K's top 2 bits of the four values a byte of qh serves, each moved to bit 4-5 of its
+    own byte: (qh & 3) << 4, (qh & 12) << 2, qh & 48, (qh & 192) >> 2 (ggml's dequantize_row_q6_K)."""
+    b, c = g.b, lambda v: g.splat_const(qh.type, v)
+    return [b.shl(b.and_(qh, c(3)), c(4)), b.shl(b.and_(qh, c(12)), c(2)),
+            b.and_(qh, c(48)), b.lshr(b.and_(qh, c(192)), c(2))]
 
 
 @njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -651,22 +466,10 @@ def matvec_int8_named(a, da, sa, sums, w, kind, f16, n_chunks):
 
 
 # What the stage calls: the named instructions where this CPU has them, else the loops above.
-matvec_int8 = matvec_int8_named if ISA else matvec_int8_auto
+matvec_int8 = matvec_int8_named if vector_ir.ISA else matvec_int8_auto
 
 
-@njit(cache=True)
-def dequantize_q8(q, d, qk):
-    """The float32 values the 8-bit blocks stand for, d * q: what prefill multiplies."""
-    M, K = q.shape
-    out = np.empty((M, K), dtype=np.float32)
-    for m in range(M):
-        for k in range(K):
-            out[m, k] = d[m, k // qk] * np.float32(q[m, k])
-    return out
+__all__ = ["matvec_int8", "matvec_int8_auto", "matvec_int8_named", "add_block_offsets"]
 
-
-__all__ = ["quantize_q8", "dequantize_q8", "matvec_int8", "matvec_int8_auto", "matvec_int8_named", "ISA",
-           "f16_round", "ACTIVATION_BLOCK"]
-
-toolkit.guard_cache(__name__, [quantize_q8, matvec_int8_auto, matvec_int8_named, dequantize_q8, f16_round],
-            [quantized_kernels.__file__, toolkit.__file__])
+toolkit.guard_cache(__name__, [matvec_int8_auto, matvec_int8_named],
+                    [quantized_kernels.__file__, toolkit.__file__, vector_ir.__file__])

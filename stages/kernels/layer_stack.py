@@ -1,0 +1,455 @@
+"""The layer stack in one compiled call (stages/fused.py tells the story; stages/repack.py reuses it).
+
+    run_layers(h, weights, cache, rows, dims, sync, nt)   every op of every layer, in ONE parallel
+                                                          region: nt threads (one prange iteration
+                                                          each) walk the same ops and meet at a
+                                                          barrier between two that depend on each other
+    matmul_rows(x, blob, mat, f16, nt)                    one weight matrix (the output head)
+
+The ops of one layer are the table PHASES (OPS_PER_LAYER of them, a barrier after each; the
+region's fork and join once per call). Each is split into work items that the threads take from
+counters (stages/kernels/sync.py's next_item: each thread its own contiguous range first):
+
+    NORM_ATTN  rows of h -> x = rms_norm(h) * attn_norm, rounded to 8-bit blocks
+    QKV        row chunks of Wq, Wk, Wv (one list): integer tiles, then RoPE on the chunk's pairs,
+               k and v written straight into the cache
+    ATTEND     (query row, head, chunk of CHUNK positions) -> the chunk's max, sum of exp and
+               weighted sum of V: flash-decoding's partial results
+    MERGE      rows: the chunks of each head merged (online softmax), rounded for Wo
+    WO         row chunks of Wo, added into h (the residual)
+    NORM_FFN   rows of h -> x = rms_norm(h) * ffn_norm, rounded
+    GATE_UP    row chunks of W_gate and W_up together: f = silu(gate) * up on the way out
+    ROUND_F    rows of f, rounded for W_down
+    DOWN       row chunks of W_down, added into h
+
+The rows of a call belong to one sequence or to many (a batched step, common/batch.py): every row
+has its own position, cache slot and sequence, and attends over its own sequence's positions
+through its page table (stages/kernels/layer_ops.py). One sequence's arena is one page.
+
+What it reads, as named records (numba compiles named tuples of arrays):
+
+    Weights(blob, mats, norms)   blob uint8: every layer matrix (the mapped file itself when they
+                                 all come from it); mats: MATRIX records, WQ..DOWN of each layer;
+                                 norms float32 [n_layer, 2, D] (attn_norm, ffn_norm)
+    Cache(k, v, tables, page_size)      k, v [n_layer, n_slots, kv_dim]: float32, or float16 bits
+                                 (uint16); tables int64 [S, pages]: each sequence's pages
+    Rows(positions, slots, seq)  int64 [M] each: a row's position, cache slot (-1: a padding row,
+                                 not stored, not attended) and sequence (its row of tables)
+    Dims(n_head, n_head_kv, n_ff, eps, scale, cos, sin)   the model's shape, RoPE's tables
+
+A matrix's `layout` says how its rows are stored: ROWS as the file stores them (the fused stage:
+stages/kernels/int_tiles.py), REPACKED in interleaved groups (the repack stage:
+stages/kernels/repacked.py). Float matrices (F32/F16/BF16) are decoded a row at a time and
+multiplied in float; without AVX2 the int8 stage's loops run (ROWS only).
+
+Nothing here depends on the number of threads but who computes what: every value is computed
+by the same code whichever thread takes its item, and attention's chunks are fixed, so 1 thread
+and N give the same bits.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+from numba import njit, prange
+
+from stages.kernels import dequant_dot, int_dot, int_tiles, layer_ops, q8, repacked, sync, toolkit, vector_ir
+from stages.kernels.dequant_dot import dequantize_rows
+from stages.kernels.int_dot import _dot_row
+from stages.kernels.layer_ops import (
+    CHUNK,
+    attend_chunk,
+    chunks_of,
+    kv_value,
+    merge_chunks,
+    rms_norm_row,
+    rope_rows,
+    silu_mul,
+)
+from stages.kernels.q8 import Q8Blocks, Q8KBlocks, pack_arrays, quantize_row
+from stages.kernels.sync import barrier, next_item
+from stages.kernels.toolkit import BF16, F16, F32, Q4_K, Q5_K, Q6_K, block_bytes, block_values
+
+DECODE_WEIGHTS = 65536  # weights per decode work item: a few microseconds, many items per op
+PREFILL_ROWS = 16       # weight rows per prefill work item (times every prompt row)
+f32 = np.float32
+
+# How a matrix's rows are stored in the blob.
+ROWS, REPACKED = 0, 1
+# One matrix: where it starts in the blob, its rows (N), bytes per row, ggml type, layout.
+MATRIX = np.dtype([("offset", np.int64), ("rows", np.int64), ("row_bytes", np.int64), ("kind", np.int64),
+                   ("layout", np.int64)])
+# The seven matrices of a layer, in mats order.
+WQ, WK, WV, WO, GATE, UP, DOWN = range(7)
+MATS_PER_LAYER = 7
+
+Weights = namedtuple("Weights", "blob mats norms")
+Cache = namedtuple("Cache", "k v tables page_size")
+Rows = namedtuple("Rows", "positions slots seq")
+Dims = namedtuple("Dims", "n_head n_head_kv n_ff eps scale cos sin")
+# A call's scratch arrays, and the same with the rounded activations (numba's parallel loop takes
+# no tuple inside a tuple, so the packs join inside each thread's call).
+Scratch = namedtuple("Scratch", "xin fbuf y part scores fs counters")
+Work = namedtuple("Work", "xin fbuf y part scores fs counters p32 pk")
+
+# The phases of one layer, in order; the op each runs (and, for the norms, which norm vector).
+NORM_ATTN, QKV, ATTEND, MERGE, WO_OP, NORM_FFN, GATE_UP, ROUND_F, DOWN_OP = range(9)
+PHASES = (NORM_ATTN, QKV, ATTEND, MERGE, WO_OP, NORM_FFN, GATE_UP, ROUND_F, DOWN_OP)
+OPS_PER_LAYER = len(PHASES)
+_PHASES = np.array(PHASES, dtype=np.int64)
+
+
+def matrix_table(entries) -> np.ndarray:
+    """MATRIX records from (offset, rows, row_bytes, kind, layout) tuples."""
+    return np.array([tuple(int(v) for v in e) for e in entries], dtype=MATRIX)
+
+
+# ---- one chunk of weight rows times every activation row ---------------------------------------
+
+@njit(cache=True, inline="always")
+def is_k(kind):
+    return kind == Q4_K or kind == Q5_K or kind == Q6_K
+
+
+@njit(cache=True, inline="always")
+def is_float(kind):
+    return kind == F32 or kind == F16 or kind == BF16
+
+
+@njit(cache=True)
+def _chunk_tiles(kind, w, off, rb, r0, r1, M, p32, pk, out, col):
+    """out[m, col + r] = (row r of the matrix at w[off:]) . (activation row m), r0 <= r < r1:
+    prefill in int_tiles.TILE shapes, decode and the edges a row at a time. (Decode reads one row
+    after another: 4 rows interleaved, as a 4 x 1 tile would read them, streamed from memory at
+    less than half the rate on the machine first measured: a row is a short stream, and the
+    prefetchers lose track of four at once. The repack stage's layout is the answer to that.)"""
+    nb = rb // block_bytes(kind)
+    r = r0
+    if M > 1:
+        R, C = (1, 8) if is_k(kind) else (4, 4)         # int_tiles.TILE
+        while r + R <= r1:
+            m = 0
+            while m + C <= M:
+                int_tiles.prefill_tile(kind, w, off + r * rb, rb, nb, p32, pk, m, out, col + r)
+                m += C
+            while m < M:
+                int_tiles.decode_rows(kind, w, off + r * rb, rb, nb, p32, pk, m, out, col + r, R)
+                m += 1
+            r += R
+    if r < r1:
+        for m in range(M):
+            int_tiles.decode_rows(kind, w, off + r * rb, rb, nb, p32, pk, m, out, col + r, r1 - r)
+
+
+@njit(cache=True)
+def _chunk_loops(kind, w, off, rb, r0, r1, M, p32, pk, out, col):
+    """The same products with the int8 stage's integer loops, row by row (CPUs without AVX2)."""
+    K = rb // block_bytes(kind) * block_values(kind)
+    buf = np.empty(K, dtype=np.int16)
+    f16 = toolkit.F16_TO_F32
+    for r in range(r0, r1):
+        row = w[off + r * rb: off + (r + 1) * rb]
+        for m in range(M):
+            if is_k(kind):
+                out[m, col + r] = _dot_row(kind, row, pk.q[m, :K], pk.d[m], pk.d[m], pk.b16[m], f16, buf)
+            else:
+                out[m, col + r] = _dot_row(kind, row, p32.q[m, :K], p32.d[m], p32.s[m], p32.sums[m], f16, buf)
+
+
+_chunk_ints = _chunk_tiles if vector_ir.ISA else _chunk_loops
+
+
+@njit(cache=True)
+def _chunk_float(kind, w, off, rb, r0, r1, M, xf, out, col, fbuf):
+    """Float weights (F32/F16/BF16): each row decoded once, dotted with every float row of xf."""
+    K = fbuf.shape[1]
+    w2 = w[off + r0 * rb: off + r1 * rb].reshape((r1 - r0, rb))
+    for r in range(r1 - r0):
+        dequantize_rows(kind, w2, r, fbuf, toolkit.F16_TO_F32)
+        for m in range(M):
+            acc = f32(0.0)
+            for k in range(K):
+                acc += fbuf[0, k] * xf[m, k]
+            out[m, col + r0 + r] = acc
+
+
+@njit(cache=True, inline="always")
+def chunk(mat, blob, r0, r1, M, xf, s, out, col, fs):
+    """Rows r0..r1 of one matrix (a MATRIX record) times every activation row into out[:, col..]."""
+    if is_float(mat.kind):
+        _chunk_float(mat.kind, blob, mat.offset, mat.row_bytes, r0, r1, M, xf, out, col, fs[:, :xf.shape[1]])
+    elif mat.layout == REPACKED:
+        repacked.chunk(mat.kind, blob, mat.offset, mat.row_bytes, r0, r1, M, s.p32, s.pk, out, col)
+    else:
+        _chunk_ints(mat.kind, blob, mat.offset, mat.row_bytes, r0, r1, M, s.p32, s.pk, out, col)
+
+
+@njit(cache=True, inline="always")
+def rows_per_item(K, M, multiple):
+    if M > 1:
+        return max(multiple, PREFILL_ROWS // multiple * multiple)
+    return max(multiple, DECODE_WEIGHTS // K // multiple * multiple)
+
+
+@njit(cache=True, inline="always")
+def multiple_of(mat):
+    """Work items hold whole groups of a repacked matrix (repacked.GROUP rows), 4 rows otherwise."""
+    return repacked.GROUP if mat.layout == REPACKED else 4
+
+
+# ---- the phases --------------------------------------------------------------------------------
+
+@njit(cache=True, inline="always")
+def _needs(mats, j0, j1):
+    """(any integer matrix of j0..j1-1 takes Q8_0/Q8_1 blocks, any takes Q8_K)."""
+    n32, nk = False, False
+    for j in range(j0, j1):
+        kind = mats[j].kind
+        if not is_float(kind):
+            if is_k(kind):
+                nk = True
+            else:
+                n32 = True
+    return n32, nk
+
+
+@njit(cache=True)
+def _norm_rows(h, il, which, eps, weights, s, ph, t, nt):
+    """x = rms_norm(h) * norm `which` of layer il, row by row, rounded for the matrices after it."""
+    M, D = h.shape
+    base = il * MATS_PER_LAYER
+    j0, j1 = (WQ, WO) if which == 0 else (GATE, DOWN)
+    n32, nk = _needs(weights.mats, base + j0, base + j1)
+    while True:
+        m = next_item(s.counters, ph, t, nt, M)
+        if m < 0:
+            break
+        rms_norm_row(h[m], weights.norms[il, which], eps, s.xin[m, :D])
+        quantize_row(s.xin[m], m, D, n32, nk, s.p32, s.pk)
+
+
+@njit(cache=True)
+def _round_f(il, weights, s, ph, t, nt):
+    """f = silu(gate) * up, rounded for W_down."""
+    M, n_ff = s.fbuf.shape
+    j = il * MATS_PER_LAYER + DOWN
+    n32, nk = _needs(weights.mats, j, j + 1)
+    while True:
+        m = next_item(s.counters, ph, t, nt, M)
+        if m < 0:
+            break
+        quantize_row(s.fbuf[m], m, n_ff, n32, nk, s.p32, s.pk)
+
+
+@njit(cache=True)
+def _matmul_op(op, il, h, weights, cache, rows, dims, s, ph, t, nt):
+    """One thread's share of a matmul phase of layer il: work items from counters[ph], each a chunk
+    of weight rows times every activation row into s.y, then the phase's epilogue:
+
+        QKV      Wq | Wk | Wv rows -> y[:, :nq + 2 nkv]; RoPE on q and k, k and v into the cache
+        WO_OP    Wo rows -> y, added into h
+        GATE_UP  W_gate and W_up rows r0..r1 -> y[:, r], y[:, n_ff + r]; fbuf = silu(gate) * up
+        DOWN_OP  W_down rows -> y, added into h
+
+    One call per phase and thread, and one place that calls the matmul kernels: numba passes every
+    array field by value to a function it does not inline, which costs about as much as a work
+    item of decode if paid per item."""
+    M, D = h.shape
+    kv_dim = cache.k.shape[2]
+    hd = kv_dim // dims.n_head_kv
+    nq, nkv, n_ff = dims.n_head * hd, kv_dim, dims.n_ff
+    base = il * MATS_PER_LAYER
+    mats = weights.mats
+    y = s.y
+    if op == QKV:
+        per = rows_per_item(D, M, multiple_of(mats[base + WQ]))
+        nq_items, nkv_items = (nq + per - 1) // per, (nkv + per - 1) // per
+        n_items = nq_items + 2 * nkv_items
+        xf = s.xin[:, :D]
+    else:
+        j = WO if op == WO_OP else (GATE if op == GATE_UP else DOWN)
+        K = nq if op == WO_OP else (D if op == GATE_UP else n_ff)
+        N = n_ff if op == GATE_UP else D
+        per = rows_per_item(2 * K if op == GATE_UP else K, M, multiple_of(mats[base + j]))
+        n_items = (N + per - 1) // per
+        xf = s.xin[:, :nq] if op == WO_OP else (s.xin[:, :D] if op == GATE_UP else s.fbuf)
+    while True:
+        item = next_item(s.counters, ph, t, nt, n_items)
+        if item < 0:
+            break
+        if op == QKV:
+            if item < nq_items:
+                j, r0, n, col = WQ, item * per, nq, 0
+            elif item < nq_items + nkv_items:
+                j, r0, n, col = WK, (item - nq_items) * per, nkv, nq
+            else:
+                j, r0, n, col = WV, (item - nq_items - nkv_items) * per, nkv, nq + nkv
+        else:
+            r0, n, col = item * per, N, 0
+        r1 = min(n, r0 + per)
+        for part in range(2 if op == GATE_UP else 1):
+            chunk(mats[base + j + part], weights.blob, r0, r1, M, xf, s, y, col + part * n_ff, s.fs[t])
+        if op == QKV:
+            if j != WV:
+                rope_rows(y, col + r0, col + r1, hd, dims.cos, dims.sin, rows.positions, M)
+            if j != WQ:
+                dst = cache.k if j == WK else cache.v
+                for m in range(M):
+                    slot = rows.slots[m]
+                    if slot >= 0:
+                        for r in range(r0, r1):
+                            dst[il, slot, r] = kv_value(y[m, col + r], dst)
+        elif op == GATE_UP:
+            for m in range(M):
+                for r in range(r0, r1):
+                    s.fbuf[m, r] = silu_mul(y[m, r], y[m, n_ff + r])
+        else:
+            for m in range(M):
+                for r in range(r0, r1):
+                    h[m, r] += y[m, r]
+
+
+@njit(cache=True)
+def _attend(il, cache, rows, dims, s, ph, t, nt):
+    """Work items (query row m, head, chunk c of its positions 0..positions[m]) -> s.part[m, head, c]."""
+    M, H, n_chunks = s.part.shape[0], s.part.shape[1], s.part.shape[2]
+    kv_dim = cache.k.shape[2]
+    hd = kv_dim // dims.n_head_kv
+    group = H // dims.n_head_kv
+    scores = s.scores[t]
+    kc, vc = cache.k[il], cache.v[il]
+    while True:
+        item = next_item(s.counters, ph, t, nt, M * H * n_chunks)
+        if item < 0:
+            break
+        m = item // (H * n_chunks)
+        rest = item - m * H * n_chunks
+        hh, c = rest // n_chunks, rest % n_chunks
+        t0, t1 = c * CHUNK, min(rows.positions[m] + 1, (c + 1) * CHUNK)
+        if rows.slots[m] >= 0 and t0 < t1:
+            attend_chunk(s.y[m, hh * hd:(hh + 1) * hd], kc, vc, cache.tables[rows.seq[m]], cache.page_size,
+                         hh // group, hd, t0, t1, dims.scale, scores, s.part[m, hh, c])
+
+
+@njit(cache=True)
+def _merge(il, weights, cache, rows, dims, s, ph, t, nt):
+    """Each row's heads: its own chunks merged in order (flash-decoding's reduction), then rounded for Wo."""
+    M, H = s.part.shape[0], s.part.shape[1]
+    hd = cache.k.shape[2] // dims.n_head_kv
+    j = il * MATS_PER_LAYER + WO
+    n32, nk = _needs(weights.mats, j, j + 1)
+    while True:
+        m = next_item(s.counters, ph, t, nt, M)
+        if m < 0:
+            break
+        out = s.xin[m]
+        if rows.slots[m] < 0:
+            out[:H * hd] = 0.0                      # a padding row: nothing to attend to
+        else:
+            n = chunks_of(rows.positions[m])
+            for hh in range(H):
+                merge_chunks(s.part[m, hh], n, hd, out[hh * hd:(hh + 1) * hd])
+        quantize_row(out, m, H * hd, n32, nk, s.p32, s.pk)
+
+
+@njit(cache=True, inline="always")
+def _work(s, p32, pk):
+    return Work(s.xin, s.fbuf, s.y, s.part, s.scores, s.fs, s.counters, p32, pk)
+
+
+@njit(cache=True)
+def _worker(t, nt, h, weights, cache, rows, dims, scratch, p32, pk, sync):
+    """Thread t of nt: every phase of every layer, its share of each, a barrier after each."""
+    s = _work(scratch, p32, pk)
+    n_layer = weights.norms.shape[0]
+    bar = 0
+    for il in range(n_layer):
+        for i in range(OPS_PER_LAYER):
+            op = _PHASES[i]
+            ph = il * OPS_PER_LAYER + i                 # this phase's row of work counters
+            if op == NORM_ATTN or op == NORM_FFN:
+                _norm_rows(h, il, 0 if op == NORM_ATTN else 1, dims.eps, weights, s, ph, t, nt)
+            elif op == ATTEND:
+                _attend(il, cache, rows, dims, s, ph, t, nt)
+            elif op == MERGE:
+                _merge(il, weights, cache, rows, dims, s, ph, t, nt)
+            elif op == ROUND_F:
+                _round_f(il, weights, s, ph, t, nt)
+            else:
+                _matmul_op(op, il, h, weights, cache, rows, dims, s, ph, t, nt)
+            if il + 1 < n_layer or i + 1 < OPS_PER_LAYER:
+                bar += 1
+                if not barrier(sync, nt, bar):
+                    return
+
+
+@njit(cache=True, parallel=True)
+def run_layers(h, weights, cache, rows, dims, sync, nt):
+    """Every layer on h [M, D] (changed in place): row m at rows.positions[m], its K and V written
+    into cache slot rows.slots[m]. One parallel region of nt iterations: nt must be numba's thread
+    count (numba.get_num_threads(), read by the caller: inside a cached kernel it cannot be).
+    sync: sync.new_sync(); sync[0] counts the barriers' arrivals, sync[1] is 1 if one gave up."""
+    M, D = h.shape
+    kv_dim = cache.k.shape[2]
+    hd = kv_dim // dims.n_head_kv
+    n_chunks = 1
+    for m in range(M):
+        n_chunks = max(n_chunks, chunks_of(rows.positions[m]))
+    H, n_ff, n_layer = dims.n_head, dims.n_ff, weights.norms.shape[0]
+    K = max(D, n_ff, H * hd)
+    # made here, not by a function: numba's parallel loop must see where a named tuple comes from
+    s = Scratch(np.zeros((M, max(D, H * hd)), np.float32), np.zeros((M, n_ff), np.float32),
+                np.zeros((M, max(H * hd + 2 * kv_dim, 2 * n_ff, D)), np.float32),
+                np.zeros((M, H, n_chunks, hd + 2), np.float32), np.zeros((nt, CHUNK), np.float32),
+                np.zeros((nt, 1, K), np.float32), np.zeros((n_layer * OPS_PER_LAYER, nt), np.int64))
+    a = pack_arrays(M, K)
+    p32, pk = Q8Blocks(a[0], a[1], a[2], a[3]), Q8KBlocks(a[4], a[5], a[6], a[7])
+    for t in prange(nt):
+        _worker(t, nt, h, weights, cache, rows, dims, s, p32, pk, sync)
+    return h
+
+
+# ---- one matrix: the output head ---------------------------------------------------------------
+
+@njit(cache=True)
+def _head_worker(x, blob, mats, scratch, p32, pk, out, per, t, nt):
+    M = x.shape[0]
+    mat = mats[0]
+    s = _work(scratch, p32, pk)
+    n_items = (mat.rows + per - 1) // per
+    while True:
+        item = next_item(s.counters, 0, t, nt, n_items)
+        if item < 0:
+            break
+        r0 = item * per
+        chunk(mat, blob, r0, min(mat.rows, r0 + per), M, x, s, out, 0, s.fs[t])
+
+
+@njit(cache=True, parallel=True)
+def matmul_rows(x, blob, mats, nt):
+    """x [M, K] times one weight (mats: one MATRIX record, in blob) -> [M, N]: the activation
+    rounded once, the rows in work items over nt threads (numba's thread count)."""
+    M, K = x.shape
+    mat = mats[0]
+    a = pack_arrays(M, K)
+    p32, pk = Q8Blocks(a[0], a[1], a[2], a[3]), Q8KBlocks(a[4], a[5], a[6], a[7])
+    if not is_float(mat.kind):
+        for m in range(M):
+            quantize_row(x[m], m, K, not is_k(mat.kind), is_k(mat.kind), p32, pk)
+    out = np.empty((M, mat.rows), np.float32)
+    s = Scratch(x, x, out, np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1), np.float32),
+                np.zeros((nt, 1, K), np.float32), np.zeros((1, nt), np.int64))
+    per = rows_per_item(K, M, multiple_of(mat))
+    for t in prange(nt):
+        _head_worker(x, blob, mats, s, p32, pk, out, per, t, nt)
+    return out
+
+
+__all__ = ["run_layers", "matmul_rows", "matrix_table", "Weights", "Cache", "Rows", "Dims", "MATRIX", "ROWS",
+           "REPACKED", "OPS_PER_LAYER", "PHASES", "CHUNK"]
+
+toolkit.guard_cache(__name__, [run_layers, matmul_rows, _worker, _head_worker, _matmul_op, _attend, _merge,
+                               _norm_rows, _round_f, _chunk_float, _chunk_tiles, _chunk_loops],
+                    [int_tiles.__file__, int_dot.__file__, dequant_dot.__file__, sync.__file__, toolkit.__file__,
+                     q8.__file__, layer_ops.__file__, repacked.__file__, vector_ir.__file__])

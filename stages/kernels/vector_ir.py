@@ -1,0 +1,290 @@
+"""The one place that writes vector instructions by hand: LLVM IR, a few lines per operation.
+
+numba compiles Python loops; where LLVM's auto-vectorizer will not find the instruction a kernel
+needs (stages/int8.py says why), a kernel asks for it by name: numba's `intrinsic` lets a
+jitted function emit LLVM IR, and LLVM IR can call x86 intrinsics. Every kernel that does
+(stages/kernels/int_dot.py, int_tiles.py, repacked.py) builds its IR with `Emit` below, so each
+trick is named once, here, with the scalar code it stands for (its twin: what the tests compare
+it with, tests/test_vector_ir.py) and the instructions it becomes:
+
+    helper             twin (per lane i)                         x86
+    dpbusd(acc, u, s)  acc[i] + sum_j<4 u[4i+j] s[4i+j]          vpdpbusd (VNNI); else vpmaddubsw,
+                       (u unsigned up to 128; s signed bytes)   vpmaddwd with ones, vpaddd (AVX2)
+    dpbusd_bytes       the same for u up to 255                  vpdpbusd; AVX2: u in nibbles
+    pairs(u, s)        u[2i] s[2i] + u[2i+1] s[2i+1] (int16)     vpmaddubsw
+    madd(a, b)         a[2i] b[2i] + a[2i+1] b[2i+1] (int32)     vpmaddwd
+    nibbles(v, high)   v[i] & 15, or v[i] >> 4                   vpand / vpsrlw + vpand
+    splat_i32(p, o)    the int32 at p+o in every lane            vpbroadcastd (often folded into
+                                                                 vpdpbusd's memory operand {1to8})
+    halves(p, o, n)    n float16 at p+o as float32               vcvtph2ps (F16C)
+    half(p, o)         one float16 at p+o in every lane          vpbroadcastw + vcvtph2ps
+    fma(a, b, c)       a[i] * b[i] + c[i], one rounding          vfmadd231ps
+    hsum(v)            v[0] + ... + v[7], as a fixed tree        vextractf128, vaddps, vhaddps
+
+ISA is what this CPU offers numba's code generator: 'vnni' (AVX2 + F16C + AVX512-VNNI with VL,
+or AVX-VNNI: vpdpbusd on 256-bit registers), 'avx2' (AVX2 + F16C), or None (the kernels that
+need these then refuse to compile, and their callers take the plain loops). It is read when a
+kernel is compiled: numba's cache key includes the CPU's features, so a cache never carries
+these kernels to a CPU without them. Pointers are i8* and offsets bytes throughout.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import platform
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils, config, errors
+from numba.extending import intrinsic
+
+from common.cpu import simd_features
+
+I1, I8, I16, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+F16, F32 = ir.HalfType(), ir.FloatType()
+B32, B16 = ir.VectorType(I8, 32), ir.VectorType(I8, 16)             # 32 / 16 bytes
+W16, W8 = ir.VectorType(I16, 16), ir.VectorType(I16, 8)             # 16 / 8 int16
+D8, D4 = ir.VectorType(I32, 8), ir.VectorType(I32, 4)               # 8 / 4 int32
+F8 = ir.VectorType(F32, 8)                                          # 8 float32: one ymm register
+# The prefetch intrinsic's name carries its pointer type: "ptr" where llvmlite writes opaque
+# pointers (LLVM 15 and later), "i8*" before.
+_PREFETCH = "llvm.prefetch.p0" if str(I8.as_pointer()) == "ptr" else "llvm.prefetch.p0i8"
+
+
+def named_isa():
+    """'vnni', 'avx2' or None (see the module docstring). numba compiles for the host CPU unless
+    told otherwise (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, e.g. for a portable cache): then None."""
+    if platform.machine() not in ("x86_64", "AMD64") or config.CPU_NAME or config.CPU_FEATURES:
+        return None
+    f = set(simd_features())
+    if not {"avx2", "f16c"} <= f:
+        return None
+    return "vnni" if "avx_vnni" in f or {"avx512_vnni", "avx512vl"} <= f else "avx2"
+
+
+ISA = named_isa()
+
+
+def need_isa(what: str):
+    """At typing time: refuse to compile a hand-written kernel on a CPU without AVX2 + F16C."""
+    if ISA is None:
+        raise errors.TypingError(f"{what} needs AVX2 + F16C (stages/kernels/vector_ir.py, named_isa)")
+
+
+def vector_intrinsic(typer):
+    """numba's @intrinsic for a kernel written with Emit: `typer(typingctx, <args>)` returns
+    (signature, body) and `body(g, a)` emits the IR, with g an Emit and a the arguments by name
+    (Args): a kernel reads its arguments as its signature names them, not by position."""
+    names = list(inspect.signature(typer).parameters)[1:]             # after typingctx
+
+    @functools.wraps(typer)
+    def typed(typingctx, *argtys):
+        sig, body = typer(typingctx, *argtys)
+
+        def codegen(context, builder, sig, args):
+            g = Emit(context, builder)
+            return body(g, Args(g, names, sig, args))
+        return sig, codegen
+    return intrinsic(typed)
+
+
+class Args:
+    """An intrinsic's arguments by name: `a.w` is the data pointer (i8*) of array argument w, an
+    int64 for an integer argument, the value itself otherwise (a tuple, a float); `a.arrays['w']`
+    numba's struct of array w (for its strides)."""
+
+    def __init__(self, emit: "Emit", names, sig, args):
+        self.arrays = {}
+        for name, ty, value in zip(names, sig.args, args):
+            if isinstance(ty, types.BaseTuple):             # a named tuple of arrays: a.pack.q ...
+                fields = getattr(ty, "fields", None) or [f"_{i}" for i in range(len(ty.types))]
+                members = [emit.b.extract_value(value, i) for i in range(len(ty.types))]
+                setattr(self, name, Args(emit, fields, types.none(*ty.types), members))
+            elif isinstance(ty, types.Array):
+                ptr, arr = emit.array(ty, value)
+                self.arrays[name] = arr
+                setattr(self, name, ptr)
+            elif isinstance(ty, types.Integer):
+                setattr(self, name, emit.int64(ty, value))
+            else:
+                setattr(self, name, value)
+
+
+class Emit:
+    """LLVM IR for one kernel being compiled: `b` is llvmlite's builder."""
+
+    def __init__(self, context, builder, isa=None):
+        self.c, self.b = context, builder
+        self.isa = ISA if isa is None else isa
+
+    # ---- scalars and memory ---------------------------------------------------------------------
+    def const(self, v):
+        return ir.Constant(I64, v)
+
+    def int64(self, ty, v):
+        return self.c.cast(self.b, v, ty, types.int64)
+
+    def array(self, ty, value):
+        """(i8* to the first element, numba's array struct) of an array argument."""
+        a = self.c.make_array(ty)(self.c, self.b, value)
+        return self.b.bitcast(a.data, I8.as_pointer()), a
+
+    def stride0(self, arr):
+        return self.b.extract_value(arr.strides, 0)
+
+    def at(self, p, off):
+        return self.b.gep(p, [off])
+
+    def load(self, p, off, ty):
+        """A value of type ty at byte offset off (no alignment assumed: vmovdqu)."""
+        return self.b.load(self.b.bitcast(self.at(p, off), ty.as_pointer()), align=1)
+
+    def store(self, p, off, value):
+        self.b.store(value, self.b.bitcast(self.at(p, off), value.type.as_pointer()), align=1)
+
+    def prefetch(self, p, off):
+        """llvm.prefetch (read, keep in all cache levels) of the line at p+off: prefetcht0, never faults."""
+        fn = cgutils.get_or_insert_function(
+            self.b.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), _PREFETCH)
+        self.b.call(fn, [self.at(p, off), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+    def slot(self, ty, init=None):
+        """A stack slot (an accumulator LLVM keeps in a register), zero unless init is given."""
+        slot = cgutils.alloca_once(self.b, ty)
+        self.b.store(init if init is not None else ir.Constant(ty, None), slot)
+        return slot
+
+    def call(self, name, ret, *args):
+        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ret, [a.type for a in args]), name)
+        return self.b.call(fn, args)
+
+    def switch(self, value, bodies: dict):
+        """One compiled function for several cases: `switch value` over {case: emit()}, each body
+        emitted in its own block (how one kernel serves every ggml type: no ladder of calls)."""
+        b = self.b
+        done = b.append_basic_block("done")
+        sw = b.switch(value, done)
+        for case, emit in bodies.items():
+            block = b.append_basic_block(f"case_{case}")
+            sw.add_case(ir.Constant(value.type, case), block)
+            b.position_at_end(block)
+            emit()
+            b.branch(done)
+        b.position_at_end(done)
+
+    def loop(self, n):
+        """`with g.loop(n) as i:` a counted loop, i = 0 .. n-1 (int64)."""
+        return _Loop(self.b, n)
+
+    # ---- building vectors -----------------------------------------------------------------------
+    @staticmethod
+    def splat_const(ty, v):
+        return ir.Constant(ty, [ir.Constant(ty.element, v)] * ty.count)
+
+    def shuffle(self, a, b, idx):
+        return self.b.shuffle_vector(a, b, ir.Constant(ir.VectorType(I32, len(idx)), list(idx)))
+
+    def splat(self, ty, scalar):
+        """scalar in every lane of ty."""
+        v = self.b.insert_element(ir.Constant(ty, None), scalar, ir.Constant(I32, 0))
+        return self.shuffle(v, ir.Constant(ty, None), [0] * ty.count)
+
+    def splat_i32(self, p, off, ty=D8):
+        """The int32 at p+off in every lane; as a byte vector (ty=B32) for dpbusd's signed operand.
+        x86: vpbroadcastd ymm, m32 (a load; LLVM folds it into vpdpbusd's {1to8} operand)."""
+        v = self.splat(D8, self.load(p, off, I32))
+        return v if ty == D8 else self.b.bitcast(v, ty)
+
+    def half(self, p, off, n=8):
+        """The float16 at p+off as n float32 lanes: vpbroadcastw from memory, then vcvtph2ps. (A scalar
+        half loaded and converted becomes vpinsrw into whatever register LLVM picks: a false
+        dependency on its old value, which chained every block of a kernel to the one before.)"""
+        h = self.b.insert_element(ir.Constant(ir.VectorType(I16, n), None), self.load(p, off, I16),
+                                  ir.Constant(I32, 0))
+        hn = self.shuffle(h, ir.Constant(h.type, None), [0] * n)
+        return self.b.fpext(self.b.bitcast(hn, ir.VectorType(F16, n)), ir.VectorType(F32, n))
+
+    def halves(self, p, off, n=8):
+        """n consecutive float16 at p+off as float32 lanes (vcvtph2ps ymm, m128): one scale per row
+        of a repacked group."""
+        return self.b.fpext(self.load(p, off, ir.VectorType(F16, n)), ir.VectorType(F32, n))
+
+    def widen_u8(self, p, off, n=8):
+        """n unsigned bytes at p+off as int32 lanes (vpmovzxbd ymm, m64)."""
+        return self.b.zext(self.load(p, off, ir.VectorType(I8, n)), ir.VectorType(I32, n))
+
+    def widen_s8(self, p, off, n=8):
+        """n signed bytes at p+off as int32 lanes (vpmovsxbd ymm, m64)."""
+        return self.b.sext(self.load(p, off, ir.VectorType(I8, n)), ir.VectorType(I32, n))
+
+    # ---- integer products -----------------------------------------------------------------------
+    def nibbles(self, v, high):
+        """The low (v & 15) or high (v >> 4) 4 bits of every byte: vpand, or a byte shift, which x86
+        does not have: LLVM writes vpsrlw (the word shift pulls the next byte's bits in) + vpand."""
+        if high:
+            return self.b.lshr(v, self.splat_const(v.type, 4))
+        return self.b.and_(v, self.splat_const(v.type, 15))
+
+    def pairs(self, u, s):
+        """vpmaddubsw: <16 x i16>, lane i = u[2i] s[2i] + u[2i+1] s[2i+1] (u unsigned, s signed;
+        saturating, which none of the products here reach: |sum| <= 2 * 128 * 127 < 2^15)."""
+        return self.call("llvm.x86.avx2.pmadd.ub.sw", W16, u, s)
+
+    def madd(self, a, b):
+        """vpmaddwd: lane i = a[2i] b[2i] + a[2i+1] b[2i+1], as int32 (<16 x i16> -> <8 x i32>,
+        <8 x i16> -> <4 x i32>)."""
+        name = "llvm.x86.avx2.pmadd.wd" if a.type.count == 16 else "llvm.x86.sse2.pmadd.wd"
+        return self.call(name, ir.VectorType(I32, a.type.count // 2), a, b)
+
+    def dpbusd(self, acc, u, s):
+        """acc + <8 x i32>, lane i += the sum of the 4 products u[4i..4i+3] s[4i..4i+3] (u unsigned
+        bytes, s signed bytes, 32 of each). VNNI: vpdpbusd ymm_acc, ymm_u, ymm_s (one instruction;
+        the <8 x i32> operand form: LLVM 15 to 22 accept it). AVX2: vpmaddubsw, vpmaddwd with ones,
+        vpaddd (the same sums: no 16-bit pair sum of |u| <= 128, |s| <= 127 saturates)."""
+        if self.isa == "vnni":
+            cast = lambda v: self.b.bitcast(v, D8)
+            return self.call("llvm.x86.avx512.vpdpbusd.256", D8, acc, cast(u), cast(s))
+        return self.b.add(acc, self.madd(self.pairs(u, s), self.splat_const(W16, 1)))
+
+    def dpbusd_bytes(self, acc, u, s):
+        """dpbusd for unsigned bytes over the whole range 0..255 (the repacked Q8_0's q + 128). VNNI:
+        vpdpbusd (its sums do not saturate). AVX2: a pair of 255 * 127 products overflows
+        vpmaddubsw's int16, so u = 16 hi + lo is taken in nibbles: 16 dpbusd(hi) + dpbusd(lo)."""
+        if self.isa == "vnni":
+            return self.dpbusd(acc, u, s)
+        hi = self.dpbusd(ir.Constant(D8, None), self.nibbles(u, True), s)
+        lo = self.dpbusd(acc, self.nibbles(u, False), s)
+        return self.b.add(lo, self.b.shl(hi, self.splat_const(D8, 4)))
+
+    def isum(self, v):
+        """The 8 int32 lanes added (llvm.vector.reduce.add: vphaddd or shuffles and vpaddd)."""
+        return self.call("llvm.vector.reduce.add.v8i32", I32, v)
+
+    # ---- float ----------------------------------------------------------------------------------
+    def to_float(self, v):
+        """int32 lanes -> float32 lanes (vcvtdq2ps): exact below 2^24, as every sum here is."""
+        return self.b.sitofp(v, ir.VectorType(F32, v.type.count))
+
+    def fma(self, a, b, c):
+        """a * b + c lane by lane with one rounding (vfmadd231ps): written as the intrinsic, so the
+        kernel's float operations are these and no others, whatever the compiler's flags."""
+        return self.call(f"llvm.fma.v{a.type.count}f32", a.type, a, b, c)
+
+    def hsum(self, v):
+        """The 8 float lanes added as a tree (fixed order: the same bits on any thread)."""
+        b = self.b
+        s4 = b.fadd(self.shuffle(v, v, range(4)), self.shuffle(v, v, range(4, 8)))
+        s2 = b.fadd(self.shuffle(s4, s4, (0, 1)), self.shuffle(s4, s4, (2, 3)))
+        return b.fadd(b.extract_element(s2, ir.Constant(I32, 0)), b.extract_element(s2, ir.Constant(I32, 1)))
+
+
+class _Loop:
+    def __init__(self, builder, n):
+        self._cm = cgutils.for_range(builder, n)
+
+    def __enter__(self):
+        return self._cm.__enter__().index
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)

@@ -1,0 +1,219 @@
+"""The repack stage: the layout undone gives the file's bytes back for every type; every type's
+repacked kernel against the int8 stage's integer loops; one kernel whatever the rows around a
+row (decode = prefill = batch, bit for bit, with a neighbour-dependent variant the same check
+catches); 1 thread and N; float16 K/V; the model within int8's tolerance of the reference and
+the fused stage's greedy tokens but at near-ties.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from common import reference
+from common.batch import Batch, Segment
+from common.gguf import GGMLType, GGUFFile
+from common.paged_kv import PagePool, PageTable
+from stages import load
+from stages.int8 import LOGIT_TOLERANCE as INT8_TOLERANCE
+from stages.kernels import layer_stack as L
+from stages.kernels import repacked, vector_ir
+from tests.test_fused import _int8_rows, _matmul, _weights, packs_of
+from tests.test_int8 import activations
+from tests.test_quantized import MIXED_TYPES, stage_logits, write_tiny_llama
+
+F32 = np.float32
+POOL = numba.config.NUMBA_NUM_THREADS
+TYPES = [GGMLType(t) for t in repacked.REPACK_TYPES]
+NO_ISA = "this CPU (or numba's target) has no AVX2 + F16C: the repack stage's kernels need them"
+needs_isa = pytest.mark.skipif(vector_ir.ISA is None, reason=NO_ISA)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_unpack_gives_the_files_bytes_back(ggml_type):
+    """13 rows (a group and a part of one): repacked, then unpacked, byte for byte; the group
+    blocks are exactly as long as the blocks they hold, plus the zero rows of the last group."""
+    raw, _, _ = _weights(ggml_type, 13, int(ggml_type))
+    packed = repacked.repack(raw, int(ggml_type))
+    assert packed.nbytes == 16 * raw.shape[1]
+    assert np.array_equal(repacked.unpack(packed, int(ggml_type), 13, raw.shape[1]), raw)
+    assert not np.array_equal(packed[:raw.nbytes], raw.reshape(-1))          # it did move the bytes
+
+
+@needs_isa
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_every_type_against_the_int8_loops(ggml_type):
+    """Decode (1 row), and 3 and 7 rows (the tile's rows and the rest), for 21 weight rows (two
+    groups and a part): the same integer sums as the int8 stage's loops, scaled in another order;
+    1 thread and all give the same bits."""
+    raw, K, rng = _weights(ggml_type, 21, 100 + int(ggml_type))
+    for M in (1, 3, 7):
+        x = activations(rng, M, K)
+        want, scale = _int8_rows(x, raw, ggml_type)
+        runs = [_matmul(x, raw, ggml_type, n, layout=L.REPACKED) for n in sorted({1, POOL})]
+        assert all(np.array_equal(r, runs[0]) for r in runs)
+        err = np.abs(runs[0] - want) / np.maximum(scale, 1e-30)
+        assert np.isfinite(runs[0]).all() and err.max() < 2e-6, f"{ggml_type.name} M={M}: {err.max():.2e}"
+
+
+@needs_isa
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(ggml_type):
+    """Activation row 0 alone, first of 3, and among 7 (tile rows, then the rows one by one), and
+    row 6 alone and last of 7:
+    identical bits. (The fused stage's tiles do not promise it: its decode and its tiles sum in
+    different orders, which the same comparison sees.)"""
+    raw, K, rng = _weights(ggml_type, 16, 200 + int(ggml_type))
+    x = activations(rng, 8, K)
+    alone = _matmul(x[:1], raw, ggml_type, 1, layout=L.REPACKED)[0]
+    for M in (3, 7):
+        assert np.array_equal(_matmul(x[:M], raw, ggml_type, 1, layout=L.REPACKED)[0], alone)
+    assert np.array_equal(_matmul(x[6:7], raw, ggml_type, 1, layout=L.REPACKED)[0],
+                          _matmul(x[:7], raw, ggml_type, 1, layout=L.REPACKED)[6])
+    fused = [_matmul(x[:M], raw, ggml_type, 1)[0] for M in (1, 8)]         # decode vs one 4x4 / 1x8 tile
+    if ggml_type in (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q4_1):          # the negative control
+        assert not np.array_equal(fused[0], fused[1])
+
+
+@pytest.mark.skipif(vector_ir.ISA != "vnni", reason="the AVX2 form is compared with the VNNI one here; this CPU "
+                    + ("has no AVX2" if vector_ir.ISA is None else "runs the AVX2 form itself"))
+def test_the_avx2_form_on_a_vnni_cpu(monkeypatch):
+    """Without VNNI the byte products are vpmaddubsw + vpmaddwd + vpaddd (and 2 rows per tile):
+    compiled here in that form too, the same bits, and no vpdpbusd in its code."""
+    results, asm = {}, {}
+    for isa in ("vnni", "avx2"):
+        monkeypatch.setattr(vector_ir, "ISA", isa)
+
+        @numba.njit
+        def run(kind, w, rb, nb, p32, pk, out):
+            repacked.group_gemm(kind, w, 0, rb, p32, pk, out.shape[0], out, 0, 0, out.shape[1])
+        for ggml_type in TYPES:
+            raw, K, rng = _weights(ggml_type, 8, 300 + int(ggml_type))
+            x = activations(rng, 5, K)
+            p32, pk = packs_of(x, K)
+            out = np.zeros((5, 8), F32)
+            nb = raw.shape[1] // repacked.BLOCK_BYTES[int(ggml_type)]
+            run(int(ggml_type), repacked.repack(raw, int(ggml_type)), raw.shape[1], nb, p32, pk, out)
+            results[isa, ggml_type] = out
+        asm[isa] = "\n".join(run.inspect_asm().values())
+    assert "vpdpbusd" in asm["vnni"] and "vpdpbusd" not in asm["avx2"]
+    for ggml_type in TYPES:
+        assert np.array_equal(results["vnni", ggml_type], results["avx2", ggml_type]), ggml_type.name
+
+
+# ---- the stage -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("repack") / "tiny-mixed.gguf",
+                            {**MIXED_TYPES, "attn_k": GGMLType.Q5_1, "attn_v": GGMLType.F16,
+                             "attn_output": GGMLType.Q4_0, "ffn_up": GGMLType.Q4_1, "output": GGMLType.Q6_K})
+
+
+@needs_isa
+def test_tiny_model_of_every_type_against_the_reference(tiny_path):
+    """Every integer type in the layers, a float one among them (attn_v F16, left as the file has
+    it), a repacked output head; prefill then decode on 1 thread and all: the same bits, within
+    the relative size int8 is held to, and a repacked matrix unpacks to its tensor's bytes."""
+    tokens = [3, 17, 42, 5, 63, 0, 8, 21, 9, 30]
+    want = reference.forward(GGUFFile(tiny_path), tokens)
+    engines = [load("repack", tiny_path, threads=n) for n in sorted({1, POOL})]
+    runs = [stage_logits(e, tokens, split=6) for e in engines]
+    got = runs[0]
+    assert np.isfinite(got).all() and all(np.array_equal(r, got) for r in runs)
+    rel = np.sqrt(((got - want) ** 2).mean() / (want ** 2).mean())
+    assert rel < 0.05, f"relative RMS difference {rel:.4f}"
+    layer = engines[0].layers[0]
+    from stages.repack import RepackedMatrix
+    assert isinstance(layer.w_down, RepackedMatrix) and not isinstance(layer.wv, RepackedMatrix)
+    assert np.array_equal(layer.w_down.rows(), layer.w_down.source.data)
+
+
+@needs_isa
+def test_decode_rows_are_prefill_rows(tiny_path):
+    """One token at a time or the whole prompt at once: every position's logits the same bits
+    (one kernel for both, and float16 K/V written and read the same way)."""
+    tokens = [3, 17, 42, 5, 63, 0, 8, 21]
+    e = load("repack", tiny_path)
+    whole = stage_logits(e, tokens, split=len(tokens))
+    one_by_one = stage_logits(e, tokens, split=1)
+    assert np.array_equal(whole, one_by_one)
+
+
+def crowd_differences(engine, prompts, crowds):
+    """For each crowd (indices into prompts), every sequence's logits of one step in that crowd
+    against the same sequence alone: the rows whose bits differ ([] = batch invariant)."""
+    def step(idx):
+        pool = PagePool(engine.config.n_layer, engine.config.kv_dim, 64, dtype=engine.backend.kv_dtype)
+        tables = [PageTable(pool) for _ in idx]
+        for t, i in zip(tables, idx):
+            t.admit(prompts[i], len(prompts[i]) + 4)
+        batch = Batch(pool, [Segment(t, prompts[i]) for t, i in zip(tables, idx)], engine.backend.row_block)
+        return engine.forward_batch(batch)
+    alone = {i: step([i])[0] for i in range(len(prompts))}
+    bad = []
+    for crowd in crowds:
+        for row, i in zip(step(crowd), crowd):
+            if not np.array_equal(row, alone[i]):
+                bad.append((tuple(crowd), i))
+    return bad
+
+
+@needs_isa
+def test_batch_invariance_with_a_negative_control(tiny_path):
+    """A sequence's logits in a batched step (one compiled call, each row over its own pages) are
+    the same bits alone and beside any others, for the repack stage with nothing padded; the
+    fused stage with its padding taken away (row_block 1: a row's path then depends on how many
+    rows came with it) is caught by the same check."""
+    prompts = [[3, 17, 42], [5, 63, 0, 8, 21, 9, 30, 2, 7], [11], [40, 41, 42, 43, 44]]
+    crowds = [[0, 1], [2, 0, 3], [1, 2, 3, 0]]
+    assert crowd_differences(load("repack", tiny_path), prompts, crowds) == []
+    fused = load("fused", tiny_path)
+    assert crowd_differences(fused, prompts, crowds) == []              # padded: invariant
+    fused.backend.row_block = 1
+    assert crowd_differences(fused, prompts, crowds) != []              # unpadded: caught
+
+
+@needs_isa
+def test_float16_and_float32_kv(tiny_path, monkeypatch):
+    """The cache in float16 by default (half the bytes), float32 with LLM_KV_TYPE=f32: both within
+    the tolerance; an unknown type is refused by name."""
+    tokens = [3, 17, 42, 5, 63, 0, 8, 21, 9, 30]
+    want = reference.forward(GGUFFile(tiny_path), tokens)
+    e16 = load("repack", tiny_path)
+    monkeypatch.setenv("LLM_KV_TYPE", "f32")
+    e32 = load("repack", tiny_path)
+    assert e16.kv.k.dtype == np.float16 and e32.kv.k.dtype == np.float32
+    assert e16.kv_bytes() * 2 == e32.kv_bytes()
+    a, b = stage_logits(e16, tokens, split=4), stage_logits(e32, tokens, split=4)
+    assert not np.array_equal(a, b)
+    for got in (a, b):
+        assert np.sqrt(((got - want) ** 2).mean() / (want ** 2).mean()) < 0.05
+    monkeypatch.setenv("LLM_KV_TYPE", "q8")
+    with pytest.raises(ValueError, match="LLM_KV_TYPE='q8'"):
+        load("repack", tiny_path)
+
+
+@needs_isa
+def test_default_model_within_int8s_tolerance_and_fuseds_greedy_tokens(default_model_path):
+    """Teacher-forced on the fused stage's 16 greedy tokens: the repack stage's argmax is fused's
+    pick wherever fused's own top two are more than NEAR_TIE apart, and its logits stay within
+    int8's tolerance of the float64 reference; 1 thread and all give the same bits."""
+    from common.generate import generate
+    from tests.test_stages import NEAR_TIE, PROMPT
+    fused = load("fused", default_model_path, n_ctx=256)
+    prompt = fused.tokenizer.encode(PROMPT)
+    cont = generate(fused, prompt, 16, ignore_eos=True).tokens
+    ids = prompt + cont
+    runs = [stage_logits(load("repack", default_model_path, threads=n, n_ctx=256), ids, split=len(prompt))
+            for n in sorted({1, POOL})]
+    assert all(np.array_equal(r, runs[0]) for r in runs)
+    ours = runs[0][len(prompt) - 1:-1]
+    theirs = stage_logits(fused, ids, split=len(prompt))[len(prompt) - 1:-1]
+    top2 = np.sort(theirs, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > NEAR_TIE
+    assert clear.sum() >= 10, "the prompt should have mostly clear choices"
+    assert (ours.argmax(axis=1)[clear] == np.array(cont)[clear]).all()
+    want = reference.forward(GGUFFile(default_model_path), ids)[len(prompt) - 1:-1]
+    assert np.abs(ours - want).max() <= INT8_TOLERANCE
