@@ -57,8 +57,12 @@ test-all: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## the test suite including the
 	$(VENV)/bin/ruff check .
 	LLM_SLOW_TESTS=1 $(PY) -m pytest -q -rfEsx tests $(args)
 
-run: $(STAMP) $(MODEL_FILE)  ## run one stage: make stage=tiling run [prompt=... n=... model=...]
-	$(PY) -m app run --stage $(stage) -m $(model) -p "$(prompt)" $(if $(n),-n $(n)) $(args)
+# np=N: N MPI ranks (the tp stage), hosts=FILE: spread over the machines an MPICH host file lists
+np     ?=
+hosts  ?=
+
+run: $(STAMP) $(MODEL_FILE)  ## run one stage: make stage=tiling run [prompt=... n=... model=...] (tp: np=2 [hosts=FILE])
+	$(if $(np),$(VENV)/bin/mpiexec -n $(np) $(if $(hosts),-f $(hosts)) )$(PY) -m app run --stage $(stage) -m $(model) -p "$(prompt)" $(if $(n),-n $(n)) $(args)
 
 bench: $(STAMP) $(MODEL_FILE)  ## measure one stage into profiles/: make stage=simd bench
 	$(PY) -m app bench --stage $(stage) -m $(model) $(args)

@@ -26,14 +26,25 @@ from common.generate import (
 from common.gguf import GGUFFile
 from common.model import LlamaConfig, context_size
 from common.tokenizer import Tokenizer
-from stages import REGISTRY, STAGES, StageError, info, load, op_owners, runnable_stages, unavailable_reason
+from stages import (
+    REGISTRY,
+    STAGES,
+    StageError,
+    backend_class,
+    info,
+    load,
+    op_owners,
+    runnable_stages,
+    unavailable_reason,
+)
 
 
 def fastest_stage() -> str:
     """The stage `make run` uses: cuda where it can run; else the CPU stage with the best
     decode time recorded on this machine by `make report`; else the last CPU stage (measured,
-    not assumed: a later stage is not always a faster one)."""
-    runnable = runnable_stages()
+    not assumed: a later stage is not always a faster one). A stage that runs as several
+    processes (tp, under mpiexec) is run by name only."""
+    runnable = [s for s in runnable_stages() if not info(s).ranks]
     gpu = [s for s in runnable if info(s).gpu]
     if gpu:
         return gpu[-1]
@@ -201,20 +212,23 @@ def load_draft(args, stage: str, g: GGUFFile):
 
 def cmd_run(args):
     stage = chosen_stage(args.stage)
+    lead = backend_class(stage).reporting_process()   # tp: rank 0 prints, the other ranks compute
     params = sampling_params(args)              # bad values refused before anything loads
     mode = spec_mode(args)
     g = GGUFFile(resolve(args.model))           # opened once: tokenized and checked, then loaded
     if not args.chat:
         prompt, n_predict = check_prompt_fits(args, stage, g)
     draft = load_draft(args, stage, g) if mode == "draft" else None
-    engine = load(stage, g, n_ctx=args.ctx_size, threads=args.threads, progress=True)
+    engine = load(stage, g, n_ctx=args.ctx_size, threads=args.threads, progress=lead)
     tok = engine.tokenizer
+    if lead and engine.backend.banner():
+        print(engine.backend.banner(), file=sys.stderr)
     if args.chat:
         return chat_loop(engine, stage, args, params)
     session = Session(engine)
     jit_s = engine.warmup()
     stream = tok.stream_decoder()
-    echo = not args.json
+    echo = lead and not args.json
 
     def on_token(t):
         if echo:
@@ -251,6 +265,8 @@ def cmd_run(args):
                    tokens_per_s_mean=1000.0 / gen.decode_ms_mean if gen.decode_ms else float("nan"))
     if profiler:
         rec["profile"] = profiler.rows()
+    if not lead:
+        return
     if args.json:
         rec.pop("decode_ms_all")
         print(json.dumps(rec))

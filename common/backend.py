@@ -14,6 +14,8 @@ overrides only what its optimization changes, and inherits the rest from the sta
     memory       new_kv_cache                                      None: no KV cache
                  to_host last_row                                  backend array -> numpy; a row
     hooks        unavailable_reason                                what this machine lacks, or None
+                 open_model                                        the file and shapes, before any weight
+                 reporting_process banner                          which process prints a run; its note
                  finish_load                                       after every weight is prepared
                  fuses_layers forward_layers                       the whole layer stack in one call,
                  forward_layers_batch                              for one sequence or a batch
@@ -208,6 +210,18 @@ class Backend:
     def unavailable_reason() -> str | None:
         """None if this machine can run the stage, else a sentence saying what is missing
         (asked before anything is loaded)."""
+        return None
+
+    def open_model(self, gguf, config, n_ctx: int):
+        """The model's file (GGUFFile), shapes (LlamaConfig) and context, once, before any weight is prepared."""
+
+    @staticmethod
+    def reporting_process() -> bool:
+        """True where this process prints a run's text and figures (of tp's ranks, rank 0 only)."""
+        return True
+
+    def banner(self) -> str | None:
+        """A line `run` prints on stderr before it generates, or None (tp: its ranks, hosts and pids)."""
         return None
 
     def finish_load(self, model):

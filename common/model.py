@@ -176,6 +176,7 @@ class LlamaModel:
         self.n_ctx = context_size(cfg, n_ctx)
         self.weight_names = {}     # id(prepared weight) -> tensor name, for per-op profiles
         self._tokenizer = None
+        backend.open_model(gguf, cfg, self.n_ctx)
         self._load_weights(progress)
         backend.finish_load(self)
         freq_factors = None

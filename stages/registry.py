@@ -51,6 +51,7 @@ class Stage:
     tokens: Tokens = Tokens()
     max_params: float | None = None  # left out of `make report` above this size unless named
     variant_of: str | None = None    # a registered variant: not in STAGES, loadable by name
+    ranks: bool = False              # runs as N processes (mpiexec -n N): never picked as `fastest`
 
     @property
     def label(self) -> str:
@@ -98,6 +99,9 @@ REGISTRY = {s.name: s for s in (
     Stage("repack", 10, "stages.repack", "RepackBackend", "fused",
           "lay the weights out as the vector unit reads them: 8 rows interleaved, one lane each",
           kv_cache=True, chapter="10_repack", parallel=True),
+    Stage("tp", 11, "stages.tp", "TensorParallelBackend", "fused",
+          "split every layer across N processes (MPI ranks): two all-reduces per layer",
+          kv_cache=True, chapter="11_tp", parallel=True, ranks=True),
 )}
 
 STAGES = [s.name for s in sorted(REGISTRY.values(), key=lambda s: s.number) if s.variant_of is None]

@@ -1,16 +1,18 @@
 """The generated pages under profiles/bench/: one markdown page per record that has one
-(a comparison with llama.cpp, the kernel throughput, speculative decoding), redrawn from the record alone."""
+(a comparison with llama.cpp, the kernel throughput, speculative decoding, tensor parallelism's costs),
+redrawn from the record alone."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from app.measure import compare, kernel_bench
+from app.measure import compare, kernel_bench, tp_bench
 from app.report import speculative
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = {"comparison": compare.page, "kernels": kernel_bench.page, "speculative": speculative.page}
+PAGES = {"comparison": compare.page, "kernels": kernel_bench.page, "speculative": speculative.page,
+         "tp": tp_bench.page}
 
 
 def page_for(record_path: Path) -> str | None:

@@ -1,0 +1,215 @@
+# Source of notebooks/11_tp.ipynb (build with: python notebooks/build.py).
+
+# %% [markdown]
+# # 11 · tp: splitting a model across processes, and what it costs
+#
+# Everything so far runs in one process. When a model does not fit one machine's memory, or one
+# machine's memory bandwidth is the limit, production engines split **every layer** across
+# devices: Megatron-LM's tensor parallelism, which vLLM runs over NCCL and llama.cpp over its RPC
+# backend. The stage `tp` does it with processes talking through MPI (`mpiexec -n N`), on this
+# machine's cores or on several machines:
+#
+# | matrix | split by | what a rank computes | then |
+# |---|---|---|---|
+# | Wq, Wk, Wv | rows: its heads (whole KV groups) | q, k, v of its heads; attention over its own K/V cache | nothing to exchange |
+# | Wo | columns: the same heads | a partial sum of the whole [M, D] output | **all-reduce** (sum over ranks) |
+# | W_gate, W_up | rows: its hidden units | its part of silu(gate) * up | nothing to exchange |
+# | W_down | columns: the same units | a partial sum | **all-reduce** |
+# | output head | rows: its vocabulary | its logits | **gather** (every rank gets all of them) |
+#
+# Two all-reduces per layer and one gather per token: that is the price. This chapter measures
+# it (per token: compute, all-reduces, gather; bytes; memory per rank), live and from the records
+# of `python scripts/bench_tp.py`.
+
+# %%
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from app.measure import tp_bench
+from common.gguf import GGUFFile
+from common.model import LlamaConfig, context_size
+from stages import info
+from stages.parallel import split
+
+findings = nb.Findings()
+why = nb.missing_stage("tp")
+print(f"tp: {why or 'runs on this machine'}")
+base = info("tp").builds_on
+MPIEXEC = Path(sys.executable).parent / "mpiexec"        # the MPI's launcher, installed beside Python
+
+# %% [markdown]
+# ## Who owns what
+#
+# A rank takes whole KV groups (a KV head and the query heads that read it), so its attention
+# never needs another rank's keys or values. A row of a ggml matrix is a run of blocks of 32 or
+# 256 values with one scale each, so a row-parallel matrix (Wo, W_down) can only be cut between
+# blocks. Where N does not divide the KV heads, the ranks get unequal numbers of them, and the
+# hidden units and vocabulary rows are moved to even out the bytes each holds (stages/parallel/split.py).
+# The plan for this chapter's model, for every N that splits it:
+
+# %%
+g = GGUFFile(nb.model_path())
+mcfg = LlamaConfig.from_gguf(g)
+down = split.block_values(g, "ffn_down")
+wo = split.block_values(g, "attn_output")
+cost = split.costs(g, mcfg, context_size(mcfg), down)
+valid = split.valid_rank_counts(mcfg, wo, down)
+rows = []
+for n in valid:
+    for s in split.plan(mcfg, n, wo, down, cost):
+        held = s.n_kv_heads * cost.kv_group + (s.ff[1] - s.ff[0]) / down * cost.ff_block \
+            + (s.vocab[1] - s.vocab[0]) * cost.vocab_row
+        rows.append((n, s.rank, f"{s.kv_heads[0]}..{s.kv_heads[1]}", f"{s.heads[0]}..{s.heads[1]}",
+                     f"{s.ff[0]}..{s.ff[1]}", f"{s.vocab[0]}..{s.vocab[1]}", nb.human_bytes(held)))
+nb.show_table(["N", "rank", "KV heads", "query heads", "hidden units", "vocabulary rows", "weights + KV held"], rows)
+refusal = "(no refusal?)"
+try:
+    split.plan(mcfg, mcfg.n_head_kv + 1, wo, down, cost)
+except split.SplitError as e:
+    refusal = str(e)
+print(refusal)
+findings["rank counts that split this model"] = ", ".join(map(str, valid))
+findings["a bad rank count"] = refusal
+
+# %% [markdown]
+# ## The code
+#
+# The layers on one rank: the stage tp builds on runs them (its matmul, attention, norms and
+# RoPE) on the rank's slices, with an all-reduce after Wo and after W_down. The base stage runs
+# the whole stack in one compiled call, which has no place for an all-reduce in the middle: here
+# Python calls each op again, a cost this chapter measures too (tp at 1 rank against the base).
+
+# %%
+if not why:
+    from stages.tp import TensorParallelBackend
+    nb.show_source(TensorParallelBackend.forward_layers, TensorParallelBackend.matmul)
+
+# %% [markdown]
+# ## Live: 2 ranks of one thread against one process of 2 threads
+#
+# Each condition in fresh processes, the way `scripts/bench_tp.py` runs them (the report's
+# prompt, greedy): per decode token and per rank, the time in the all-reduces and the gather
+# (waiting for the slower rank included) and the rest, compute.
+
+# %%
+def live(stage, n):
+    threads = 1 if stage == "tp" else n
+    cmd = [sys.executable, "scripts/bench_tp.py", "--worker", stage, "--threads", str(threads), "--model",
+           str(nb.model_path()), "--prompt-tokens", str(cfg.prompt_tokens), "-n", str(max(4, cfg.n_for("tp")))]
+    if stage == "tp":
+        cmd = [str(MPIEXEC), "-n", str(n)] + cmd
+    p = subprocess.run(cmd, cwd=nb.ROOT, capture_output=True, text=True, timeout=900)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("TP_RESULT ")]
+    if p.returncode or not line:
+        raise RuntimeError(p.stderr[-2000:])
+    run = json.loads(line[-1].removeprefix("TP_RESULT "))
+    run["round"] = 0
+    return run
+
+
+runs = [] if why else [live(base, 1), live(base, 2), live("tp", 1), live("tp", 2)]
+if runs:
+    rec = {"runs": runs, "base_stage": base}
+    s = tp_bench.summary(rec)
+    nb.show_table(["condition", "rank", "decode ms/token", "compute", "all-reduce", "gather", "all-reduce share",
+                   "weights + KV", "vs one process"],
+                  [(name, r, f"{rk['ms']:.2f}", f"{rk['compute_ms']:.2f}", f"{rk['allreduce_ms']:.2f}",
+                    f"{rk['gather_ms']:.2f}", f"{rk['allreduce_share']:.0%}",
+                    nb.human_bytes(rk["memory"]["weights_and_kv_bytes"]), f"{rk['memory_vs_one_process']:.2f}x")
+                   for name, c in s.items() for r, rk in enumerate(c["ranks"])])
+    two = s[tp_bench.label({"stage": "tp", "n_ranks": 2})]
+    findings["all-reduce share of a decode step, 2 ranks (live)"] = ", ".join(
+        f"rank {r} {rk['allreduce_share']:.0%}" for r, rk in enumerate(two["ranks"]))
+    findings["memory per rank, 2 ranks (live)"] = ", ".join(
+        f"rank {r} {rk['memory_vs_one_process']:.2f}x one process" for r, rk in enumerate(two["ranks"]))
+    one = s[tp_bench.label({"stage": base, "threads": 1})]
+    d = tp_bench.divergence(one, two)
+    if d is None:
+        greedy = f"the same {len(two['tokens'])} tokens"
+    else:
+        gap = "outside its top logits" if d["gap"] is None else f"{d['gap']:.3f} below its best"
+        greedy = f"the same up to step {d['step']}, then a token the base scored {gap} (a near-tie)"
+    findings["greedy tokens, 2 ranks against the base (live)"] = greedy
+    lat = two["ranks"][0]["latency_us"]
+    findings["one collective alone (live)"] = f"all-reduce {lat['allreduce']:.1f} us, gather {lat['gather']:.1f} us"
+
+# %% [markdown]
+# Read the all-reduce column with the latency row: an all-reduce of one token's hidden state
+# (a few KiB) alone costs what the MPI's round trip costs; inside a decode step it also holds the
+# time one rank waits for the other to finish its share. On a machine whose cores other programs
+# also use, a waiting rank gives its core away (stages/parallel/ranks.py), and waiting grows.
+
+# %% [markdown]
+# ## Recorded: SmolLM2 and the TinyLlama geometry
+#
+# `python scripts/bench_tp.py` measures every condition in alternating rounds and draws the page
+# and the chart from its record; the lead figures of each record:
+
+# %%
+records = sorted((nb.ROOT / "profiles" / "bench").glob("tp_*.json"))
+recorded = []
+for path in records:
+    rec = json.loads(path.read_text())
+    s = tp_bench.summary(rec)
+    two = s.get(tp_bench.label({"stage": "tp", "n_ranks": 2}))
+    if two is None:
+        continue
+    name = rec["runs"][0]["model_info"]["file"]
+    shares = ", ".join(f"rank {r} {rk['allreduce_share']:.0%}" for r, rk in enumerate(two["ranks"]))
+    mem = ", ".join(f"{rk['memory_vs_one_process']:.2f}x" for rk in two["ranks"])
+    vs = tp_bench.ratio_in_rounds(rec, tp_bench.label({"stage": "tp", "n_ranks": 2}),
+                                  tp_bench.label({"stage": rec["base_stage"], "threads": 2}))
+    nb.md(f"**{name}** ({nb.rel(path)}): all-reduce share of a decode step at 2 ranks: {shares}; weights + KV "
+          f"per rank: {mem} of one process; decode at 2 ranks / {rec['base_stage']} at 2 threads: {vs:.2f}")
+    recorded.append(f"{name}: all-reduce share {shares}; memory per rank {mem}; decode ratio {vs:.2f}")
+    nb.show_image(path.with_suffix(".png"))
+if recorded:
+    findings["recorded at 2 ranks"] = "; ".join(recorded)
+if not records:
+    nb.md("_No record yet: `python scripts/bench_tp.py` writes profiles/bench/tp_<model>.json._")
+
+# %% [markdown]
+# ## Across machines
+#
+# On one machine the ranks talk through shared memory. Across machines every all-reduce and the
+# gather cross the network, and two things set the cost: the bytes (each rank sends about twice
+# the hidden state per all-reduce, as a ring does, plus its part of the logits), which a link's
+# bandwidth divides; and the round trips (2 x layers + 1 per token), which its latency
+# multiplies, whatever the size. For one token at a time the messages are small (one token's
+# hidden state), so the round trips weigh more than the bytes. From each record (the latency is
+# an assumption the record states, not a measurement):
+
+# %%
+across = []
+for path in records:
+    rec = json.loads(path.read_text())
+    two = tp_bench.summary(rec).get(tp_bench.label({"stage": "tp", "n_ranks": 2}))
+    if two is None:
+        continue
+    sent = max(rk["per_token"]["allreduce"]["sent_bytes"] + rk["per_token"]["gather"]["sent_bytes"]
+               for rk in two["ranks"])
+    calls = two["ranks"][0]["per_token"]["allreduce"]["calls"] + two["ranks"][0]["per_token"]["gather"]["calls"]
+    lat = rec["network"]["latency_us_assumed"]
+    rows = [(f"{g} Gb/s", f"{sent / (g * 1e9 / 8) * 1e3:.3f}", f"{calls * lat / 1e3:.2f}") for g in tp_bench.LINKS_GBIT]
+    nb.md(f"**{rec['runs'][0]['model_info']['file']}**: {nb.human_bytes(sent)} sent per token by the busiest rank, "
+          f"{calls:.0f} collectives per token; at the measured {1e3 / two['decode_ms']:.1f} tokens/s that is "
+          f"{sent * 1e3 / two['decode_ms'] / 1e6:.1f} MB/s")
+    nb.show_table(["link", "bytes: ms per token", f"round trips at {lat:g} us: ms per token"], rows)
+    across.append(f"{rec['runs'][0]['model_info']['file']}: {nb.human_bytes(sent)}/token, "
+                  f"{sent * 1e3 / two['decode_ms'] / 1e6:.1f} MB/s at the measured rate; {calls:.0f} round trips/token "
+                  f"= {calls * lat / 1e3:.2f} ms at {lat:g} us each")
+if across:
+    findings["across machines"] = "; ".join(across)
+
+# %% [markdown]
+# What limits it, then: the round trips per token, which batching many users' tokens into one
+# step amortizes (chapter 12) and which pipeline parallelism (layers on different machines,
+# one hand-off per machine instead of two per layer) avoids; the Python between the ops here,
+# which the fused stage had removed; and the part of every process that does not split (the
+# interpreter, numba, the header and vocabulary), which the memory table shows beside the
+# weights and the KV cache.
+
+# %%
+findings.show()
