@@ -433,6 +433,16 @@ class GGUFFile:
     def get(self, key, default=None):
         return self.metadata.get(key, default)
 
+    def release(self, tensor: TensorInfo):
+        """Tell the OS this process is done with a tensor's mapped pages (madvise DONTNEED on the
+        whole pages inside it): they leave its resident set and stay in the page cache, and are
+        read back if the tensor is read again. For a stage that copied the tensor elsewhere."""
+        page = mmap.PAGESIZE
+        start = -(-tensor.offset // page) * page
+        end = (tensor.offset + tensor.nbytes) // page * page
+        if self._mmap is not None and end > start and hasattr(self._mmap, "madvise"):
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def close(self):
         """Drop the mapping. Tensor views handed out earlier keep it alive until they go."""
         self._buf = None

@@ -19,10 +19,11 @@ every layer matrix once, when the model loads (stages/kernels/repacked.py draws 
 * K and V are stored as float16 (llama.cpp's default): half the bytes attention reads at long
   contexts. LLM_KV_TYPE=f32 keeps float32, to measure what that buys (chapter 10).
 
-The price: the repacked weights are a private copy, no longer views of the mapped file, so
-resident memory holds them on top of whatever of the file the OS keeps (the embedding lookup
-still reads the file's rows), and loading does the rearranging (load time; the chapter shows
-both beside the fused stage's).
+The price: the repacked weights are a private copy, no longer views of the mapped file: loading
+does the rearranging (load time), and the copy is resident memory of this process alone, where the
+mapped file's pages are shared with the page cache. Once a matrix is copied its file pages are
+given back (madvise), so resident memory is about the copy plus the embedding rows read (the
+chapter shows both beside the fused stage's and the file's size).
 
 One kernel serves decode and prefill, and computes every (weight row, activation row) pair with
 the same instructions in the same order whatever else it computes: a row's logits are the same
@@ -53,8 +54,8 @@ class RepackedMatrix:
     """A weight rearranged in groups of 8 rows (stages/kernels/repacked.py): `data` uint8, a view
     into the stage's one buffer once the model has loaded; `source` the file's rows it came from."""
 
-    def __init__(self, source: QuantMatrix):
-        self.source = source
+    def __init__(self, source: QuantMatrix, tensor):
+        self.source, self.tensor = source, tensor
         self.name, self.kind, self.shape = source.name, source.kind, source.shape
         self.row_bytes = source.row_bytes
         self.nbytes = repacked_bytes(self.shape[0], self.row_bytes)
@@ -84,11 +85,11 @@ class RepackBackend(FusedBackend):
     # ---- weights: rearranged once, at load ------------------------------------------------------
     def prepare_matrix(self, tensor):
         m = QuantMatrix(tensor)
-        return RepackedMatrix(m) if m.kind in REPACK_TYPES else m      # float matrices stay as they are
+        return RepackedMatrix(m, tensor) if m.kind in REPACK_TYPES else m      # float matrices stay as they are
 
     def tie_output(self, embedding, tensor):
         """The output head as its own repacked copy: the embedding lookup keeps the file's rows."""
-        return RepackedMatrix(embedding) if embedding.kind in REPACK_TYPES else embedding
+        return RepackedMatrix(embedding, tensor) if embedding.kind in REPACK_TYPES else embedding
 
     def finish_load(self, model):
         """Every matrix rearranged into one buffer (the layer stack reads one blob)."""
@@ -98,6 +99,8 @@ class RepackBackend(FusedBackend):
         for m in matrices:
             m.data = repack(m.source.data, m.kind, self.buffer[o:o + m.nbytes])
             o += m.nbytes
+            if m.source is not model.token_embd:        # the lookup still reads the embedding's rows
+                model.gguf.release(m.tensor)
 
     def matmul(self, x, w):
         """The output head: its repacked copy through the same kernel."""

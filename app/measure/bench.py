@@ -262,19 +262,20 @@ VALIDATE_POSITIONS = 4      # prompt positions whose logits are checked before a
 
 
 def _reference_logits(engine, tokens) -> np.ndarray:
-    """float64 logits of the reference forward (common/reference.py), kept beside the records'
-    scratch files (profiles/results/<machine>/tmp/, not committed) so every stage of a report
-    compares with the same array without computing it again."""
-    from common import reference
+    """float64 logits of the reference forward (common/reference.py), computed in a process of its
+    own (its float64 weights must not count in the measured stage's peak RSS) and kept beside the
+    records' scratch files (profiles/results/<machine>/tmp/, not committed), so every stage of a
+    report compares with the same array without computing it again."""
     st = os.stat(engine.gguf.path)
     key = hashlib.sha256(f"{engine.gguf.path}:{st.st_size}:{st.st_mtime_ns}:{list(tokens)}".encode()).hexdigest()[:16]
     cache = RESULTS_DIR / machine_id() / "tmp" / f"reference-{key}.npy"
-    if cache.exists():
-        return np.load(cache)
-    ref = reference.forward(engine.gguf, tokens)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    np.save(cache, ref)
-    return ref
+    if not cache.exists():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        code = ("import sys, numpy as np; from common import reference; from common.gguf import GGUFFile; "
+                "np.save(sys.argv[2], reference.forward(GGUFFile(sys.argv[1]), [int(t) for t in sys.argv[3:]]))")
+        subprocess.run([sys.executable, "-c", code, engine.gguf.path, str(cache), *map(str, tokens)], cwd=ROOT,
+                       check=True)
+    return np.load(cache)
 
 
 def validate(engine, stage: str, prompt: list) -> dict:
