@@ -13,8 +13,9 @@ and attends only to its own sequence's pages (common/paged_kv.py):
     tables     int64 [S, max pages] each segment's page table (unused entries: -1)
     seq_start  int64 [S]            position of each segment's first new row
     seq_rows   int64 [S]            its number of new rows
-    logit_rows int64 [L]            rows whose logits the step returns (last row of a segment
-                                    that asked for them), in segment order
+    logit_rows int64 [L]            rows whose logits the step returns, in segment order: the
+                                    last row of a segment that asks for them, or every row of
+                                    one that asks for all (a prompt's own log-probabilities)
 
 Rows are padded to a multiple of the backend's `row_block` (common/backend.py says why: the
 multi-row kernels must take every row down the same path, or a row's last bits would depend
@@ -32,10 +33,12 @@ from common.paged_kv import PagePool, PageTable
 
 @dataclass
 class Segment:
-    """A sequence's part of a step: `tokens` go at positions len(table).. of `table`."""
+    """A sequence's part of a step: `tokens` go at positions len(table).. of `table`; the
+    logits of its last row (`logits`), or of every row (`all_logits`), come back."""
     table: PageTable
     tokens: list
     logits: bool = True
+    all_logits: bool = False
 
 
 def padded(n: int, block: int) -> int:
@@ -67,7 +70,9 @@ class Batch:
             self.positions[r:r + m] = np.arange(start, start + m)
             self.row_seq[r:r + m] = i
             self.seq_start[i], self.seq_rows[i] = start, m
-            if s.logits:
+            if s.all_logits:
+                logit_rows.extend(range(r, r + m))
+            elif s.logits:
                 logit_rows.append(r + m - 1)
             r += m
         width = max(len(s.table.pages) for s in segments)

@@ -43,6 +43,7 @@ EXPECTED_SKIPS = {
     r"^slow test: ": "slow tests run with LLM_SLOW_TESTS=1 (`make test-all`)",
     r"\bthis CPU\b|reads x86 assembly": "vector instructions this CPU does not have",
     r"has no page \(only comparison and kernel records do\)": "records of a kind that has no page",
+    r"^no headless browser: ": "Chromium and its driver are a system package (`make browser` installs them)",
 }
 
 
