@@ -171,7 +171,7 @@ def test_a_preempted_sequence_goes_on_with_the_logits_it_would_have_had(default_
         return sched, reqs
     worst = sum(-(-(len(engine.tokenizer.encode(t)) + n) // 16) for t in texts)
     tight, crowd = run(worst // 3 + 1, texts)
-    assert tight.preemptions >= 2 and tight.stats()["preemptions"] == tight.preemptions
+    assert tight.preemptions >= 1 and tight.stats()["preemptions"] == tight.preemptions
     assert sum(r.preemptions for r in crowd) == tight.preemptions
     for t, req in zip(texts, crowd):
         _, (alone,) = run(64, [t])

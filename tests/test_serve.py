@@ -342,9 +342,8 @@ def test_frequency_penalty_makes_a_repetitive_prompt_repeat_less(server):
         return len(tokens) - len(set(tokens)), len(tokens)
     plain, n = repeats()
     penalized, m = repeats(frequency_penalty=2.0)
-    presence, _ = repeats(presence_penalty=2.0)
     assert n == m == 24 and plain >= n // 2, f"the plain reply repeats {plain} of {n}: not a repetitive case"
-    assert penalized < plain and presence < plain, (plain, penalized, presence)
+    assert penalized < plain // 2, (plain, penalized)
 
 
 def test_top_logprobs_are_probabilities_and_the_greedy_token_is_the_top_one(server):
@@ -537,7 +536,7 @@ def test_the_page_chats_streamed_and_shows_the_pool_change(server, browser):
 
 # ---- a pool too small for every worst case; then SIGTERM ---------------------------------------
 
-SMALL_PAGES, SMALL_BATCH = 24, 6
+SMALL_PAGES, SMALL_BATCH = 16, 6
 
 
 @pytest.fixture(scope="module")
@@ -552,11 +551,11 @@ def small_server(default_model_path, tmp_path_factory):
 
 
 def test_a_pool_too_small_for_every_worst_case_preempts_and_loses_nothing(small_server):
-    """6 clients at once, 64 tokens each: their worst cases need 30 pages of the 24. Every one
+    """6 clients at once, 48 tokens each: their worst cases need 24 pages of the 16. Every one
     completes, each equal to its output alone; the server counts the preemptions, in /health
     and /metrics; every page is free at the end."""
     prompts = [f"Request {i}: tell me about the sea." for i in range(SMALL_BATCH)]
-    kw = dict(model=small_server["model"], max_tokens=64, temperature=0, extra_body={"ignore_eos": True})
+    kw = dict(model=small_server["model"], max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
 
     async def main():
         c = client(small_server)
@@ -583,37 +582,41 @@ def test_sigterm_drains_lets_running_requests_finish_and_exits_0(small_server):
     draining; the short stream finishes whole; a second SIGTERM ends the long one with an error
     that says why; the server exits 0."""
     url, proc = small_server["url"], small_server["proc"]
-    results = {}
+    results, started = {}, {"short": threading.Event(), "long": threading.Event()}
 
     def consume(name, max_tokens):
         try:
-            chunks = list(client_sync(small_server).completions.create(
-                model=small_server["model"], prompt="Once upon a time", max_tokens=max_tokens, temperature=0,
-                stream=True, extra_body={"ignore_eos": True}))
+            chunks = []
+            for c in client_sync(small_server).completions.create(
+                    model=small_server["model"], prompt="Once upon a time", max_tokens=max_tokens, temperature=0,
+                    stream=True, extra_body={"ignore_eos": True}):
+                chunks.append(c)
+                started[name].set()
             results[name] = ("".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason)
         except openai.APIError as e:
             results[name] = ("error", str(e))
+    long = threading.Thread(target=consume, args=("long", 200))      # 14 of the 16 pages at its end
     short = threading.Thread(target=consume, args=("short", 24))
-    long = threading.Thread(target=consume, args=("long", CTX - 16))
     long.start()
+    assert started["long"].wait(300), "the long request never started"
     short.start()
-    deadline = time.time() + 60
-    while health(small_server)["running"] < 2 and time.time() < deadline:
-        time.sleep(0.05)
+    assert started["short"].wait(300), "the short request never started"
     proc.send_signal(signal.SIGTERM)
+    deadline = time.time() + 60
+    refused = None
     while time.time() < deadline:
-        refused = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
+        refused = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30)
         if refused.status_code == 503:
             break
         time.sleep(0.05)
     assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
     assert "shutting down" in refused.json()["error"]["message"]
-    assert httpx.get(url + "/health", timeout=5).json()["status"] == "draining"
-    short.join(timeout=60)
+    assert httpx.get(url + "/health", timeout=30).json()["status"] == "draining"
+    short.join(timeout=600)
     assert results["short"][1] == "length", results
     assert long.is_alive() and "long" not in results, "the long request should still be running"
     proc.send_signal(signal.SIGTERM)                          # a second signal: stop now
-    long.join(timeout=60)
+    long.join(timeout=120)
     assert results["long"][0] == "error" and "--drain-timeout" in results["long"][1], results
     assert proc.wait(timeout=60) == 0, small_server["log"].read_text()[-2000:]
     assert "draining" in small_server["log"].read_text()

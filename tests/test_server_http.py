@@ -437,3 +437,32 @@ def test_log_probability_entries_go_out_with_the_text_they_begin(srv):
     end = TextStream(tok, [])
     im_end = tok.token_to_id("<|im_end|>")
     assert end.push(im_end)[0] == "" and end.flush() == ("", []), "an end-of-generation token is not text"
+
+
+def test_the_drain_waits_for_the_running_until_its_deadline_and_a_second_signal_ends_it(default_model_path):
+    import signal
+    import threading
+
+    from app.serve.scheduler import Request
+    from app.serve.server import Drain
+    with StubServer(default_model_path, delay=0.01) as s:
+        alive = threading.Thread(target=time.sleep, args=(30,), daemon=True)
+        alive.start()
+        drain = Drain(s.server, alive, timeout=0.6)
+        assert drain.keep_going(), "serving: go on"
+        long = Request(prompt=[1, 2], max_tokens=500)
+        s.scheduler.submit(long)
+        deadline = time.time() + 10
+        while not s.scheduler.stats()["running"] and time.time() < deadline:
+            time.sleep(0.01)
+        drain.signalled(signal.SIGTERM, None)
+        assert s.server.draining and drain.keep_going(), "draining with a request running: go on"
+        time.sleep(0.7)
+        assert not drain.keep_going(), "past --drain-timeout: stop"
+        drain.deadline = time.monotonic() + 60
+        assert drain.keep_going()
+        drain.signalled(signal.SIGTERM, None)                # the second signal
+        assert not drain.keep_going()
+        s.scheduler.cancel(long)
+        settled(s)
+        assert not Drain(s.server, alive, timeout=60).keep_going(), "draining and nothing left: stop at once"

@@ -596,7 +596,21 @@ def cmd_serve(args):
 
 
 def add_commands(sub):
-    from app.run import add_model_args, one_line_errors
+    from app.run import add_model_args, checked, one_line_errors
+    from common.generate import check_count
+
+    def count(flag, minimum=1):
+        return checked(lambda n: check_count(f"{flag.lstrip('-').replace('-', '_')} ({flag})", n, minimum))
+
+    def seconds(text):
+        import argparse
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not value >= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be a number of seconds >= 0")
+        return value
     p = one_line_errors(sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (continuous batching, paged KV cache)",
         description="Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions "
@@ -610,29 +624,30 @@ def add_commands(sub):
             action.help = f"a CPU stage with a KV cache (default: {SERVING_STAGE} where it runs; it runs the " \
                           f"multi-row kernels a batch uses on every core)"
     g = p.add_argument_group("the engine")
-    g.add_argument("--max-batch", type=int, default=32, help="sequences decoded together (default: %(default)s)")
-    g.add_argument("--kv-pages", type=int, default=512,
+    g.add_argument("--max-batch", type=count("--max-batch"), default=32,
+                   help="sequences decoded together (default: %(default)s)")
+    g.add_argument("--kv-pages", type=count("--kv-pages"), default=512,
                    help="KV pages of 16 positions in the pool; when they run out the newest sequence is "
                         "preempted and recomputed later (default: %(default)s)")
-    g.add_argument("--max-queue", type=int, default=64,
+    g.add_argument("--max-queue", type=count("--max-queue", 0), default=64,
                    help="requests that may wait for a place; past it: 503 (default: %(default)s)")
-    g.add_argument("--prefill-chunk", type=int, default=64,
+    g.add_argument("--prefill-chunk", type=count("--prefill-chunk"), default=64,
                    help="prompt tokens prefilled per step, beside the decoding rows (default: %(default)s)")
     g.add_argument("--special", action="store_true",
                    help="render control tokens (<|im_end|>, ...) as text in replies (llama.cpp's --special)")
     g = p.add_argument_group("the operator's")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    g.add_argument("--port", type=int, default=8080, help="port (default: %(default)s)")
+    g.add_argument("--port", type=count("--port", 0), default=8080, help="port (default: %(default)s)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every path but /health and the page (default: none)")
     g.add_argument("--cors-origins", default=None,
                    help="comma-separated origins a browser may call the API from, or '*' (default: none)")
-    g.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+    g.add_argument("--max-body-bytes", type=count("--max-body-bytes"), default=MAX_BODY_BYTES,
                    help="largest request body; past it: 413 (default: %(default)s)")
-    g.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_S,
+    g.add_argument("--request-timeout", type=seconds, default=REQUEST_TIMEOUT_S,
                    help="seconds a request may take from arrival to its last token; 0: no limit "
                         "(default: %(default)s)")
-    g.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+    g.add_argument("--drain-timeout", type=seconds, default=DRAIN_TIMEOUT_S,
                    help="on SIGTERM or Ctrl-C, seconds the running requests may take to finish "
                         "(default: %(default)s)")
     g.add_argument("--log-level", default="warning", help="uvicorn's log level (default: %(default)s)")
