@@ -57,6 +57,7 @@ KINDS = {                                   # kind: weight
     "seeded": 1, "bad_json": 1, "unknown_field": 1, "oversized": 1}
 EXPECTED = {"bad_json": 400, "unknown_field": 400, "oversized": 413}
 DETERMINISTIC = ("greedy", "chat_stream", "slow_reader", "n2", "echo", "seeded")
+RETRY_AFTER_S = 1.0                         # what a client waits after a 503 (the server's Retry-After)
 
 
 def free_port() -> int:
@@ -124,7 +125,7 @@ def request_for(kind: str, rng: random.Random) -> dict:
     if kind == "seeded":
         body.update(temperature=0.9, seed=rng.randrange(1000))
     if kind in ("stream_closed", "abandoned"):
-        body["max_tokens"] = 200
+        body["max_tokens"] = 120                       # long: only leaving ends them early
     return {"path": "/v1/completions", "stream": kind == "stream_closed", "body": body}
 
 
@@ -213,6 +214,8 @@ async def traffic(server: Server, args, progress) -> dict:
                 statuses[(kind, status)] += 1
                 if kind in DETERMINISTIC and got is not None:
                     replies.append((kind, req, got))
+                if status == 503:                      # a full queue: back off, as a client should
+                    await asyncio.sleep(crng.uniform(0.5, 1.5) * RETRY_AFTER_S)
 
         async def watch():
             while time.perf_counter() < deadline and n < args.max_requests:
@@ -221,6 +224,7 @@ async def traffic(server: Server, args, progress) -> dict:
                 await asyncio.sleep(1.0)
         await asyncio.gather(watch(), *[client(i) for i in range(args.clients)])
         wall = time.perf_counter() - t0
+        progress(None, n)
         settle = time.perf_counter() + 120
         while True:                                    # the abandoned ones land at a step boundary
             h = (await http.get(server.url + "/health")).json()
@@ -230,6 +234,7 @@ async def traffic(server: Server, args, progress) -> dict:
         rss.append((round(time.perf_counter() - t0, 2), round(server.rss_mb(), 1)))
         # every deterministic request once more, alone
         alone, mismatches = {}, []
+        print(f"sending the {len(replies)} deterministic replies' requests again, alone...", file=sys.stderr)
         for kind, req, got in replies:
             key = json.dumps([kind == "echo", req["path"], req["body"]], sort_keys=True)
             if key not in alone:
@@ -242,6 +247,12 @@ async def traffic(server: Server, args, progress) -> dict:
             "deterministic": len(replies), "distinct": len(alone), "mismatches": mismatches}
 
 
+def status_of(key: str) -> int:
+    """'greedy 503' -> 503; a client that left (-1) or a failed connection -> -1."""
+    status = key.split(" ")[1]
+    return int(status) if status.lstrip("-").isdigit() else -1
+
+
 def checks(rec: dict) -> dict:
     """The record's verdicts, from its own figures (see the module docstring)."""
     h = rec["health_after"]
@@ -249,8 +260,7 @@ def checks(rec: dict) -> dict:
     warm = [mb for t, mb in rec["rss_mb"] if t <= rec["settings"]["seconds"] * rec["settings"]["warmup_share"]]
     base = warm[-1] if warm else rec["rss_mb"][0][1]
     rec["rss_growth_mb"] = round(rec["rss_mb"][-1][1] - base, 1)
-    bad_5xx = [k for k, n in by.items() if k.split(" ")[1].isdigit() and int(k.split(" ")[1]) >= 500
-               and not k.endswith(" 503")]
+    bad_5xx = [k for k in by if status_of(k) >= 500 and status_of(k) != 503]
     wrong = [k for k in by if k.split(" ")[0] in EXPECTED and k.split(" ")[1] != str(EXPECTED[k.split(" ")[0]])]
     failed = [k for k in by if " failed" in k]
     return {"pages_all_free": h["kv_pages_free"] == h["kv_pages_total"] and h["running"] == h["waiting"] == 0,
@@ -271,7 +281,7 @@ def table(rec: dict, name: str = "soak.json") -> str:
     seen = {"pages_all_free": f"{h['kv_pages_free']} of {h['kv_pages_total']} pages free, "
                               f"{h['running']} running, {h['waiting']} waiting",
             "no_5xx_but_503": ", ".join(f"{k}: {n}" for k, n in sorted(rec["statuses"].items())
-                                        if not k.split(" ")[1].isdigit() or int(k.split(" ")[1]) >= 500) or "none",
+                                        if " failed" in k or status_of(k) >= 500) or "none",
             "expected_statuses": ", ".join(f"{k}: {n}" for k, n in sorted(rec["statuses"].items())
                                            if k.split(" ")[0] in EXPECTED),
             "rss_flat": f"{rec['rss_growth_mb']:+.1f} MiB after the warm-up (bound {s['rss_bound_mb']} MiB; "
@@ -295,7 +305,7 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=180, help="how long the traffic runs (default: %(default)s)")
     p.add_argument("--max-requests", type=int, default=5000, help="at most this many requests (default: %(default)s)")
     p.add_argument("--clients", type=int, default=12, help="concurrent clients (default: %(default)s)")
-    p.add_argument("--kv-pages", type=int, default=48,
+    p.add_argument("--kv-pages", type=int, default=16,
                    help="the server's pool, small enough to preempt (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=8, help="(default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=4, help="small, so some requests meet a full queue "
@@ -326,6 +336,10 @@ def main(argv=None) -> int:
     bar = tqdm(total=round(args.seconds), unit="s", desc="soak", file=sys.stderr)
 
     def progress(t, n):
+        if t is None:                                  # the traffic is over
+            bar.n = bar.total
+            bar.close()
+            return
         bar.n = min(round(t), bar.total)
         bar.set_postfix(requests=n, rss_mb=f"{server.rss_mb():.0f}")
     try:

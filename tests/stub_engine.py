@@ -13,6 +13,7 @@ default model's tokenizer: the HTTP layer's tests in seconds, no model to comput
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 import time
@@ -74,6 +75,15 @@ class StubEngine:
         return out
 
 
+@functools.lru_cache(maxsize=None)
+def tokenizer(model_path: str):
+    """The model's tokenizer, read once per test run (it never changes)."""
+    from common.gguf import GGUFFile
+    from common.tokenizer import Tokenizer
+    with GGUFFile(model_path) as g:
+        return Tokenizer.from_gguf(g)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -89,10 +99,7 @@ class StubServer:
                  prefill_chunk: int = 64, fail_on: int | None = None, delay: float = 0.0, **settings):
         from app.serve.scheduler import Scheduler
         from app.serve.server import Server
-        from common.gguf import GGUFFile
-        from common.tokenizer import Tokenizer
-        with GGUFFile(model_path) as g:
-            tok = Tokenizer.from_gguf(g)
+        tok = tokenizer(str(model_path))
         self.engine = StubEngine(n_vocab=tok.n_vocab, low=300, high=3000, n_ctx=n_ctx, fail_on=fail_on,
                                  delay=delay)
         self.engine.tokenizer = tok
