@@ -1,7 +1,7 @@
 """A soak test: minutes of mixed traffic against `python -m app serve`, then what must still hold.
 
     python scripts/soak.py                          # 180 s (`make soak`)
-    python scripts/soak.py --seconds 60 --out /tmp/soak.json     # a short trial
+    python scripts/soak.py --seconds 60 --out trial/soak.json    # a short trial, elsewhere
     python scripts/soak.py --table-only             # redraw the table from the record
 
 One server on the loopback address, a pool of --kv-pages (small enough that sequences are
