@@ -99,10 +99,19 @@ clean:  ## remove the numba cache and Python caches (keeps .venv and models/)
 	find . -name __pycache__ -prune -exec rm -rf {} +
 
 # ---- many users at once: the OpenAI-compatible server and its load test -------------------------
-.PHONY: serve loadtest
+.PHONY: serve loadtest soak browser
 
 serve: $(STAMP) $(MODEL_FILE)  ## OpenAI-compatible HTTP server, continuous batching: make serve [stage=... args="--port 8080"]
 	$(PY) -m app serve --stage $(stage) -m $(model) $(args)
 
 loadtest: $(STAMP) $(MODEL_FILE)  ## 1..32 concurrent clients against the server: profiles/batching.png [args="--llama-server auto"]
 	$(PY) scripts/loadtest.py --stage $(stage) -m $(model) $(args)
+
+soak: $(STAMP) $(MODEL_FILE)  ## a few minutes of mixed traffic against the server: profiles/bench/soak.json [args="--seconds 180"]
+	$(PY) scripts/soak.py --stage $(stage) -m $(model) $(args)
+
+# The page's test drives Debian's Chromium through its driver (selenium is in requirements-test.txt).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+browser:  ## install Debian's chromium and chromium-driver, for the page's test in a headless browser
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+		$(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends chromium chromium-driver; }

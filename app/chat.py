@@ -35,6 +35,7 @@ def chat_loop(engine, stage: str, args, params: SamplingParams, inp=None, out=No
     tok = engine.tokenizer
     sampler = Sampler(params)
     n_predict = args.n_predict or 256
+    special = getattr(args, "special", False)
     messages = []
     session = Session(engine)
     engine.warmup()
@@ -61,7 +62,8 @@ def chat_loop(engine, stage: str, args, params: SamplingParams, inp=None, out=No
                          add_bos=None, parse_special=True)
         keep = common_prefix(session.tokens, ids)
         rewind(session, keep)
-        stream = tok.stream_decoder()
+        stream = tok.stream_decoder(skip_special=not special)
+        sampler.new_completion()                     # frequency/presence penalties count this reply's tokens
 
         def show(t):
             if t not in tok.eog_ids:

@@ -136,7 +136,14 @@ def add_sampling_args(p: argparse.ArgumentParser):
     arg("--min-p", "min_p", float, 0.05, "drop tokens below min_p x the best (default: 0.05)")
     arg("--repeat-penalty", "repeat_penalty", float, 1.0, "penalize recent tokens (default: 1.0 = off)")
     arg("--repeat-last-n", "repeat_last_n", int, 64, "window of the repeat penalty (default: 64; -1 = all)")
+    arg("--frequency-penalty", "frequency_penalty", float, 0.0,
+        "subtract this x the times a token was generated so far from its logit (default: 0 = off)")
+    arg("--presence-penalty", "presence_penalty", float, 0.0,
+        "subtract this from the logit of every token generated so far (default: 0 = off)")
     arg("--seed", "seed", int, None, "random seed for sampling")
+    g.add_argument("--special", action="store_true",
+                   help="print control tokens (<|im_end|>, ...) as text, as llama.cpp's --special does "
+                        "(default: they end the reply and are not part of it)")
 
 
 def add_spec_args(p: argparse.ArgumentParser):
@@ -156,7 +163,8 @@ def add_spec_args(p: argparse.ArgumentParser):
 
 def sampling_params(args) -> SamplingParams:
     return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
+                          repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed,
+                          frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
 
 
 def print_stats(rec: dict, out=sys.stderr):
@@ -227,7 +235,7 @@ def cmd_run(args):
         return chat_loop(engine, stage, args, params)
     session = Session(engine)
     jit_s = engine.warmup()
-    stream = tok.stream_decoder()
+    stream = tok.stream_decoder(skip_special=not args.special)      # control tokens are not text
     echo = lead and not args.json
 
     def on_token(t):
@@ -257,7 +265,8 @@ def cmd_run(args):
         profiler.stop()
     if echo:
         sys.stdout.write(stream.flush() + "\n")
-    rec = bench.run_record(engine, stage, gen, tok.decode(gen.tokens), jit_s, counted.result)
+    rec = bench.run_record(engine, stage, gen, tok.decode(gen.tokens, skip_special=not args.special), jit_s,
+                           counted.result)
     rec.update(spec=mode, drafted=gen.drafted, accepted=gen.accepted)
     if spec:
         rec.update(draft_max=args.draft_max, model_draft=draft.gguf.path.split("/")[-1] if draft else None,

@@ -33,7 +33,8 @@ from common.paged_kv import PagePool, PageTable
 
 @dataclass
 class Segment:
-    """A sequence's part of a step: `tokens` go at positions len(table).. of `table`."""
+    """A sequence's part of a step: `tokens` go at positions len(table).. of `table`; the
+    logits of its last row (`logits`), or of every row (`all_logits`), come back."""
     table: PageTable
     tokens: list
     logits: bool = True

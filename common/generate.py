@@ -57,11 +57,22 @@ def check_fits(n_prompt: int, n_predict: int, n_ctx: int, n_ctx_train: int):
             f"(the model was trained on {n_ctx_train})")
 
 
+MAX_LOGIT_BIAS = 100.0          # OpenAI's range for logit_bias values
+MAX_PENALTY = 2.0               # and for frequency_penalty and presence_penalty
+
+
 @dataclass
 class SamplingParams:
-    """llama.cpp's sampler chain: penalties -> top_k -> top_p -> min_p -> temperature -> draw.
-    temp = 0 means greedy (argmax), the default here so every stage prints the same text. Values
-    out of range raise ParameterError: the one validation the CLI and the server share."""
+    """llama.cpp's sampler chain: logit bias -> penalties -> top_k -> top_p -> min_p ->
+    temperature -> draw. temp = 0 means greedy (argmax), the default here so every stage prints
+    the same text. Values out of range raise ParameterError: the one validation the CLI and the
+    server share.
+
+    The penalties: repeat_penalty as llama.cpp's (divide a positive logit, multiply a negative
+    one, for each token in the last repeat_last_n of prompt and text); frequency_penalty and
+    presence_penalty as OpenAI defines them, over the tokens this completion has drawn so far:
+    logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty.
+    logit_bias: {token id: a number added to its logit} (OpenAI's; -100 all but bans it)."""
     temp: float = 0.0
     top_k: int = 40
     top_p: float = 0.95
@@ -69,6 +80,9 @@ class SamplingParams:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict = field(default_factory=dict)
 
     def __post_init__(self):
         def number(x):
@@ -86,7 +100,15 @@ class SamplingParams:
                   "a number > 0 (1: off)"),
                  ("repeat_last_n", integer(self.repeat_last_n) and self.repeat_last_n >= -1,
                   "an integer >= -1 (0: off, -1: the whole text)"),
-                 ("seed", self.seed is None or (integer(self.seed) and self.seed >= 0), "an integer >= 0"))
+                 ("seed", self.seed is None or (integer(self.seed) and self.seed >= 0), "an integer >= 0"),
+                 ("frequency_penalty", number(self.frequency_penalty) and abs(self.frequency_penalty) <= MAX_PENALTY,
+                  f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0: off)"),
+                 ("presence_penalty", number(self.presence_penalty) and abs(self.presence_penalty) <= MAX_PENALTY,
+                  f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0: off)"),
+                 ("logit_bias", isinstance(self.logit_bias, dict) and all(
+                     integer(k) and k >= 0 and number(v) and abs(v) <= MAX_LOGIT_BIAS
+                     for k, v in self.logit_bias.items()),
+                  f"a map of token ids >= 0 to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"))
         for name, ok, allowed in rules:
             if not ok:
                 raise ParameterError(f"{name} = {getattr(self, name)!r}: must be {allowed}")
@@ -96,29 +118,66 @@ class SamplingParams:
         return self.temp == 0
 
     @property
-    def penalized(self) -> bool:
+    def repeat_penalized(self) -> bool:
         return self.repeat_penalty != 1.0 and self.repeat_last_n != 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether anything changes the logits before the choice (bias or a penalty)."""
+        return self.repeat_penalized or self.frequency_penalty != 0 or self.presence_penalty != 0 \
+            or bool(self.logit_bias)
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams | None = None):
+    """Draws tokens for one completion. It remembers what it drew (frequency and presence
+    penalties count those) and its random state, so a completion interrupted and resumed with
+    the same Sampler draws what it would have drawn. `stream` picks one of several independent
+    random streams of one seed (the n choices of a request); stream 0 is the seed's own."""
+
+    def __init__(self, params: SamplingParams | None = None, stream: int = 0):
         self.params = params or SamplingParams()
-        self.rng = np.random.default_rng(self.params.seed)
+        seed = self.params.seed
+        self.rng = np.random.default_rng(seed if seed is None or stream == 0 else [seed, stream])
+        self.drawn: dict[int, int] = {}                   # token id -> times drawn in this completion
+
+    def new_completion(self):
+        """Forget what was drawn (a chat's next turn); the random state goes on."""
+        self.drawn.clear()
 
     def penalize(self, logits: np.ndarray, history) -> np.ndarray:
-        """Repeat penalty on the last repeat_last_n tokens: shrink their logits toward 'less likely'."""
+        """Logit bias, then the repeat penalty on the last repeat_last_n tokens of history, then
+        frequency and presence penalties on what this completion drew (SamplingParams)."""
         p = self.params
-        if not p.penalized or not history:
+        if not p.penalized:
             return logits
-        recent = history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history
-        ids = np.unique(np.asarray(recent, dtype=np.int64))
         logits = logits.astype(np.float32, copy=True)
-        v = logits[ids]
-        logits[ids] = np.where(v <= 0, v * p.repeat_penalty, v / p.repeat_penalty)
+        if p.logit_bias:
+            ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64)
+            logits[ids] += np.fromiter(p.logit_bias.values(), dtype=np.float64).astype(np.float32)
+        if p.repeat_penalized and history:
+            recent = history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history
+            ids = np.unique(np.asarray(recent, dtype=np.int64))
+            v = logits[ids]
+            logits[ids] = np.where(v <= 0, v * p.repeat_penalty, v / p.repeat_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and self.drawn:
+            ids = np.fromiter(self.drawn.keys(), dtype=np.int64)
+            counts = np.fromiter(self.drawn.values(), dtype=np.float64)
+            logits[ids] -= (counts * p.frequency_penalty + p.presence_penalty).astype(np.float32)
         return logits
 
     def __call__(self, logits: np.ndarray, history=()) -> int:
         """logits [n_vocab] -> the next token id."""
+        tok = self.choose(logits, history)
+        self.took(tok)
+        return tok
+
+    def took(self, tok: int):
+        """Count a token as drawn by this completion (the frequency and presence penalties read
+        the counts): __call__ does it; speculative decoding does it for each guess it keeps."""
+        self.drawn[tok] = self.drawn.get(tok, 0) + 1
+
+    def choose(self, logits: np.ndarray, history=()) -> int:
+        """A draw from distribution(), without counting it."""
         if self.params.greedy:
             return int(np.argmax(self.penalize(np.asarray(logits, dtype=np.float32), list(history))))
         ids, probs = self.distribution(logits, history)
@@ -147,6 +206,28 @@ class Sampler:
         z = cand / p.temp
         probs = np.exp(z - z.max())
         return ids, probs / probs.sum()
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log p over the vocabulary, in float64: [..., n_vocab] -> [..., n_vocab]."""
+    x = np.asarray(logits, dtype=np.float64)
+    top = x.max(axis=-1, keepdims=True)
+    return x - top - np.log(np.exp(x - top).sum(axis=-1, keepdims=True))
+
+
+def token_logprobs(logits: np.ndarray, token: int, k: int = 0) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of `token` (log-softmax of the raw logits: before bias,
+    penalties and temperature) and the k most likely tokens as (id, logprob), best first,
+    ties to the lower id (as argmax breaks them)."""
+    lp = log_softmax(logits)
+    top = []
+    if k > 0:
+        k = min(k, len(lp))
+        kth = np.partition(lp, len(lp) - k)[len(lp) - k]             # the k-th largest value
+        idx = np.flatnonzero(lp >= kth)                              # all of them, ties included
+        idx = idx[np.lexsort((idx, -lp[idx]))][:k]
+        top = [(int(i), float(lp[i])) for i in idx]
+    return float(lp[token]), top
 
 
 @dataclass

@@ -20,8 +20,15 @@ write; it happens when a prompt is entirely cached and its last position is comp
 its logits). A registered page nobody references any longer stays cached, counted as free,
 and is reused, least recently released first, only when no never-used page is left.
 
-Admission control reserves pages: `PagePool.reserve(n)` succeeds only if n pages are free
-beyond what running sequences have reserved, so a sequence admitted once never runs out.
+Reservations: `PagePool.reserve(n)` succeeds only if n pages are free beyond what running
+sequences have reserved, and a sequence takes pages only out of its own reservation, so no
+sequence can take a page another one was promised. A sequence is admitted with what it needs
+now (`PageTable.admit`) and asks for more before each step (`PageTable.reserve_for`); when the
+pool cannot promise them, the scheduler (app/serve/scheduler.py) preempts a sequence.
+
+Forks: `PageTable.fork` gives a second sequence every page of the first by reference, its
+partial last page too (n choices of one prompt hold the prompt once); each copies a shared
+page before writing into it, as above.
 """
 
 from __future__ import annotations
@@ -82,6 +89,10 @@ class PagePool:
     def n_shared(self) -> int:
         """Pages more than one sequence references right now."""
         return int((self.refs > 1).sum())
+
+    def idle_cached_pages(self) -> list[int]:
+        """Free pages that still hold a registered prefix (reused last)."""
+        return list(self._idle_cached)
 
     @property
     def n_available(self) -> int:
@@ -193,20 +204,22 @@ class PageTable:
             found.append(hit)
         return found
 
-    def admit(self, prompt, max_positions: int) -> int | None:
+    def admit(self, prompt, max_positions: int, use_cache: bool = True, spare: int = 0) -> int | None:
         """Take the cached prefix pages of `prompt` by reference and reserve every page the
-        sequence may still need to reach max_positions; None (and nothing taken) if the pool
-        cannot promise them. Returns how many prompt positions need no computing: at most
-        len(prompt) - 1, since the last one is always computed, for its logits (when the whole
-        prompt is cached, that write lands in a shared page: one copy, reserved here too)."""
+        sequence needs to reach max_positions; None (and nothing taken) if the pool cannot
+        promise them, and `spare` pages more beside them. Returns how many prompt positions need
+        no computing: at most len(prompt) - 1, since the last one is always computed, for its
+        logits (when the whole prompt is cached, that write lands in a shared page: one copy,
+        reserved here too). use_cache=False takes nothing cached: every position is computed
+        (a caller that wants every position's logits)."""
         assert not self.pages, "a sequence is admitted once"
         P, pool = self.pool.page_size, self.pool
-        hits = self.match_prefix(prompt)
+        hits = self.match_prefix(prompt) if use_cache else []
         n_cached = min(len(hits) * P, len(prompt) - 1)
         copy = 1 if hits and n_cached < len(hits) * P else 0
         need = max(0, self.pages_for(max_positions, P) - len(hits)) + copy
         idle = sum(1 for _, page in hits if pool.refs[page] == 0)     # free now, not once shared
-        if need + idle > pool.n_available or not pool.reserve(need):
+        if need + idle + spare > pool.n_available or not pool.reserve(need):
             return None
         for node, page in hits:
             pool.share(page)
@@ -215,6 +228,36 @@ class PageTable:
         self.reserved = need
         self.tokens = list(prompt[:n_cached])
         return n_cached
+
+    def pages_to_append(self, n_new: int) -> int:
+        """Pages that appending n_new tokens takes: new pages, and copies of the shared pages
+        the new positions fall in."""
+        P, pool = self.pool.page_size, self.pool
+        start, end = len(self.tokens), len(self.tokens) + n_new
+        grow = max(0, self.pages_for(end, P) - len(self.pages))
+        copies = sum(1 for i in range(start // P, min(len(self.pages), self.pages_for(end, P)))
+                     if pool.refs[self.pages[i]] > 1)
+        return grow + copies
+
+    def reserve_for(self, n_new: int) -> bool:
+        """Make the reservation cover appending n_new tokens (the pages the next step takes);
+        False, and nothing reserved, if the pool cannot promise them."""
+        short = self.pages_to_append(n_new) - self.reserved
+        if short <= 0:
+            return True
+        if not self.pool.reserve(short):
+            return False
+        self.reserved += short
+        return True
+
+    def fork(self) -> "PageTable":
+        """A second sequence with this one's tokens: every page shared by reference (the
+        partial last one too: whichever writes into it first copies it), nothing reserved."""
+        other = PageTable(self.pool)
+        for page in self.pages:
+            self.pool.share(page)
+        other.pages, other.tokens, other.nodes = list(self.pages), list(self.tokens), list(self.nodes)
+        return other
 
     def append_slots(self, new_tokens) -> np.ndarray:
         """Make room for new_tokens at the next positions (taking pages, copying a shared one

@@ -205,7 +205,9 @@ class _Recording(Sampler):
     def __call__(self, logits, history=()):
         ids, probs = self.distribution(logits, history)
         self.last = (ids, probs)
-        return int(ids[0]) if self.params.greedy else int(ids[self.rng.choice(len(ids), p=probs)])
+        tok = int(ids[0]) if self.params.greedy else int(ids[self.rng.choice(len(ids), p=probs)])
+        self.took(tok)
+        return tok
 
 
 def _dense(ids, probs, n_vocab: int) -> np.ndarray:
@@ -349,15 +351,20 @@ class DraftLength:
 
 def accept(logits: np.ndarray, draft: Draft, sampler: Sampler, history) -> tuple[int, int]:
     """logits [k+1, n_vocab]: the verify pass's rows p_0 .. p_k (the module docstring). Returns
-    (guesses kept, the model's own next token)."""
+    (guesses kept, the model's own next token). Each token kept is counted as drawn
+    (Sampler.took) before the next row's distribution is taken, as plain decoding would have."""
     history = list(history)
     k = len(draft.tokens)
     rng = sampler.rng
+
+    def settled(i, tok):
+        sampler.took(tok)
+        return i, tok
     for i, d in enumerate(draft.tokens):
         ids, probs = sampler.distribution(logits[i], history)
         if sampler.params.greedy:
             if int(ids[0]) != d:
-                return i, int(ids[0])
+                return settled(i, int(ids[0]))
         else:
             p = _dense(ids, probs, logits.shape[1])
             q = draft.q[i] if draft.q is not None else _dense([d], [1.0], logits.shape[1])
@@ -366,11 +373,11 @@ def accept(logits: np.ndarray, draft: Draft, sampler: Sampler, history) -> tuple
                 nz = np.flatnonzero(residual)
                 if len(nz) == 0:                   # p == q: a rejection cannot happen; rounding
                     nz, residual = ids, p
-                return i, int(nz[rng.choice(len(nz), p=residual[nz] / residual[nz].sum())])
+                return settled(i, int(nz[rng.choice(len(nz), p=residual[nz] / residual[nz].sum())]))
+        sampler.took(d)
         history.append(d)
     ids, probs = sampler.distribution(logits[k], history)
-    bonus = int(ids[0]) if sampler.params.greedy else int(ids[rng.choice(len(ids), p=probs)])
-    return k, bonus
+    return settled(k, int(ids[0]) if sampler.params.greedy else int(ids[rng.choice(len(ids), p=probs)]))
 
 
 # ---- one sequence ----------------------------------------------------------------------------

@@ -4,6 +4,7 @@
     python scripts/loadtest.py --llama-server auto          # also llama-server (built once, see below)
     python scripts/loadtest.py --llama-server PATH          # a llama-server binary you have
     python scripts/loadtest.py --chart-only                 # redraw the chart and table from the record
+    python scripts/loadtest.py --kv-pages 200 --out ...     # a pool too small for every worst case: preemptions
 
 For each number of concurrent clients C, both servers are started with room for C sequences
 (llama-server with C parallel slots) and, in --rounds rounds that alternate which server goes
@@ -12,8 +13,10 @@ to one of them, one after the other: greedy, exactly --max-tokens tokens each (`
 which both servers take), every prompt a different text of about --prompt-tokens tokens (so no
 request reuses another's prefix). Measured from the clients: aggregate generated tokens per
 second (all tokens / wall time of the round), time to first token and the time between tokens
-(p50, p99); from our server's /health: KV pages in use (sampled while the round runs) and the
-engine's share of the wall time (seconds inside forward steps, the mean step). A level's
+(p50, p99); from our server's /health: KV pages in use (sampled while the round runs), the
+engine's share of the wall time (seconds inside forward steps, the mean step), and how many
+sequences were preempted because the pool ran out (none while the pool holds every request's
+worst case, the default; --kv-pages makes it smaller). A level's
 figures are the medians of its rounds; the ratio to llama-server is the median of the rounds'
 ratios. Beside them, the machine's roofline (app/measure/roofline.py): a step reads the weights once
 for all B sequences (bandwidth ceiling B x bandwidth / weight bytes) and computes B tokens'
@@ -98,7 +101,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         ctx = args.prompt_tokens + args.max_tokens + 64
         if kind == OURS:
-            pages = clients * -(-ctx // 16) + 16
+            pages = args.kv_pages or clients * -(-ctx // 16) + 16
             cmd = [sys.executable, "-m", "app", "serve", "-m", str(args.model), "--stage", args.stage,
                    "--port", str(self.port), "--max-batch", str(clients), "--kv-pages", str(pages),
                    "--max-queue", str(clients), "--threads", str(args.threads)]
@@ -246,15 +249,16 @@ async def run_level(url: str, clients: int, args, round_: int = 0, counters=None
         steps, rows = after["steps"] - before["steps"], after["rows"] - before["rows"]
         busy = after["step_seconds"] - before["step_seconds"]
         row.update(engine_steps=steps, engine_rows_per_step=rows / max(1, steps),
-                   engine_step_ms_mean=1e3 * busy / max(1, steps), engine_busy=busy / wall)
+                   engine_step_ms_mean=1e3 * busy / max(1, steps), engine_busy=busy / wall,
+                   engine_preemptions=after["preemptions"] - before["preemptions"])
     return row
 
 
 def engine_counters(url: str) -> dict:
-    """Our /health's step counters: steps, rows and seconds inside forward steps."""
+    """Our /health's step counters: steps, rows, seconds inside forward steps, preemptions."""
     import httpx
     h = httpx.get(url + "/health", timeout=5).json()
-    return {k: h[k] for k in ("steps", "rows", "step_seconds")}
+    return {k: h[k] for k in ("steps", "rows", "step_seconds", "preemptions")}
 
 
 def run_round(server: "Server", clients: int, args, round_: int) -> dict:
@@ -388,15 +392,16 @@ def draw(rec: dict, chart: Path = CHART, table: Path = TABLE):
     lines = [f"Drawn from `{table.with_suffix('.json').name}` by `scripts/loadtest.py` "
              f"({s['model']}, {threads}, commit {str(rec['provenance'].get('commit', '?'))[:7]}; {medians}).", "",
              "| server | clients | tokens/s | vs 1 client | roofline tokens/s | TTFT p50 / p99 (ms) | "
-             "between tokens p50 / p99 (ms) | KV pages used (max) | engine busy (mean step, ms) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "between tokens p50 / p99 (ms) | KV pages used (max) | engine busy (mean step, ms) | preempted |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for kind, rows in rec["engines"].items():
         base = rows[0]["tokens_per_s"]
         for row, ceil in zip(rows, ceilings(rec, [r["clients"] for r in rows])):
             lines.append(f"| {style[kind][2]} | {row['clients']} | {row['tokens_per_s']:.1f} | "
                          f"{row['tokens_per_s'] / base:.2f}x | {ceil:.0f} | {row['ttft_ms_p50']:.0f} / "
                          f"{row['ttft_ms_p99']:.0f} | {row['itl_ms_p50']:.1f} / {row['itl_ms_p99']:.1f} | "
-                         f"{row.get('kv_pages_used_max', '-')} | {busy(row)} |")
+                         f"{row.get('kv_pages_used_max', '-')} | {busy(row)} | "
+                         f"{row.get('engine_preemptions', '-')} |")
     if LLAMA in rec["engines"]:
         theirs = {r["clients"]: r for r in rec["engines"][LLAMA]}
         lines += ["", "| clients | this engine / llama-server (median of the rounds' ratios) | each round |",
@@ -423,6 +428,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds per level, the servers alternating; figures are medians (default: %(default)s)")
     p.add_argument("--threads", type=int, default=physical_cores(), help="threads, both servers (default: cores)")
+    p.add_argument("--kv-pages", type=int, default=None,
+                   help="our server's KV pages (default: every client's worst case at once, so nothing is "
+                        "preempted); smaller: the pool runs out and sequences are preempted, counted")
     p.add_argument("--llama-server", default=None,
                    help="'auto' (build it from the llama-cpp-python sdist once) or a llama-server binary")
     p.add_argument("--chart-only", action="store_true", help="redraw the chart and table from the record")
@@ -469,6 +477,7 @@ def main(argv=None) -> int:
                       "requests": args.requests, "rounds": args.rounds,
                       "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                       "threads": args.threads, "sampling": "greedy", "ignore_eos": True,
+                      "kv_pages": args.kv_pages,
                       "llama_server": str(args.llama_server) if args.llama_server else None})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rec, indent=1, default=float))

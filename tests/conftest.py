@@ -57,6 +57,7 @@ EXPECTED_SKIPS = {
     r"numba's target is set \(NUMBA_CPU_NAME=.*, NUMBA_CPU_FEATURES=.*\): it compiles for that, not this CPU":
         "a portable numba target (no host-only instructions)",
     r"the check reads x86 assembly; this is an? \S+ machine": "assembly checks of x86 code, on another machine",
+    r"no headless browser: .+": "Chromium and its driver are a system package (`make browser` installs them)",
 }
 
 

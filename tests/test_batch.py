@@ -4,7 +4,8 @@ Every CPU stage with a KV cache runs sequences through the scheduler (app/serve/
 stepped by hand): a sequence alone, then the same sequence admitted mid-way among others at
 other positions, its prompt prefilled in other chunks. Its logits at every step must be the
 same bits, and so its greedy tokens, for every stage (int8 included: its batched rows all take
-the same path too).
+the same path too). And a sequence preempted for want of pages, recomputed later, goes on with
+the logits it would have had.
 
 Against the single-sequence path (`generate`, what `run -p` does): the batched rows go through
 the multi-row kernels, the single path's decode through the one-row kernels, which sum in
@@ -146,6 +147,36 @@ def test_prefix_pages_are_shared_and_give_the_same_numbers(default_model_path):
     for x, y in zip(first.sampler.logits, second.sampler.logits):
         assert np.array_equal(x, y)
     assert first.generated[:N_TOKENS] == second.generated
+
+
+def test_a_preempted_sequence_goes_on_with_the_logits_it_would_have_had(default_model_path):
+    """A pool far too small for every request's worst case at once (app/serve/scheduler.py
+    preempts the newest sequence and later recomputes its prompt and generated tokens): every
+    request completes with the logits, bit for bit, and so the tokens, it has alone;
+    preemptions are counted; every page comes back."""
+    engine = load("threads" if "threads" in STAGES else STAGES[-1], default_model_path)
+    texts = [f"Request {i}: the sea is" for i in range(4)]
+    n = 40
+
+    def run(pages, texts):
+        sched = Scheduler(engine, kv_pages=pages, max_batch=len(texts), prefill_chunk=16)
+        reqs = []
+        for t in texts:
+            req = Request(prompt=engine.tokenizer.encode(t), max_tokens=n)
+            sched.submit(req)
+            req.sampler = Recorder()
+            reqs.append(req)
+        drain(sched)
+        assert sched.pool.n_free == sched.pool.n_pages and sched.pool.reserved == 0
+        return sched, reqs
+    worst = sum(-(-(len(engine.tokenizer.encode(t)) + n) // 16) for t in texts)
+    tight, crowd = run(worst // 3 + 1, texts)
+    assert tight.preemptions >= 1 and tight.stats()["preemptions"] == tight.preemptions
+    assert sum(r.preemptions for r in crowd) == tight.preemptions
+    for t, req in zip(texts, crowd):
+        _, (alone,) = run(64, [t])
+        assert req.generated == alone.generated and len(req.generated) == n
+        assert all(np.array_equal(x, y) for x, y in zip(req.sampler.logits, alone.sampler.logits)), t
 
 
 class StubEngine:

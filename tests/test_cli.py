@@ -56,6 +56,19 @@ def test_run_streams_text_then_prints_the_figures(default_model_path):
         assert figure in p.stderr
 
 
+def test_an_end_of_generation_token_is_not_text_unless_asked_for(default_model_path):
+    """The reply to this prompt ends in <|im_end|> (greedy): the streamed text and --json's
+    `text` leave it out, as the server does; --special (llama.cpp's flag) puts it back."""
+    args = ("run", "--stage", "kv_cache", "-m", str(default_model_path), "-p", "Say OK.", "-n", "16")
+    plain, special, streamed = run(*args, "--json"), run(*args, "--json", "--special"), run(*args)
+    assert plain.returncode == special.returncode == streamed.returncode == 0, plain.stderr + special.stderr
+    rec, rec_special = (json.loads(p.stdout.strip().splitlines()[-1]) for p in (plain, special))
+    assert rec["stop_reason"] == "eog" and rec["tokens"] == rec_special["tokens"], "a prompt that ends in EOG"
+    assert rec_special["text"].endswith("<|im_end|>") and rec_special["text"].removesuffix("<|im_end|>") == rec["text"]
+    assert "<|im_end|>" not in rec["text"] and "<|im_end|>" not in streamed.stdout
+    assert streamed.stdout.startswith("Say OK.") and rec["text"].strip() in streamed.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (("--stage", "warp"), "the stages are: naive"),
     (("-m", "no/such/model.gguf"), "no model file"),
@@ -107,6 +120,11 @@ BAD_VALUES = [
     ("run", ["--repeat-penalty", "0"], "--repeat-penalty", "repeat_penalty = 0.0: must be a number > 0"),
     ("run", ["--repeat-last-n", "-2"], "--repeat-last-n", "repeat_last_n = -2"),
     ("run", ["--seed", "-1"], "--seed", "seed = -1: must be an integer >= 0"),
+    ("run", ["--frequency-penalty", "3"], "--frequency-penalty", "frequency_penalty = 3.0: must be a number in [-2"),
+    ("run", ["--presence-penalty", "x"], "--presence-penalty", "'x' is not a number"),
+    ("serve", ["--kv-pages", "0"], "--kv-pages", "kv_pages (--kv-pages) = 0: must be an integer >= 1"),
+    ("serve", ["--max-queue", "-1"], "--max-queue", "max_queue (--max-queue) = -1: must be an integer >= 0"),
+    ("serve", ["--drain-timeout", "-3"], "--drain-timeout", "'-3': must be a number of seconds >= 0"),
     ("bench", ["-n", "0"], "-n/--n-predict", "n_predict (-n, max_tokens) = 0"),
     ("bench", ["--prompt-tokens", "0"], "--prompt-tokens", "prompt_tokens (--prompt-tokens) = 0"),
     ("bench", ["--profile-n", "-1"], "--profile-n", "profile_n (--profile-n) = -1: must be an integer >= 0"),
@@ -140,12 +158,15 @@ def test_good_values_parse_to_the_engines_settings():
     from app.cli import build_parser
     from app.run import sampling_params
     args = build_parser().parse_args(["run", "-t", "2", "-c", "512", "-n", "8", "--temp", "0.7", "--top-k", "0",
-                                      "--top-p", "1", "--min-p", "0", "--repeat-last-n", "-1", "--seed", "3"])
-    assert (args.threads, args.ctx_size, args.n_predict) == (2, 512, 8)
+                                      "--top-p", "1", "--min-p", "0", "--repeat-last-n", "-1", "--seed", "3",
+                                      "--frequency-penalty", "0.5", "--presence-penalty", "-1", "--special"])
+    assert (args.threads, args.ctx_size, args.n_predict, args.special) == (2, 512, 8, True)
     p = sampling_params(args)
     assert (p.temp, p.top_k, p.top_p, p.min_p, p.repeat_last_n, p.seed) == (0.7, 0, 1.0, 0.0, -1, 3)
+    assert (p.frequency_penalty, p.presence_penalty) == (0.5, -1.0)
     defaults = build_parser().parse_args(["run"])
     assert defaults.threads is None and defaults.ctx_size is None and defaults.n_predict is None
+    assert not defaults.special and sampling_params(defaults).frequency_penalty == 0
 
 
 # ---- the test command itself: skips are visible, CI refuses unexpected ones, hangs are stopped ------

@@ -212,3 +212,170 @@ def test_every_kv_stage_attends_through_pages_as_over_its_own_cache(stage):
                                      int(batch.seq_start[i])))
         assert np.array_equal(got[r:r + m], want), f"{stage}: sequence {i}"
         r += m
+
+
+# ---- the prefix cache's keys, its idle pages, its duplicates; forks; growing -------------------
+
+class KeyIgnoresTokens(PagePool):
+    """A planted bug: pages registered and looked up by (parent, how many tokens) alone."""
+
+    def lookup(self, parent, tokens):
+        return super().lookup(parent, len(tokens))
+
+    def register(self, parent, tokens, page):
+        return super().register(parent, len(tokens), page)
+
+
+def false_sharing(pool_cls) -> list[str]:
+    """Two prompts of the same length, the same first page, different second pages: the second
+    shares the first page only, and each reads its own tokens back."""
+    p = pool_cls(2, 6, 16, page_size=P)
+    one = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    two = [1, 2, 3, 4, 50, 60, 70, 80, 9]
+    a, _ = admitted(p, one)
+    write(a, one)
+    b, n = admitted(p, two)
+    problems = []
+    if n != P:
+        problems.append(f"{n} positions of the second prompt taken from the cache, not {P}")
+    write(b, two[n:])
+    if b.pages[1] == a.pages[1]:
+        problems.append("the second pages are one page")
+    for t, prompt in ((a, one), (b, two)):
+        k = p.k[0, t.pages].reshape(-1, p.kv_dim)[:len(prompt), 0]
+        if k.tolist() != prompt:
+            problems.append(f"a sequence reads {k.tolist()} for its prompt {prompt}")
+    a.release()
+    b.release()
+    return problems
+
+
+def test_prompts_of_equal_length_share_only_the_pages_whose_tokens_match():
+    assert false_sharing(PagePool) == []
+    assert false_sharing(KeyIgnoresTokens) != [], "the planted key that ignores tokens is seen"
+
+
+class IdleBlindTable(PageTable):
+    """A planted bug: admission that counts the cached pages it takes as still free."""
+
+    def admit(self, prompt, max_positions, use_cache=True, spare=0):
+        hits = self.match_prefix(prompt)
+        for _, page in hits:                              # as if nobody's pages were idle
+            self.pool.refs[page] += 1
+        try:
+            return super().admit(prompt, max_positions, use_cache, spare)
+        finally:
+            for _, page in hits:
+                self.pool.refs[page] -= 1
+
+
+def idle_admission(table_cls) -> list[str]:
+    """Pool of 4. A prompt of 2 full pages is written and released: its pages are free but
+    cached. Another sequence reserves 2 pages. A third whose prompt is the cached one and needs
+    1 page more must be refused (taking the 2 cached pages leaves 0 free for the 1 it needs
+    beside the 2 promised); admitted anyway, its growth would find no page."""
+    p = pool(n_pages=4)
+    prompt = list(range(8))
+    a, _ = admitted(p, prompt, max_positions=8)
+    write(a, prompt)
+    a.release()
+    other, _ = admitted(p, [99], max_positions=2 * P)
+    c = table_cls(p)
+    got = c.admit(prompt + [100], 3 * P)
+    problems = []
+    if got is not None:
+        try:
+            write(c, [100] * 5)
+            write(other, [99] * 8)
+        except PagesExhausted as e:
+            problems.append(f"admitted, then: {e}")
+    return problems
+
+
+def test_admission_counts_the_cached_pages_nobody_holds_as_taken():
+    assert idle_admission(PageTable) == []
+    assert idle_admission(IdleBlindTable) != [], "the planted admission that forgets idle pages is seen"
+    p = pool(n_pages=5)                                    # and with one page more, it fits
+    prompt = list(range(8))
+    a, _ = admitted(p, prompt, max_positions=8)
+    write(a, prompt)
+    a.release()
+    admitted(p, [99], max_positions=2 * P)
+    assert PageTable(p).admit(prompt + [100], 3 * P) == 2 * P
+
+
+class RegisterOverwrites(PagePool):
+    """A planted bug: register without its duplicate checks (the last page registered wins)."""
+
+    def register(self, parent, tokens, page):
+        key = (parent, tokens)
+        node = self._next_node
+        self._next_node += 1
+        self._nodes[key] = (node, page)
+        self._node_of_page[page] = (key, node)
+        return node
+
+
+def duplicate_registration(pool_cls) -> list[str]:
+    """Two sequences compute the same first page in one step (admitted together, before either
+    registered it): the first registered keeps the prefix, the second's page stays its own and
+    goes back unregistered; a page holds one prefix at a time."""
+    p = pool_cls(2, 6, 8, page_size=P)
+    prompt = [1, 2, 3, 4, 5]
+    a, b = PageTable(p), PageTable(p)
+    assert a.admit(prompt, 8) == 0 and b.admit(prompt, 8) == 0
+    a.append_slots(prompt)
+    b.append_slots(prompt)
+    a.register_full_pages()
+    b.register_full_pages()
+    problems = []
+    hit = PageTable(p).match_prefix(prompt)
+    if [page for _, page in hit] != [a.pages[0]]:
+        problems.append(f"the prefix points at {hit}, not the first sequence's page")
+    if a.nodes != b.nodes:
+        problems.append("the two sequences know the prefix under different nodes")
+    if p.n_cached != 1:
+        problems.append(f"{p.n_cached} pages cached for one prefix")
+    if p.register(0, (9, 9, 9, 9), a.pages[0]) != a.nodes[0] or p.lookup(0, (9, 9, 9, 9)) is not None:
+        problems.append("a cached page took a second prefix")
+    a.release()
+    b.release()
+    if p.n_free != 8 or len(p.idle_cached_pages()) != 1:
+        problems.append(f"after both: {p.n_free} free, {len(p.idle_cached_pages())} cached")
+    return problems
+
+
+def test_register_keeps_the_first_of_two_equal_prefixes_and_one_prefix_per_page():
+    assert duplicate_registration(PagePool) == []
+    assert duplicate_registration(RegisterOverwrites) != [], "the planted register without its checks is seen"
+
+
+def test_a_fork_shares_every_page_and_copies_the_partial_one_before_writing():
+    p = pool(n_pages=8)
+    prompt = [1, 2, 3, 4, 5, 6]                           # a full page and a partial one
+    a, _ = admitted(p, prompt)
+    write(a, prompt)
+    b = a.fork()
+    assert b.pages == a.pages and (p.refs[a.pages] == 2).all() and p.n_free == 6
+    assert b.reserve_for(1) and b.reserved == 1           # the copy of the shared partial page
+    write(b, [70])
+    write(a, [7])
+    assert b.pages[0] == a.pages[0] and b.pages[1] != a.pages[1] and p.copies == 1
+    assert p.k[0, a.pages[1], :3, 0].tolist() == [5, 6, 7] and p.k[0, b.pages[1], :3, 0].tolist() == [5, 6, 70]
+    a.release()
+    b.release()
+    assert p.n_free == 8 and p.reserved == 0 and (p.refs == 0).all()
+
+
+def test_reserve_for_promises_the_next_steps_pages_or_nothing():
+    p = pool(n_pages=3)
+    a, _ = admitted(p, [1, 2, 3], max_positions=P)        # 1 page promised
+    assert a.pages_to_append(P + 1) == 2 and a.reserve_for(P + 1) and a.reserved == 2
+    b = PageTable(p)
+    assert b.admit([5], P) == 0                            # the last page
+    assert not a.reserve_for(2 * P + 1) and a.reserved == 2 and p.reserved == 3, "refused whole"
+    write(a, list(range(P + 1)))
+    assert len(a.pages) == 2 and a.reserved == 0
+    a.release()
+    b.release()
+    assert p.n_free == 3 and p.reserved == 0

@@ -23,6 +23,8 @@ from common.generate import (
     check_n_predict,
     check_threads,
     generate,
+    log_softmax,
+    token_logprobs,
 )
 
 PROBS = np.array([0.05, 0.5, 0.15, 0.3])            # best first: 1, 3, 2, 0
@@ -97,6 +99,55 @@ def test_repeat_penalty_shrinks_recent_tokens_both_signs():
     np.testing.assert_array_equal(off.penalize(logits, [2, 0, 1]), logits)
     assert not off.params.penalized and not Sampler().params.penalized
     np.testing.assert_array_equal(logits, [2.0, -2.0, 1.0, 0.5])                      # the input is untouched
+
+
+def test_frequency_and_presence_penalties_are_openais_over_what_was_drawn():
+    """logit[j] -= count[j] * frequency + (count[j] > 0) * presence, count over this
+    completion's draws (not the prompt): drawn 1 twice and 3 once."""
+    s = Sampler(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25))
+    s.drawn.update({1: 2, 3: 1})
+    got = s.penalize(LOGITS, history=[0, 0, 0, 2])            # the history (prompt) is not counted
+    want = LOGITS.copy()
+    want[1] -= 2 * 0.5 + 0.25
+    want[3] -= 1 * 0.5 + 0.25
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    negative = Sampler(SamplingParams(frequency_penalty=-1.0))
+    negative.drawn[2] = 3
+    assert negative.penalize(LOGITS, [])[2] == pytest.approx(LOGITS[2] + 3.0)     # a negative one encourages
+
+
+def test_the_sampler_counts_its_own_draws_until_a_new_completion():
+    s = Sampler(SamplingParams(frequency_penalty=2.0))
+    first = [s(LOGITS) for _ in range(3)]
+    assert first[0] == 1 and s.drawn == {t: first.count(t) for t in set(first)}
+    assert first[1] != 1, "drawn once, 1 is penalized below the next best"
+    s.new_completion()
+    assert s.drawn == {} and s(LOGITS) == 1
+
+
+def test_logit_bias_is_added_before_everything():
+    assert Sampler(SamplingParams(logit_bias={0: 10.0}))(LOGITS) == 0
+    assert Sampler(SamplingParams(logit_bias={1: -100}))(LOGITS) == 3
+    assert SamplingParams(logit_bias={1: 1}).penalized and not SamplingParams().penalized
+
+
+def test_random_streams_of_one_seed_differ_and_stream_0_is_the_seeds_own():
+    def draws_of(stream):
+        s = Sampler(SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=5), stream=stream)
+        return [s(LOGITS) for _ in range(40)]
+    plain = Sampler(SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=5))
+    assert draws_of(0) == [plain(LOGITS) for _ in range(40)]
+    assert draws_of(1) != draws_of(0) and draws_of(1) == draws_of(1)
+
+
+def test_token_logprobs_are_the_log_softmax_and_the_top_ones_best_first():
+    lp, top = token_logprobs(LOGITS, 2, k=3)
+    assert lp == pytest.approx(np.log(0.15)) and [i for i, _ in top] == [1, 3, 2]
+    assert sum(np.exp(v) for _, v in top) <= 1 + 1e-12
+    tied = np.array([1.0, 3.0, 3.0, 0.0])
+    assert token_logprobs(tied, 0, k=1)[1][0][0] == int(np.argmax(tied)) == 1, "ties go to the lower id"
+    assert token_logprobs(tied, 0, k=9)[1][-1][0] == 3 and len(token_logprobs(tied, 0, k=9)[1]) == 4
+    np.testing.assert_allclose(np.exp(log_softmax(LOGITS)), PROBS, rtol=1e-6)
 
 
 def test_repeat_penalty_comes_before_greedy():
@@ -213,6 +264,9 @@ def test_bad_requests_fail_before_any_work():
     ("repeat_penalty", 0.0), ("repeat_penalty", -1.0),
     ("repeat_last_n", -2), ("repeat_last_n", 2.0),
     ("seed", -1), ("seed", 1.5),
+    ("frequency_penalty", 2.5), ("frequency_penalty", -2.01), ("presence_penalty", float("nan")),
+    ("presence_penalty", "1"), ("logit_bias", {1: 101}), ("logit_bias", {-1: 1}), ("logit_bias", {"3": 1}),
+    ("logit_bias", [1, 2]),
 ])
 def test_sampling_values_out_of_range_are_refused(name, value):
     with pytest.raises(ParameterError, match=rf"^{name} = .*: must be "):
@@ -222,7 +276,8 @@ def test_sampling_values_out_of_range_are_refused(name, value):
 @pytest.mark.parametrize("name, value", [
     ("temp", 0), ("temp", 2.5), ("top_k", 0), ("top_k", np.int64(5)), ("top_p", 1.0), ("top_p", 1e-6),
     ("min_p", 0.0), ("min_p", 1.0), ("repeat_penalty", 0.5), ("repeat_last_n", -1), ("repeat_last_n", 0),
-    ("seed", 0), ("seed", None),
+    ("seed", 0), ("seed", None), ("frequency_penalty", -2.0), ("presence_penalty", 2),
+    ("logit_bias", {0: -100, 7: 100.0}), ("logit_bias", {}),
 ])
 def test_sampling_values_at_the_edges_are_accepted(name, value):
     SamplingParams(**{name: value})

@@ -1,20 +1,31 @@
 """`python -m app serve` on the default model, through the official `openai` client.
 
-One live server (a subprocess, as a user starts it) for the module: concurrent requests,
-streamed or not, complete and equal what each gives alone; clients that go away mid-way give
-every page back; a full queue answers 503 with Retry-After; bad requests get a 400 in OpenAI's
-error shape and the server keeps serving; a repeated prompt shares its pages (counted).
+One live server (a subprocess, as a user starts it) for most of the module: concurrent
+requests, streamed or not, complete and equal what each gives alone; clients that go away
+mid-way are cancelled (only cancelling can end their requests that soon) and give every page
+back; the queue takes exactly max batch + max queue requests and answers the rest 503 with
+Retry-After; bad requests get a 400 in OpenAI's error shape and the server keeps serving; a
+repeated prompt shares its pages (counted); OpenAI's fields on the real model (penalties,
+log-probabilities, echo against `python -m app perplexity`'s own per-token values); /tokenize
+against the command line's tokenizer; /metrics through prometheus-client's parser; the page
+in a real headless browser. A second server with a pool too small for every request's worst
+case preempts, counts it, and gives every request its output alone; then SIGTERM drains it.
+tests/test_server_http.py checks the HTTP layer's other paths on a stub engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -26,6 +37,8 @@ from stages import runnable_stages  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 
 CTX, MAX_BATCH, MAX_QUEUE, PAGES = 512, 8, 8, 160
+LONG = 440                       # tokens: what a client that leaves asks for (its prompt + LONG fit CTX)
+ECHO_TOLERANCE = 1e-4            # log-probability: the batched rows against perplexity's forward (float32 rounding)
 PROMPTS = ["The meaning of life is", "Once upon a time", "In 1492, Columbus", "The best way to cook rice is",
            "Python is a programming language that", "The capital of France is", "My favourite animal is",
            "Water boils at"]
@@ -37,35 +50,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(default_model_path, tmp_path_factory):
-    stage = "threads" if "threads" in runnable_stages() else "quantized"
+STAGE = "threads" if "threads" in runnable_stages() else "quantized"
+
+
+def start(model_path, log, *args):
+    """`python -m app serve` as a user starts it: (process, base url, model id)."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
     env = dict(os.environ, NUMBA_CACHE_DIR=os.environ.get("NUMBA_CACHE_DIR", str(ROOT / ".numba_cache")))
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "-m", str(default_model_path),
-                                 "--stage", stage, "--port", str(port), "--ctx-size", str(CTX),
-                                 "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE),
-                                 "--kv-pages", str(PAGES)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "-m", str(model_path), "--stage", STAGE,
+                                 "--port", str(port), "--ctx-size", str(CTX), *map(str, args)],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                health = httpx.get(url + "/health", timeout=2).json()
-                break
-            except httpx.HTTPError:
-                if proc.poll() is not None or time.time() > deadline:
-                    pytest.fail(f"the server did not start:\n{log.read_text()[-3000:]}", pytrace=False)
-                time.sleep(0.5)
-        yield {"url": url, "model": health["model"], "log": log}
-    finally:
+    deadline = time.time() + 300
+    while True:
+        try:
+            return proc, url, httpx.get(url + "/health", timeout=2).json()["model"]
+        except httpx.HTTPError:
+            if proc.poll() is not None or time.time() > deadline:
+                stop(proc)
+                pytest.fail(f"the server did not start:\n{log.read_text()[-3000:]}", pytrace=False)
+            time.sleep(0.5)
+
+
+def stop(proc):
+    if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=40)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(default_model_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    proc, url, model = start(default_model_path, log, "--max-batch", MAX_BATCH, "--max-queue", MAX_QUEUE,
+                             "--kv-pages", PAGES)
+    try:
+        yield {"url": url, "model": model, "log": log, "proc": proc}
+    finally:
+        stop(proc)
 
 
 def health(server) -> dict:
@@ -84,7 +109,11 @@ def settled(server, timeout=20.0) -> dict:
 
 
 def client(server, retries=0):
-    return openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=retries, timeout=60)
+    return openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=retries, timeout=180)
+
+
+def client_sync(server):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 async def ask(c, model, i, stream, **kw):
@@ -135,15 +164,18 @@ def test_concurrent_requests_equal_their_output_alone(server):
 
 def test_cancelled_clients_give_every_page_back(server):
     """50 requests, 12 at a time; about half the clients go away at a random moment (closing a
-    stream mid-way, or abandoning a request before its answer). Every other one completes, and
-    once all is over every page is free again."""
+    stream mid-way, or abandoning a request before its answer). The ones that leave asked for
+    LONG tokens, more than the test's whole time allows, so only cancelling can end them:
+    afterwards exactly the ones that stayed ended 'length', the server counted no other
+    ending but cancellation, and every page is free again."""
     rng = random.Random(15)
+    before = health(server)["finished"]
 
     async def one(c, i, sem):
         async with sem:
             stream, leave = rng.random() < 0.5, rng.random() < 0.5
-            kw = dict(model=server["model"], prompt=PROMPTS[i % 8] * (1 + i % 5), max_tokens=rng.randint(8, 40),
-                      temperature=0)
+            kw = dict(model=server["model"], prompt=PROMPTS[i % 8] * (1 + i % 5), temperature=0,
+                      max_tokens=LONG if leave else rng.randint(8, 40), extra_body={"ignore_eos": True})
             if stream:
                 s = await c.completions.create(stream=True, **kw)
                 n_leave = rng.randint(0, 6)
@@ -157,18 +189,21 @@ def test_cancelled_clients_give_every_page_back(server):
                     await asyncio.wait_for(c.completions.create(**kw), timeout=rng.uniform(0.01, 0.5))
                 except asyncio.TimeoutError:
                     return "left"
-                return "done"
+                return "finished although it asked for more than the test's time"
             r = await c.completions.create(**kw)
-            assert r.choices[0].finish_reason in ("stop", "length")
+            assert r.choices[0].finish_reason == "length"
             return "done"
 
     async def main():
         c, sem = client(server), asyncio.Semaphore(12)
         return await asyncio.gather(*[one(c, i, sem) for i in range(50)])
     outcomes = asyncio.run(main())
-    assert outcomes.count("left") >= 10 and outcomes.count("done") >= 10
+    assert set(outcomes) == {"left", "done"} and outcomes.count("left") >= 10 and outcomes.count("done") >= 10
     h = settled(server)
     assert (h["kv_pages_free"], h["kv_pages_reserved"], h["running"], h["waiting"]) == (PAGES, 0, 0, 0)
+    ended = {k: h["finished"][k] - before[k] for k in before}
+    assert ended["length"] == outcomes.count("done"), f"{ended}: a request that was left ran to its end"
+    assert ended["stop"] == ended["error"] == 0 and ended["cancelled"] <= outcomes.count("left")
 
 
 async def aenumerate(it):
@@ -178,26 +213,33 @@ async def aenumerate(it):
         n += 1
 
 
-def test_a_full_queue_answers_503_with_retry_after_and_loses_nothing(server):
-    """Twice as many requests as fit (max batch + max queue) at once: the rest get a 503 with
-    Retry-After at once; every request admitted completes."""
+def test_a_full_queue_takes_exactly_max_batch_plus_max_queue_and_answers_the_rest_503(server):
+    """Twice as many streamed requests as fit (max batch + max queue) at once, each long
+    enough that none ends while the others arrive: exactly max batch + max queue are taken
+    (a stream answers 200 as soon as it is queued), the rest get a 503 with Retry-After at
+    once; then every stream is closed and every page comes back."""
     async def one(c, i):
-        try:
-            r = await c.completions.create(model=server["model"], prompt=PROMPTS[i % 8], max_tokens=24,
-                                           temperature=0, extra_body={"ignore_eos": True})
-            return r.usage.completion_tokens
-        except openai.APIStatusError as e:
-            return e.status_code, e.response.headers.get("retry-after"), e.body
+        body = {"prompt": PROMPTS[i % 8], "max_tokens": LONG, "temperature": 0, "stream": True, "ignore_eos": True}
+        req = c.build_request("POST", server["url"] + "/v1/completions", json=body)
+        r = await c.send(req, stream=True)
+        return r
 
     async def main():
-        c = client(server)
-        return await asyncio.gather(*[one(c, i) for i in range(2 * (MAX_BATCH + MAX_QUEUE))])
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=100)) as c:
+            responses = await asyncio.gather(*[one(c, i) for i in range(2 * (MAX_BATCH + MAX_QUEUE))])
+            out = []
+            for r in responses:
+                out.append((r.status_code, r.headers.get("retry-after"),
+                            json.loads(await r.aread()) if r.status_code != 200 else None))
+                await r.aclose()
+            return out
     results = asyncio.run(main())
-    done = [r for r in results if r == 24]
-    refused = [r for r in results if r != 24]
-    assert len(done) >= MAX_BATCH + MAX_QUEUE and refused
+    taken = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] != 200]
+    assert len(taken) == MAX_BATCH + MAX_QUEUE, f"{len(taken)} taken"
     for status, retry_after, body in refused:
-        assert status == 503 and int(retry_after) >= 1 and body["type"] == "server_error"
+        assert status == 503 and int(retry_after) >= 1 and body["error"]["type"] == "server_error"
+        assert "--max-queue" in body["error"]["message"]
     assert settled(server)["kv_pages_free"] == PAGES
 
 
@@ -286,3 +328,295 @@ def test_a_repeated_prompt_shares_its_full_pages(server):
     each = -(-n_prompt // h["kv_page_size"])                   # at least the prompt's pages each
     assert 2 * each - full <= used <= 2 * each - full + 4, "the shared pages are held once"
     assert settled(server)["kv_pages_free"] == PAGES
+
+
+# ---- OpenAI's fields on the real model ---------------------------------------------------------
+
+def test_frequency_penalty_makes_a_repetitive_prompt_repeat_less(server):
+    prompt = "Repeat after me: hello hello hello hello hello hello"
+
+    def repeats(**kw) -> tuple[int, int]:
+        r = httpx.post(server["url"] + "/v1/completions", timeout=60, json=dict(
+            prompt=prompt, max_tokens=24, temperature=0, logprobs=0, ignore_eos=True, **kw)).json()
+        tokens = r["choices"][0]["logprobs"]["tokens"]
+        return len(tokens) - len(set(tokens)), len(tokens)
+    plain, n = repeats()
+    penalized, m = repeats(frequency_penalty=2.0)
+    assert n == m == 24 and plain >= n // 2, f"the plain reply repeats {plain} of {n}: not a repetitive case"
+    assert penalized < plain // 2, (plain, penalized)
+
+
+def test_top_logprobs_are_probabilities_and_the_greedy_token_is_the_top_one(server):
+    r = client_sync(server).chat.completions.create(
+        model=server["model"], messages=[{"role": "user", "content": "Name three colours."}], max_tokens=12,
+        temperature=0, logprobs=True, top_logprobs=5)
+    content = r.choices[0].logprobs.content
+    assert len(content) >= 3
+    for e in content:
+        tops = e.top_logprobs
+        assert len(tops) == 5 and sum(math.exp(t.logprob) for t in tops) <= 1 + 1e-9
+        assert [t.logprob for t in tops] == sorted((t.logprob for t in tops), reverse=True)
+        assert e.token == tops[0].token and e.logprob == tops[0].logprob, "greedy picks the most likely"
+
+
+def test_echo_scores_the_prompt_as_perplexity_does(server, default_model_path, tmp_path):
+    """`python -m app perplexity --per-token` on a text, and the same chunks echoed with
+    max_tokens 0 through the server: each scored token's log-probability is minus its
+    negative log-likelihood there (the two paths sum in other orders: within TOLERANCE)."""
+    ctx, chunks = 64, 2
+    text = (ROOT / "tests" / "fixtures" / "text" / "alice-in-wonderland-ch1-4.txt").read_text()[:3000]
+    path = tmp_path / "text.txt"
+    path.write_text(text)
+    env = dict(os.environ, NUMBA_CACHE_DIR=os.environ.get("NUMBA_CACHE_DIR", str(ROOT / ".numba_cache")))
+    out = subprocess.run([sys.executable, "-m", "app", "perplexity", "--stage", STAGE, "-m", str(default_model_path),
+                          "-f", str(path), "--ctx", str(ctx), "--chunks", str(chunks), "--per-token", "--json"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ppl = json.loads(out.stdout)
+    ids = httpx.post(server["url"] + "/tokenize", json={"content": text, "add_special": True}).json()["tokens"]
+    worst = shifted = 0.0
+    for c in range(chunks):
+        chunk = ids[c * ctx:(c + 1) * ctx]
+        r = httpx.post(server["url"] + "/v1/completions", timeout=60, json={
+            "prompt": chunk, "max_tokens": 0, "echo": True, "logprobs": 0}).json()["choices"][0]
+        got = r["logprobs"]["token_logprobs"]
+        assert got[0] is None and len(got) == ctx and r["finish_reason"] == "length"
+        for t in ppl["per_token"]:
+            if c * ctx <= t["index"] < (c + 1) * ctx:
+                assert chunk[t["index"] - c * ctx] == t["token"]
+                worst = max(worst, abs(got[t["index"] - c * ctx] + t["nll"]))
+                shifted = max(shifted, abs(got[t["index"] - c * ctx - 1] + t["nll"]))
+    assert len(ppl["per_token"]) == chunks * (ctx // 2 - 1)
+    assert worst <= ECHO_TOLERANCE, f"echo and perplexity differ by {worst}"
+    assert shifted > 100 * ECHO_TOLERANCE, "the twin: scores one position off must not pass"
+
+
+def test_the_fields_openai_clients_send_get_openai_shaped_answers(server):
+    c = client_sync(server)
+    m = server["model"]
+    r = c.completions.create(model=m, prompt="The capital of France is", max_tokens=5, temperature=0, n=2,
+                             logprobs=2, echo=True, user="tester", presence_penalty=0.5, frequency_penalty=0.5,
+                             logit_bias={"0": -100}, seed=1, extra_body={"ignore_eos": True})
+    assert len(r.choices) == 2 and r.choices[0].text == r.choices[1].text
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith("The capital of France is") and lp.token_logprobs[0] is None
+    assert r.usage.completion_tokens == 2 * 5, "usage counts every choice's tokens"
+    assert len(lp.tokens) == len(lp.text_offset) == r.usage.prompt_tokens + 5
+    assert "".join(lp.tokens) == r.choices[0].text
+    chunks = list(c.chat.completions.create(model=m, messages=[{"role": "user", "content": "Hi!"}], max_tokens=4,
+                                            temperature=0.7, seed=2, n=2, stream=True,
+                                            stream_options={"include_usage": True}, logprobs=True, top_logprobs=1))
+    assert {ch.choices[0].index for ch in chunks if ch.choices} == {0, 1}
+    assert chunks[-1].usage.completion_tokens >= 2 and chunks[-1].usage.prompt_tokens_details is not None
+    again = c.chat.completions.create(model=m, messages=[{"role": "developer", "content": "You are terse."},
+                                                         {"role": "user", "content": "Hi!"}],
+                                      max_completion_tokens=3, temperature=0)
+    system = c.chat.completions.create(model=m, messages=[{"role": "system", "content": "You are terse."},
+                                                          {"role": "user", "content": "Hi!"}],
+                                       max_tokens=3, temperature=0)
+    assert again.choices[0].message.content == system.choices[0].message.content
+    assert again.usage.completion_tokens <= 3
+
+
+def test_a_prompt_of_token_ids_is_the_prompt_of_its_text(server):
+    ids = httpx.post(server["url"] + "/tokenize", json={"content": PROMPTS[2]}).json()["tokens"]
+    c = client_sync(server)
+    by_text = c.completions.create(model=server["model"], prompt=PROMPTS[2], max_tokens=8, temperature=0)
+    by_ids = c.completions.create(model=server["model"], prompt=ids, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text and by_ids.usage.prompt_tokens == len(ids)
+    other = c.completions.create(model=server["model"], prompt=ids[:-1], max_tokens=8, temperature=0)
+    assert other.usage.prompt_tokens == len(ids) - 1
+
+
+def test_tokenize_gives_the_command_lines_ids(server):
+    from common.gguf import GGUFFile
+    from common.tokenizer import Tokenizer
+    with GGUFFile(ROOT / "models" / (server["model"] + ".gguf")) as g:
+        tok = Tokenizer.from_gguf(g)                       # what `run -p` tokenizes with (app/run.py)
+    for text in PROMPTS + ["  spaces, ümlauts and 🦙 emoji\n\tand tabs", "<|im_start|>user\nhi<|im_end|>"]:
+        got = httpx.post(server["url"] + "/tokenize", json={"content": text, "add_special": True,
+                                                           "parse_special": False}).json()["tokens"]
+        assert got == tok.encode(text), text
+        back = httpx.post(server["url"] + "/detokenize", json={"tokens": got}).json()["content"]
+        assert back == tok.decode(got)
+
+
+def test_metrics_parse_and_agree_with_health(server):
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(server["url"] + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name, kind in [("llm_requests", "counter"), ("llm_prompt_tokens", "counter"),
+                       ("llm_generated_tokens", "counter"), ("llm_time_to_first_token_seconds", "histogram"),
+                       ("llm_time_between_tokens_seconds", "histogram"), ("llm_batch_rows", "histogram"),
+                       ("llm_preemptions", "counter"), ("llm_requests_running", "gauge"),
+                       ("llm_requests_waiting", "gauge"), ("llm_kv_pages_used", "gauge"),
+                       ("llm_kv_pages_free", "gauge")]:
+        assert families[name].type == kind, name
+    samples = {s.name: s.value for f in families.values() for s in f.samples if not s.labels}
+    h = settled(server)
+    assert samples["llm_kv_pages_free"] == h["kv_pages_free"] and samples["llm_batch_rows_count"] == h["steps"]
+    assert samples["llm_generated_tokens_total"] > 0 and samples["llm_preemptions_total"] == h["preemptions"]
+
+
+# ---- the page, in a real browser ---------------------------------------------------------------
+
+def browser_missing() -> str | None:
+    for exe in ("chromium", "chromedriver"):
+        if shutil.which(exe) is None:
+            return f"{exe} is not installed"
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "selenium is not installed (requirements-test.txt)"
+    return None
+
+
+@pytest.fixture
+def browser(tmp_path):
+    reason = browser_missing()
+    if reason:
+        pytest.skip(f"no headless browser: {reason} (`make browser` installs Debian's chromium and chromium-driver)")
+    from selenium import webdriver
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--window-size=1400,1000",
+                f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(shutil.which("chromedriver")))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+POOL = "return Array.from(document.querySelectorAll('#pool .page')).map(c => Number(c.dataset.owner || 0))"
+REPLY = ("const r = document.querySelector('#messages .msg.assistant:last-child');"
+         "return r ? [r.textContent, r.classList.contains('done')] : null")
+
+
+def test_the_page_chats_streamed_and_shows_the_pool_change(server, browser):
+    """The page loads from the server alone, draws the pool, streams the reply to a prompt
+    typed in (the text grows while it comes), shows pages held while the request runs, and the
+    reply is the one the API gives the same request."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+    settled(server)
+    browser.get(server["url"] + "/")
+    wait = WebDriverWait(browser, 30, poll_frequency=0.05)
+    wait.until(lambda d: len(d.execute_script(POOL)) == PAGES)
+    assert browser.find_element(By.ID, "model").text == server["model"]
+    idle = browser.execute_script(POOL)
+    assert not any(o > 0 for o in idle), "nothing runs: no page held"
+    prompt = "Write a short story about a lighthouse keeper and a storm."
+    tokens = browser.find_element(By.ID, "max-tokens")
+    tokens.clear()
+    tokens.send_keys("64")
+    browser.find_element(By.ID, "prompt").send_keys(prompt)
+    browser.find_element(By.ID, "send").click()
+    lengths, held = set(), []
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        reply = browser.execute_script(REPLY)
+        if reply:
+            lengths.add(len(reply[0]))
+            held.append(sum(o > 0 for o in browser.execute_script(POOL)))
+            if reply[1]:
+                break
+        time.sleep(0.05)
+    text, done = browser.execute_script(REPLY)
+    assert done and text.strip(), f"no reply: {browser.find_element(By.ID, 'status').text}"
+    assert len(lengths - {0, len(text)}) >= 2, f"the reply came at once, not streamed ({sorted(lengths)})"
+    assert max(held) >= 1, "the pool view never showed the request's pages"
+    wait.until(lambda d: not any(o > 0 for o in d.execute_script(POOL)))
+    api = client_sync(server).chat.completions.create(model=server["model"], temperature=0, max_tokens=64,
+                                                      messages=[{"role": "user", "content": prompt}])
+    assert text == api.choices[0].message.content
+
+
+# ---- a pool too small for every worst case; then SIGTERM ---------------------------------------
+
+SMALL_PAGES, SMALL_BATCH = 16, 6
+
+
+@pytest.fixture(scope="module")
+def small_server(default_model_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve-small") / "server.log"
+    proc, url, model = start(default_model_path, log, "--max-batch", SMALL_BATCH, "--max-queue", 8,
+                             "--kv-pages", SMALL_PAGES, "--drain-timeout", 120)
+    try:
+        yield {"url": url, "model": model, "log": log, "proc": proc}
+    finally:
+        stop(proc)
+
+
+def test_a_pool_too_small_for_every_worst_case_preempts_and_loses_nothing(small_server):
+    """6 clients at once, 48 tokens each: their worst cases need 24 pages of the 16. Every one
+    completes, each equal to its output alone; the server counts the preemptions, in /health
+    and /metrics; every page is free at the end."""
+    prompts = [f"Request {i}: tell me about the sea." for i in range(SMALL_BATCH)]
+    kw = dict(model=small_server["model"], max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+
+    async def main():
+        c = client(small_server)
+        alone = [(await c.completions.create(prompt=p, **kw)).choices[0].text for p in prompts]
+        before = health(small_server)["preemptions"]
+        together = await asyncio.gather(*[c.completions.create(prompt=p, stream=i % 2 == 0, **kw)
+                                          for i, p in enumerate(prompts)])
+        texts = []
+        for r in together:
+            texts.append("".join([ch.choices[0].text async for ch in r]) if isinstance(r, openai.AsyncStream)
+                         else r.choices[0].text)
+        return alone, texts, before
+    alone, together, before = asyncio.run(main())
+    h = settled(small_server)
+    assert together == alone and all(alone)
+    assert h["preemptions"] > before, "the pool was too small and nothing was preempted"
+    assert h["kv_pages_free"] == SMALL_PAGES and h["kv_pages_reserved"] == 0
+    metrics = httpx.get(small_server["url"] + "/metrics").text
+    assert f"llm_preemptions_total {float(h['preemptions'])}" in metrics
+
+
+def test_sigterm_drains_lets_running_requests_finish_and_exits_0(small_server):
+    """SIGTERM while two streams run: new requests get 503 with Retry-After, /health says
+    draining; the short stream finishes whole; a second SIGTERM ends the long one with an error
+    that says why; the server exits 0."""
+    url, proc = small_server["url"], small_server["proc"]
+    results, started = {}, {"short": threading.Event(), "long": threading.Event()}
+
+    def consume(name, max_tokens):
+        try:
+            chunks = []
+            for c in client_sync(small_server).completions.create(
+                    model=small_server["model"], prompt="Once upon a time", max_tokens=max_tokens, temperature=0,
+                    stream=True, extra_body={"ignore_eos": True}):
+                chunks.append(c)
+                started[name].set()
+            results[name] = ("".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason)
+        except openai.APIError as e:
+            results[name] = ("error", str(e))
+    long = threading.Thread(target=consume, args=("long", 200))      # 14 of the 16 pages at its end
+    short = threading.Thread(target=consume, args=("short", 24))
+    long.start()
+    assert started["long"].wait(300), "the long request never started"
+    short.start()
+    assert started["short"].wait(300), "the short request never started"
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.time() + 60
+    refused = None
+    while time.time() < deadline:
+        refused = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30)
+        if refused.status_code == 503:
+            break
+        time.sleep(0.05)
+    assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+    assert "shutting down" in refused.json()["error"]["message"]
+    assert httpx.get(url + "/health", timeout=30).json()["status"] == "draining"
+    short.join(timeout=600)
+    assert results["short"][1] == "length", results
+    assert long.is_alive() and "long" not in results, "the long request should still be running"
+    proc.send_signal(signal.SIGTERM)                          # a second signal: stop now
+    long.join(timeout=120)
+    assert results["long"][0] == "error" and "--drain-timeout" in results["long"][1], results
+    assert proc.wait(timeout=60) == 0, small_server["log"].read_text()[-2000:]
+    assert "draining" in small_server["log"].read_text()

@@ -12,7 +12,8 @@ cache). Position j's logits predict token j+1; the positions from ctx/2 to ctx-2
 so every scored token has seen at least half a context. The negative log-likelihood
 -log softmax(logits_j)[token_{j+1}] is averaged over every scored token of every chunk, and
 PPL = exp(that mean). JSON keys: ppl, n_tokens (the whole text), n_chunks, ctx, stage, model,
-and scored (tokens scored), nll (their mean), seconds.
+and scored (tokens scored), nll (their mean), seconds; with --per-token also per_token, every
+scored token's {"index" (in the text's ids), "token", "nll"}.
 
 `--compare` is the comparison the lessons ledger and chapter 05 read: on the committed text
 (tests/fixtures/text/, public domain), every float stage this machine runs (they compute with
@@ -89,15 +90,15 @@ def scored_nll(logits: np.ndarray, chunk: list[int]) -> np.ndarray:
 
 
 def evaluate(engine, ids: list[int], ctx: int, bos_id: int | None, n_chunks: int | None = None,
-             progress=None) -> dict:
+             progress=None, per_token: bool = False) -> dict:
     """llama-perplexity's figure for a loaded engine over token ids (bos_id: replace each chunk's
     first token with it; None where the vocabulary adds no BOS)."""
     if ctx > engine.n_ctx:
         raise PerplexityError(f"--ctx {ctx} exceeds the engine's context of {engine.n_ctx}")
     parts = chunks(ids, ctx, n_chunks)
     t0 = time.perf_counter()
-    per_chunk = []
-    for chunk in parts:
+    per_chunk, tokens = [], []
+    for c, chunk in enumerate(parts):
         feed = list(chunk)
         if bos_id is not None:
             feed[0] = bos_id
@@ -107,17 +108,20 @@ def evaluate(engine, ids: list[int], ctx: int, bos_id: int | None, n_chunks: int
             raise FloatingPointError(f"stage {getattr(engine, 'stage', '?')}: NaN or Inf in the logits")
         nll = scored_nll(logits, chunk)
         per_chunk.append((float(nll.sum()), len(nll)))
+        if per_token:
+            first = c * ctx + ctx // 2 + 1                             # the text index of the first scored token
+            tokens += [{"index": first + j, "token": int(ids[first + j]), "nll": float(x)} for j, x in enumerate(nll)]
         if progress:
             progress(len(per_chunk), len(parts), math.exp(sum(s for s, _ in per_chunk) / sum(n for _, n in per_chunk)))
     engine.reset()
     total, count = sum(s for s, _ in per_chunk), sum(n for _, n in per_chunk)
     return {"ppl": math.exp(total / count), "nll": total / count, "n_tokens": len(ids), "n_chunks": len(parts),
             "ctx": ctx, "scored": count, "chunk_nll_sums": [s for s, _ in per_chunk],
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, **({"per_token": tokens} if per_token else {})}
 
 
 def perplexity(stage: str, model, text_path, ctx: int = DEFAULT_CTX, n_chunks: int | None = None,
-               threads: int | None = None, progress=None) -> dict:
+               threads: int | None = None, progress=None, per_token: bool = False) -> dict:
     """Load the stage on the model and evaluate the text: the JSON the command prints."""
     model = resolve(model)
     text = Path(text_path).read_text(encoding="utf-8")
@@ -127,7 +131,7 @@ def perplexity(stage: str, model, text_path, ctx: int = DEFAULT_CTX, n_chunks: i
     engine = load(stage, model, n_ctx=max(ctx, 8), threads=threads)
     engine.stage = stage
     engine.warmup()
-    out = evaluate(engine, ids, ctx, tok.bos_id if tok.add_bos else None, n_chunks, progress)
+    out = evaluate(engine, ids, ctx, tok.bos_id if tok.add_bos else None, n_chunks, progress, per_token)
     return {"stage": stage, "model": model.name, "text": Path(text_path).name, "add_bos": tok.add_bos,
             "threads": engine.backend.threads, **out}
 
@@ -220,7 +224,7 @@ def cmd_perplexity(args):
     info(stage)                                                # an unknown stage: a one-line error
     progress = None if args.json else \
         (lambda i, n, ppl: print(f"[{i}/{n}] {ppl:.4f}", file=sys.stderr))
-    r = perplexity(stage, args.model, args.file, args.ctx, args.chunks, args.threads, progress)
+    r = perplexity(stage, args.model, args.file, args.ctx, args.chunks, args.threads, progress, args.per_token)
     if args.json:
         r.pop("chunk_nll_sums")
         print(json.dumps(r))
@@ -239,6 +243,8 @@ def add_commands(sub):
     p.add_argument("--chunks", type=int, default=None, help="evaluate only the first N chunks")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads for the stages that use several")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--per-token", action="store_true",
+                   help="with --json: every scored token's negative log-likelihood too (per_token)")
     p.add_argument("--compare", action="store_true",
                    help="every stage and the requantized models: one record, perplexity.json")
     p.add_argument("--stages", default=None, help="with --compare: the stages (default: all this machine runs)")

@@ -15,20 +15,22 @@
 # |---|---|---|
 # | batched forward | `common/model.py` (`forward_batch`), `common/batch.py` | one step carries every running sequence's newest token as a row of one matrix, each row at its own position |
 # | paged KV cache | `common/paged_kv.py` | one pool of 16-position pages; a page table per sequence; shared prefixes by reference |
-# | continuous batching | `app/serve/scheduler.py` | requests join and leave between steps; long prompts in chunks; admission by free pages |
+# | continuous batching | `app/serve/scheduler.py` | requests join and leave between steps; long prompts in chunks; admission by the pages needed now, preemption when they run out |
 
 # %%
 import numpy as np
 
 from common.batch import Batch, Segment
-from common.paged_kv import PagePool, PageTable
+from common.paged_kv import PAGE_SIZE, PagePool, PageTable
 
 findings = nb.Findings()
 stage = next((s for s in ("threads", "quantized", "kv_cache") if not nb.missing_stage(s)), None)
 print(f"stage used in this chapter: {stage}")
 engine = nb.load(stage)
 mc = engine.config
-prompt = nb.prompt_ids(engine, cfg.prompt_tokens)
+# at least a page and a bit even in quick mode: full pages are what the prefix cache keeps, and
+# what this chapter's cells must cope with (a prompt inside one page would hide it)
+prompt = nb.prompt_ids(engine, max(cfg.prompt_tokens, PAGE_SIZE + 5))
 
 # %% [markdown]
 # ## One step, B sequences
@@ -51,8 +53,11 @@ def step_time(B: int) -> float:
     for i in range(B):
         t = PageTable(pool)
         ids = [i + 3] + prompt                                # a different first token: no shared prefix
-        assert t.admit(ids, len(ids) + steps + 1) is not None
-        b = Batch(pool, [Segment(t, ids)], engine.backend.row_block)
+        # ... between the B sequences of one measurement; an earlier one (a smaller B) left its
+        # full pages cached, and admit hands them over: feed only what they do not hold
+        cached = t.admit(ids, len(ids) + steps + 1)
+        assert cached is not None
+        b = Batch(pool, [Segment(t, ids[cached:])], engine.backend.row_block)
         engine.forward_batch(b)
         b.finish()
         tables.append(t)
@@ -226,6 +231,30 @@ print(f"common prefix: {common} tokens = {common // P} full pages; pages shared 
 while sched.running:
     sched.step()
 findings["prefix sharing"] = f"{common}-token common prefix: {shared} pages held once for both requests"
+
+# %% [markdown]
+# ## When the pages run out: preemption
+#
+# Admission promises a request only the pages its prompt needs now, plus one to grow into;
+# before each step every sequence asks for the pages that step will write. When the pool
+# cannot give them, the newest sequence is preempted: its pages go back, it waits at the front
+# of the queue, and once readmitted it recomputes its prompt and what it had generated. A
+# row's numbers do not depend on its batch, so it carries on exactly where it was. Here a pool
+# a third the size of every request's worst case at once:
+
+# %%
+texts = [f"Story {i}: once upon a time" for i in range(6)]        # a page each to start with
+n_long = 40                                                         # then 3 pages each
+worst = sum(PageTable.pages_for(len(engine.tokenizer.encode(t)) + n_long) for t in texts)
+tight = Scheduler(engine, kv_pages=max(worst // 3, max(PageTable.pages_for(len(engine.tokenizer.encode(t)) + n_long)
+                                                           for t in texts)), max_batch=len(texts))
+squeezed, _ = run(tight, texts, n_long)
+alone_each = [run(Scheduler(engine, kv_pages=64), [t], n_long)[0][0].generated for t in texts]
+equal = sum(r.generated == a for r, a in zip(squeezed, alone_each))
+nb.show_table(["pool (pages)", "every worst case at once", "preemptions", "outputs equal to alone"],
+              [(tight.pool.n_pages, worst, tight.preemptions, f"{equal} of {len(texts)}")])
+findings["preemption"] = (f"{len(texts)} requests in {tight.pool.n_pages} pages (worst case {worst}): "
+                          f"{tight.preemptions} preemptions, {equal} of {len(texts)} outputs equal to each alone")
 
 # %% [markdown]
 # ## One thread drives the engine

@@ -1,0 +1,263 @@
+"""OpenAI's request bodies in, the engine's request out; its log-probabilities back in OpenAI's shapes.
+
+Every field of OpenAI's completions and chat completions APIs is either honoured or refused by
+name with a 400 (UNSUPPORTED: tools, response_format, ...); a field OpenAI does not have is
+refused as unrecognized, as OpenAI does. The generation parameters go through the command
+line's own validation (common/generate.py: SamplingParams, check_n_predict, check_fits), so a
+value out of range gets the same words in both, with the API's names for the fields.
+
+Log-probabilities are the model's own: log-softmax of the logits, before logit_bias, penalties
+and temperature (what vLLM returns by default), so the greedy token is the most likely one
+unless a bias or penalty moved it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from common.generate import ContextError, ParameterError, SamplingParams
+from common.tokenizer import TokenizerError
+
+# What the server sets when a request does not: OpenAI's defaults, and llama.cpp's samplers off.
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0,
+                   "frequency_penalty": 0.0, "presence_penalty": 0.0}
+COMPLETION_MAX_TOKENS = 16                   # OpenAI's default for /v1/completions
+MAX_STOP_STRINGS = 4
+MAX_COMPLETION_LOGPROBS = 5                  # OpenAI's bounds
+MAX_TOP_LOGPROBS = 20
+
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
+                 "n", "user", "frequency_penalty", "presence_penalty", "logit_bias",
+                 "top_k", "min_p", "repeat_penalty", "ignore_eos"}          # the last four: llama.cpp's
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "store"}
+# OpenAI's fields this server does not do: refused by name unless given their neutral value
+UNSUPPORTED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None,
+               "parallel_tool_calls": None, "response_format": None, "audio": None, "modalities": None,
+               "prediction": None, "reasoning_effort": None, "web_search_options": None, "suffix": None,
+               "metadata": None, "service_tier": None, "verbosity": None, "prompt_cache_key": None,
+               "safety_identifier": None, "best_of": 1, "store": False}
+# SamplingParams' names for the API's
+API_NAMES = {"temp": "temperature", "n_predict": "max_tokens"}
+
+
+class BadRequest(ValueError):
+    """A request the server refuses with 400; `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def parse_json(body: bytes) -> dict:
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return data
+
+
+def check_fields(data: dict, allowed: set):
+    for name in sorted(data):
+        if name in UNSUPPORTED and data[name] is not None and data[name] != UNSUPPORTED[name]:
+            raise BadRequest(f"{name}: not supported by this server (it generates plain text; remove {name} "
+                             f"from the request)", name)
+    unknown = sorted(set(data) - allowed - set(UNSUPPORTED))
+    if unknown:
+        raise BadRequest(f"unrecognized request argument: {unknown[0]} (this server takes: "
+                         f"{', '.join(sorted(allowed))})", unknown[0])
+
+
+def typed(data: dict, name: str, kinds, what: str, default=None):
+    value, kinds = data.get(name), kinds if isinstance(kinds, tuple) else (kinds,)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise BadRequest(f"{name} = {value!r}: must be {what}", name)
+    return value
+
+
+def count(data: dict, name: str, low: int, high: int, default=None):
+    value = typed(data, name, int, f"an integer in {low}..{high}", default)
+    if value is not None and not low <= value <= high:
+        raise BadRequest(f"{name} = {value!r}: must be an integer in {low}..{high}", name)
+    return value
+
+
+def stop_strings(data: dict) -> list[str]:
+    stop = data.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOP_STRINGS:
+        raise BadRequest(f"stop = {stop!r}: must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+    return [s for s in stops if s]
+
+
+def logit_bias(data: dict, n_vocab: int) -> dict:
+    """OpenAI's {"token id": bias} (keys are strings in JSON) -> {int: float}."""
+    bias = typed(data, "logit_bias", dict, "an object mapping token ids to numbers in [-100, 100]", {})
+    out = {}
+    for key, value in bias.items():
+        if not re.fullmatch(r"\d+", str(key)) or int(key) >= n_vocab:
+            raise BadRequest(f"logit_bias: key {key!r} is not a token id in 0..{n_vocab - 1}", "logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def sampling_params(data: dict, n_vocab: int) -> SamplingParams:
+    """The request's sampler through SamplingParams: the command line's one validation."""
+    values = {k: v if data.get(k) is None else data[k] for k, v in OPENAI_DEFAULTS.items()}
+    try:
+        return SamplingParams(temp=values["temperature"], top_p=values["top_p"], top_k=values["top_k"],
+                              min_p=values["min_p"], repeat_penalty=values["repeat_penalty"],
+                              frequency_penalty=values["frequency_penalty"],
+                              presence_penalty=values["presence_penalty"], logit_bias=logit_bias(data, n_vocab),
+                              seed=data.get("seed"))
+    except ParameterError as e:
+        raise api_error(e) from None
+
+
+def api_error(e: ParameterError, key: str | None = None) -> BadRequest:
+    """A ParameterError in the API's words: 'temp = -1: ...' -> 'temperature = -1: ...'."""
+    message = str(e)
+    m = re.match(r"(\w+)( \([^)]*\))? = ", message)
+    if m is None:
+        return BadRequest(message)
+    api = key if m.group(1) == "n_predict" and key else API_NAMES.get(m.group(1), m.group(1))
+    return BadRequest(api + message[m.end() - 3:], api if api in CHAT_FIELDS | COMPLETION_FIELDS else None)
+
+
+def chat_text(messages) -> list[dict]:
+    """OpenAI's messages -> [{role, content: str}]; content may be a string or text parts.
+    The developer role (OpenAI's newer name for system) is the system role."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+            raise BadRequest(f"messages[{i}] must be an object with role system, developer, user or assistant",
+                             "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string", "messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": content})
+    return out
+
+
+class Job:
+    """A parsed request: prompt ids, max tokens, sampler, n choices, stop strings, stream or
+    not, and which log-probabilities to return (`logprobs`: alternatives per sampled token,
+    None for none; `prompt_logprobs`: the same for the prompt, when echoed)."""
+
+    def __init__(self, server, data: dict, chat: bool):
+        check_fields(data, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+        self.chat = chat
+        model = typed(data, "model", str, "a string")
+        if model is not None and model not in server.model_names:
+            raise BadRequest(f"model '{model}' is not served here; this server has '{server.model_id}'", "model")
+        self.stream = typed(data, "stream", bool, "true or false", False)
+        options = typed(data, "stream_options", dict, "an object", {})
+        self.include_usage = bool(options.get("include_usage", False))
+        self.n = count(data, "n", 1, server.scheduler.max_batch, 1)
+        self.user = typed(data, "user", str, "a string")
+        ignore_eos = typed(data, "ignore_eos", bool, "true or false", False)
+        self.stops = stop_strings(data)
+        n_vocab = server.engine.config.n_vocab
+        self.params = sampling_params(data, n_vocab)
+        if chat:
+            self.echo = False
+            wanted = typed(data, "logprobs", bool, "true or false", False)
+            top = count(data, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+            if top is not None and not wanted:
+                raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+            self.logprobs = (top or 0) if wanted else None
+        else:
+            self.echo = typed(data, "echo", bool, "true or false", False)
+            self.logprobs = count(data, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+        self.prompt_logprobs = self.logprobs if self.echo else None
+        tok = server.tokenizer
+        try:
+            if chat:
+                text = tok.apply_chat_template(chat_text(data.get("messages")), add_generation_prompt=True)
+                self.prompt = tok.encode(text, add_bos=None, parse_special=True)
+            else:
+                prompt = data.get("prompt")
+                if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                               for t in prompt):
+                    if any(t < 0 or t >= n_vocab for t in prompt):
+                        raise BadRequest(f"prompt token ids must be in 0..{n_vocab - 1}", "prompt")
+                    self.prompt = list(prompt)
+                elif isinstance(prompt, str):
+                    self.prompt = tok.encode(prompt)
+                else:
+                    raise BadRequest("prompt must be a string (or a list of token ids); one prompt per request",
+                                     "prompt")
+        except TokenizerError as e:
+            raise BadRequest(str(e), "messages" if chat else "prompt") from None
+        if not self.prompt:
+            raise BadRequest("the prompt is empty (no tokens): give at least one token to continue from",
+                             "messages" if chat else "prompt")
+        n_ctx = server.engine.n_ctx
+        default = max(1, n_ctx - len(self.prompt)) if chat else COMPLETION_MAX_TOKENS
+        key = "max_completion_tokens" if chat and data.get("max_completion_tokens") is not None else "max_tokens"
+        self.max_tokens = data.get(key) if data.get(key) is not None else default
+        # echo with max_tokens 0: the prompt alone (evaluation harnesses score it so)
+        self.score_only = self.echo and self.max_tokens == 0 and not isinstance(self.max_tokens, bool)
+        try:
+            server.scheduler.check(len(self.prompt), self.max_tokens, score_only=self.score_only)
+        except ParameterError as e:
+            message = str(e)
+            if self.max_tokens == 0:
+                message += " (0 only with echo: the prompt's log-probabilities, nothing generated)"
+            raise api_error(ParameterError(message), key) from None
+        except ContextError as e:
+            raise BadRequest(str(e), key) from None
+        self.stop_ids = frozenset() if ignore_eos else frozenset(tok.eog_ids)
+
+
+# ---- log-probabilities in OpenAI's shapes --------------------------------------------------------
+
+def token_string(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    """A token as the logprobs objects show it: its text (a special token's too), and its bytes;
+    a piece that is not whole UTF-8 is written 'bytes:\\xe2\\x80' as OpenAI does."""
+    raw = tokenizer.token_piece(token_id, special=True)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text, list(raw)
+
+
+def completion_logprobs(tokenizer, entries) -> dict:
+    """Completions' shape: parallel lists. entries: (token id, logprob | None, top | None,
+    offset in the text)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, lp, top, offset in entries:
+        out["tokens"].append(token_string(tokenizer, tid)[0])
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(None if top is None else {token_string(tokenizer, i)[0]: v for i, v in top})
+        out["text_offset"].append(offset)
+    return out
+
+
+def chat_logprobs(tokenizer, entries) -> dict:
+    """Chat's shape: one object per token, its alternatives inside."""
+    content = []
+    for tid, lp, top, _ in entries:
+        text, raw = token_string(tokenizer, tid)
+        alternatives = []
+        for i, v in top or ():
+            t, b = token_string(tokenizer, i)
+            alternatives.append({"token": t, "logprob": v, "bytes": b})
+        content.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": alternatives})
+    return {"content": content, "refusal": None}

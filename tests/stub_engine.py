@@ -1,0 +1,137 @@
+"""An engine shape for the scheduler's and the server's own tests: no weights, no kernels,
+but a sequence's next token depends on every token its KV pages hold, read back through its
+page table, so a page lost, shared by mistake, or overwritten changes the text that follows.
+
+Each step writes every row's token id into its slot of layer 0's K (as the real model writes
+K), then for each row that asks for logits reads its sequence's K back through the pages and
+puts the peak of the logits at a hash of those tokens, with a slope around it, so greedy picks
+the peak and a seeded sampler usually picks near it.
+
+StubServer runs the real HTTP server (app/serve/server.py) over it in this process, with the
+default model's tokenizer: the HTTP layer's tests in seconds, no model to compute.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import threading
+import time
+
+import numpy as np
+
+
+class StubEngine:
+    """forward_batch(batch) over a PagePool of n_layer 1, kv_dim 4 (Scheduler makes it).
+    Next tokens are drawn from low..high-1 (ordinary tokens of a real vocabulary, or a tiny
+    vocabulary of its own); `fail_on`, a token id that makes a step raise (a planted bug);
+    `delay`, seconds each step sleeps."""
+
+    def __init__(self, n_vocab: int = 50, low: int = 0, high: int = 49, n_ctx: int = 4096,
+                 fail_on: int | None = None, delay: float = 0.0):
+        self.config = type("config", (), dict(n_layer=1, kv_dim=4, n_ctx_train=n_ctx, n_vocab=n_vocab))()
+        self.backend = type("backend", (), dict(row_block=1, kv_dtype=np.float32))()
+        self.n_ctx, self.low, self.high, self.fail_on, self.delay = n_ctx, low, high, fail_on, delay
+        self.threads = []
+        self.steps = []                       # rows of each step: [(segment index, position, token)]
+
+    def next_token(self, tokens) -> int:
+        """The token after `tokens` (what greedy picks)."""
+        h = 7
+        for i, t in enumerate(tokens):
+            h = (h * 31 + (i + 1) * (int(t) + 3)) % 1_000_003
+        return self.low + h % (self.high - self.low)
+
+    def reference(self, prompt, n: int, stop=()) -> list[int]:
+        """The greedy text a prompt gets alone."""
+        out, ctx = [], list(prompt)
+        for _ in range(n):
+            t = self.next_token(ctx)
+            out.append(t)
+            ctx.append(t)
+            if t in stop:
+                break
+        return out
+
+    def forward_batch(self, batch):
+        self.threads.append(threading.get_ident())
+        if self.delay:
+            time.sleep(self.delay)                # a step that takes time: timeouts, drains, slow pages
+        n = batch.n_rows
+        if self.fail_on is not None and self.fail_on in batch.tokens[:n].tolist():
+            raise RuntimeError("a planted failure in the forward step")
+        self.steps.append(list(zip(batch.row_seq[:n].tolist(), batch.positions[:n].tolist(),
+                                   batch.tokens[:n].tolist())))
+        k = batch.pool.k[0].reshape(-1, batch.pool.kv_dim)
+        k[batch.slots[:n], 0] = batch.tokens[:n]
+        out = np.empty((len(batch.logit_rows), self.config.n_vocab), dtype=np.float32)
+        slope = -0.5 * np.arange(self.config.n_vocab, dtype=np.float32)
+        for j, r in enumerate(batch.logit_rows.tolist()):
+            seg, pos = int(batch.row_seq[r]), int(batch.positions[r])
+            pages = batch.tables[seg, :pos // batch.pool.page_size + 1]
+            held = batch.pool.k[0, pages, :, 0].reshape(-1)[:pos + 1]      # the sequence's tokens 0..pos
+            target = self.next_token(held.astype(np.int64))
+            out[j] = -np.abs(slope + 0.5 * target)
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer(model_path: str):
+    """The model's tokenizer, read once per test run (it never changes)."""
+    from common.gguf import GGUFFile
+    from common.tokenizer import Tokenizer
+    with GGUFFile(model_path) as g:
+        return Tokenizer.from_gguf(g)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StubServer:
+    """`with StubServer(model_path, **settings) as srv:` the server at srv.url, its engine
+    (StubEngine: next tokens among ordinary ids 300..2999 of the real vocabulary), scheduler
+    and Server; the engine loop and uvicorn each in a thread of their own."""
+
+    def __init__(self, model_path, n_ctx: int = 512, kv_pages: int = 64, max_batch: int = 8, max_queue: int = 8,
+                 prefill_chunk: int = 64, fail_on: int | None = None, delay: float = 0.0, **settings):
+        from app.serve.scheduler import Scheduler
+        from app.serve.server import Server
+        tok = tokenizer(str(model_path))
+        self.engine = StubEngine(n_vocab=tok.n_vocab, low=300, high=3000, n_ctx=n_ctx, fail_on=fail_on,
+                                 delay=delay)
+        self.engine.tokenizer = tok
+        self.engine.gguf = type("gguf", (), {"path": str(model_path)})()
+        self.scheduler = Scheduler(self.engine, kv_pages=kv_pages, max_batch=max_batch, max_queue=max_queue,
+                                   prefill_chunk=prefill_chunk)
+        self.server = Server(self.engine, "stub", self.scheduler, "stub-model", **settings)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        import uvicorn
+
+        from app.serve.server import create_app
+        self.http = uvicorn.Server(uvicorn.Config(create_app(self.server), host="127.0.0.1", port=self.port,
+                                                  log_level="warning"))
+        self.closing = False
+        self.loop = threading.Thread(target=self.scheduler.run, kwargs={"keep_going": lambda: not self.closing},
+                                     daemon=True)
+        self.web = threading.Thread(target=self.http.run, daemon=True)
+        self.loop.start()
+        self.web.start()
+        deadline = time.time() + 20
+        while not self.http.started:
+            if time.time() > deadline or not self.web.is_alive():
+                raise RuntimeError("the stub server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.closing = True
+        self.scheduler.stop()
+        self.http.should_exit = True
+        self.loop.join(timeout=10)
+        self.web.join(timeout=10)

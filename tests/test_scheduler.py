@@ -1,0 +1,384 @@
+"""The scheduler (app/serve/scheduler.py) on StubEngine (tests/stub_engine.py), stepped by hand.
+
+StubEngine's next token hashes every token the sequence's pages hold, so these checks see a
+page lost, shared wrongly or recomputed wrongly as a different text. Each check is a function
+that returns what it found wrong; it runs on the real Scheduler, which must pass, and on a
+Scheduler with one bug planted, which it must flag (as tests/test_emulator.py does for the
+CUDA kernels):
+
+    pages that follow need    a pool a quarter of every request's worst case at once completes
+                              every request, greedy and seeded outputs equal to each alone,
+                              preemptions counted, every page free at the end
+    first in, first out       a request that cannot have its pages holds back the ones after it
+    cancel                    running or waiting, its pages come back and nothing more is made
+    the queue bound           exactly max_batch + max_queue requests are taken, the next refused
+    a failing step            its requests end with an error, the others finish as alone
+    n choices                 the prompt is computed once and its pages held once
+    prompt log-probabilities  every position scored, even when the prompt is cached
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from app.serve.scheduler import QueueFull, Request, Scheduler
+from common.generate import ContextError, Sampler, SamplingParams, log_softmax
+from tests.stub_engine import StubEngine
+
+MAX_TOKENS = 60
+
+
+def drain(sched, limit=20_000) -> int:
+    n = 0
+    while sched.running or sched.waiting:
+        sched.step()
+        n += 1
+        assert n < limit, "the scheduler made no progress"
+    return n
+
+
+def prompts(n=12, seed=1):
+    rng = random.Random(seed)
+    return [[rng.randrange(40) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+def worst_case_pages(ps, max_tokens=MAX_TOKENS, page=16):
+    return sum(-(-(len(p) + max_tokens) // page) for p in ps)
+
+
+# ---- planted bugs ------------------------------------------------------------------------------
+
+class ForgetsWhatItGenerated(Scheduler):
+    """Preemption that recomputes the prompt alone (the tokens generated so far lost)."""
+
+    def _preempt(self, req):
+        super()._preempt(req)
+        req.generated.clear()
+
+
+class FreshSamplerOnResume(Scheduler):
+    """Preemption that starts the sampler afresh (its random state lost)."""
+
+    def _preempt(self, req):
+        super()._preempt(req)
+        req.sampler = Sampler(req.params, stream=req.choice)
+
+
+class NeverPreempts(Scheduler):
+    """A pool that runs out and never preempts: the sequences that cannot grow wait forever."""
+
+    def _reserve(self, rows, may_preempt):
+        return super()._reserve(rows, may_preempt=False)
+
+
+class Overtakes(Scheduler):
+    """Admission that lets a later request pass one that does not fit."""
+
+    def _admit(self):
+        admitted, skipped = [], []
+        while self.waiting:
+            before = len(self.waiting)
+            admitted += super()._admit()
+            if self.waiting and len(self.waiting) == before:
+                skipped.append(self.waiting.popleft())
+            elif not self.waiting:
+                break
+        self.waiting.extendleft(reversed(skipped))
+        return admitted
+
+
+class CancelIgnored(Scheduler):
+    def cancel(self, req):
+        pass
+
+
+class OffByOneQueue(Scheduler):
+    def _bound(self):
+        return super()._bound() + 1
+
+
+class LeaksOnFailure(Scheduler):
+    """A failing step whose requests keep their pages."""
+
+    def _finish(self, req, kind, value):
+        if kind == "error":
+            req.table = None                       # dropped, never released
+        super()._finish(req, kind, value)
+
+
+class NoForks(Scheduler):
+    """n choices as n separate requests: each computes the prompt again."""
+
+    def submit(self, req, followers=()):
+        super().submit(req)
+        for f in followers:
+            super().submit(f)
+
+
+class ScoresFromCache(Scheduler):
+    """Prompt log-probabilities with the prefix cache on: cached positions never scored."""
+
+    def _admit(self):
+        for req in self.waiting:
+            req.prompt_logprobs, req._lp = None, req.prompt_logprobs
+        try:
+            admitted = super()._admit()
+        finally:
+            for req in list(self.waiting) + self.running:
+                if hasattr(req, "_lp"):
+                    req.prompt_logprobs = req._lp
+        return admitted
+
+
+# ---- checks ------------------------------------------------------------------------------------
+
+def pages_follow_need(cls, sampled: bool) -> list[str]:
+    """12 requests in a quarter of their worst case: all complete, each equal to its output
+    alone (a pool holding every worst case), preemptions counted, every page back."""
+    ps = prompts()
+    problems = []
+
+    def run(pages, kind):
+        engine = StubEngine()
+        sched = kind(engine, kv_pages=pages, max_batch=12, max_queue=12, prefill_chunk=24)
+        reqs, emitted = [], {}
+        for i, p in enumerate(ps):
+            params = SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=i) if sampled else SamplingParams()
+            seen = emitted.setdefault(i, [])
+            reqs.append(Request(prompt=p, max_tokens=MAX_TOKENS, params=params,
+                                on_event=lambda k, v, seen=seen: seen.append(v.id if k == "token" else k)))
+            sched.submit(reqs[-1])
+        try:
+            drain(sched, limit=3000)
+        except AssertionError as e:
+            problems.append(str(e))
+        return sched, [emitted.get(i, []) for i in range(len(ps))]
+
+    roomy, alone = run(worst_case_pages(ps), Scheduler)
+    tight, crowd = run(worst_case_pages(ps) // 4, cls)
+    if roomy.preemptions:
+        problems.append("preempted with room for everyone")
+    if tight.preemptions < 3:
+        problems.append(f"only {tight.preemptions} preemptions in a quarter of the worst case")
+    # what each request's client saw: its tokens, then "done"
+    for i, (a, b) in enumerate(zip(alone, crowd)):
+        if b != a:
+            problems.append(f"request {i}: output differs from its output alone")
+        if b[-1:] != ["done"] or len(b) != MAX_TOKENS + 1:
+            problems.append(f"request {i}: {len(b) - 1} tokens, not {MAX_TOKENS}, then {b[-1:]}")
+    if not sampled:
+        engine = StubEngine()
+        problems += [f"request {i}: not the stub's greedy text" for i, (p, b) in enumerate(zip(ps, crowd))
+                     if b[:-1] != engine.reference(p, MAX_TOKENS)]
+    if (tight.pool.n_free, tight.pool.reserved) != (tight.pool.n_pages, 0):
+        problems.append(f"{tight.pool.n_pages - tight.pool.n_free} pages not returned, {tight.pool.reserved} reserved")
+    if tight.stats()["preemptions"] != tight.preemptions:
+        problems.append("the stats do not report the preemptions")
+    return problems
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_a_pool_too_small_for_every_worst_case_completes_every_request(sampled):
+    assert pages_follow_need(Scheduler, sampled) == []
+
+
+@pytest.mark.parametrize("planted,sampled", [(ForgetsWhatItGenerated, False), (FreshSamplerOnResume, True)],
+                         ids=["forgets-generated", "fresh-sampler"])
+def test_the_preemption_check_flags_a_resume_that_loses_state(planted, sampled):
+    assert any("differs from its output alone" in p for p in pages_follow_need(planted, sampled))
+
+
+def test_the_preemption_check_flags_a_pool_that_never_preempts():
+    assert any(p.startswith("the scheduler made no progress") for p in pages_follow_need(NeverPreempts, False))
+
+
+def admission_order(cls) -> list[int]:
+    """Three requests: a small one running, a big one that must wait for its pages, then a
+    small one that would fit. The order in which they get their pages."""
+    sched = cls(StubEngine(), kv_pages=6, max_batch=4, max_queue=4)
+    first = Request(prompt=list(range(30)), max_tokens=20)          # 2 pages + headroom: 3 of 6
+    big = Request(prompt=list(range(5, 70)), max_tokens=4)          # 5 pages: waits
+    small = Request(prompt=[1, 2, 3], max_tokens=4)                 # 1 page + headroom: would fit
+    order = []
+    for r in (first, big, small):
+        sched.submit(r)
+    while sched.running or sched.waiting:
+        sched.step()
+        order += [r.id for r in (first, big, small) if r.table is not None and r.id not in order]
+    return [{first.id: "first", big.id: "big", small.id: "small"}[i] for i in order]
+
+
+def test_admission_is_first_in_first_out_without_overtaking():
+    assert admission_order(Scheduler) == ["first", "big", "small"]
+    assert admission_order(Overtakes) == ["first", "small", "big"], "the planted overtaking is seen"
+
+
+def cancellation(cls) -> list[str]:
+    """A running request and a waiting one cancelled: both end 'cancelled', the running one
+    makes no token after the next step boundary, and every page comes back."""
+    sched = cls(StubEngine(), kv_pages=40, max_batch=1, max_queue=2)
+    events = {"running": [], "waiting": []}
+    running = Request(prompt=[1, 2, 3], max_tokens=500, on_event=lambda k, v: events["running"].append(k))
+    waiting = Request(prompt=[4, 5, 6], max_tokens=5, on_event=lambda k, v: events["waiting"].append(k))
+    sched.submit(running)
+    sched.submit(waiting)
+    for _ in range(3):
+        sched.step()
+    sched.cancel(running)
+    sched.cancel(waiting)
+    made = len(running.generated)
+    for _ in range(3):
+        sched.step()
+    problems = []
+    if events["running"][-1:] != ["done"] or len(running.generated) > made:
+        problems.append(f"the running request went on: {len(running.generated) - made} tokens after cancel")
+    if events["waiting"] != ["done"]:
+        problems.append(f"the waiting request saw {events['waiting']}")
+    if sched.running or sched.waiting or sched.pool.n_free != sched.pool.n_pages:
+        problems.append("pages or requests left behind")
+    return problems
+
+
+def test_cancel_ends_running_and_waiting_requests_and_frees_their_pages():
+    assert cancellation(Scheduler) == []
+    assert cancellation(CancelIgnored) != []
+
+
+def accepted(cls) -> int:
+    sched = cls(StubEngine(), kv_pages=64, max_batch=3, max_queue=2)
+    n = 0
+    try:
+        for _ in range(10):
+            sched.submit(Request(prompt=[1, 2], max_tokens=4))
+            n += 1
+    except QueueFull as e:
+        assert "--max-queue" in str(e)
+    return n
+
+
+def test_the_queue_takes_exactly_max_batch_plus_max_queue():
+    assert accepted(Scheduler) == 3 + 2
+    assert accepted(OffByOneQueue) == 3 + 2 + 1, "the planted off-by-one is seen"
+
+
+def test_choices_count_against_the_queue_bound():
+    sched = Scheduler(StubEngine(), kv_pages=64, max_batch=3, max_queue=1)
+    sched.submit(Request(prompt=[1], max_tokens=2), [Request(prompt=[1], max_tokens=2, choice=c) for c in (1, 2)])
+    with pytest.raises(QueueFull):
+        sched.submit(Request(prompt=[1], max_tokens=2), [Request(prompt=[1], max_tokens=2, choice=1)])
+    sched.submit(Request(prompt=[1], max_tokens=2))
+
+
+def failing_step(cls) -> list[str]:
+    """A step that raises ends the requests in it with an error and gives back their pages;
+    the request waiting behind them, and one submitted after, finish as alone; the failure is
+    counted. (Every running sequence is in every step, so max_batch 1 keeps the others out.)"""
+    engine = StubEngine(fail_on=49)          # never generated: the stub draws 0..48
+    sched = cls(engine, kv_pages=16, max_batch=1, max_queue=4, prefill_chunk=8)
+    events = {}
+
+    def request(name, prompt):
+        r = Request(prompt=prompt, max_tokens=20, on_event=lambda k, v: events.setdefault(name, []).append(k))
+        sched.submit(r)
+        return r
+    request("bad", [5] * 12 + [49])                         # its second chunk holds the planted token
+    waiting = request("waiting", [1, 2, 3])
+    drain(sched)
+    after = request("after", [7, 8, 9])
+    drain(sched)
+    problems = []
+    if events["bad"][-1:] != ["error"] or "token" in events["bad"]:
+        problems.append(f"the failing request saw {events['bad']}")
+    for name, r in (("waiting", waiting), ("after", after)):
+        if events[name][-1] != "done" or r.generated != engine.reference(r.prompt, 20):
+            problems.append(f"the request {name} did not finish as alone")
+    if sched.failures != 1 or sched.stats()["finished"]["error"] != 1:
+        problems.append("the failure is not counted")
+    if sched.pool.n_free != sched.pool.n_pages or sched.pool.reserved:
+        problems.append("pages lost in the failure")
+    return problems
+
+
+def test_a_failing_step_ends_its_requests_and_the_others_carry_on():
+    assert failing_step(Scheduler) == []
+    assert "pages lost in the failure" in failing_step(LeaksOnFailure)
+
+
+def choices(cls) -> tuple[int, int, list]:
+    """3 choices of one 40-token prompt: how many times its positions were computed, the most
+    pages held at once, and the choices' outputs."""
+    engine = StubEngine()
+    sched = cls(engine, kv_pages=64, max_batch=4, max_queue=4)
+    prompt = list(range(1, 41))
+    params = SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    reqs = [Request(prompt=prompt, max_tokens=8, params=params, choice=c) for c in range(3)]
+    sched.submit(reqs[0], reqs[1:])
+    held = 0
+    while sched.running or sched.waiting:
+        sched.step()
+        held = max(held, sched.pool.n_pages - sched.pool.n_free)
+    computed = sum(1 for step in engine.steps for _, pos, _ in step if pos < len(prompt))
+    return computed // len(prompt), held, [r.generated for r in reqs]
+
+
+def test_n_choices_share_the_prompts_pages_and_draw_their_own_tokens():
+    times, held, outs = choices(Scheduler)
+    assert times == 1, "the prompt is computed once for all choices"
+    assert held <= 3 + 3, "the prompt's 3 pages held once, a page of its own for each choice"
+    assert len({tuple(o) for o in outs}) == 3, "seeded choices draw different tokens"
+    alone = Scheduler(StubEngine(), kv_pages=64)
+    again = Request(prompt=list(range(1, 41)), max_tokens=8, choice=2,
+                    params=SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7))
+    alone.submit(again)
+    drain(alone)
+    assert again.generated == outs[2], "choice 2 draws what its stream draws alone"
+    assert choices(NoForks)[0] == 3, "the planted version computes the prompt three times"
+
+
+def prompt_scores(cls) -> list[str]:
+    """The same 40-token prompt twice; the second, asking for its prompt's log-probabilities,
+    finds the first's pages cached and must still score every position."""
+    engine = StubEngine()
+    sched = cls(engine, kv_pages=64)
+    prompt = list(range(3, 43))
+    first = Request(prompt=prompt, max_tokens=2)
+    sched.submit(first)
+    drain(sched)
+    got = []
+    second = Request(prompt=prompt, max_tokens=0, prompt_logprobs=2,
+                     on_event=lambda k, v: got.append((k, v)))
+    sched.submit(second)
+    drain(sched)
+    problems = []
+    kinds = [k for k, _ in got]
+    if kinds != ["prompt", "done"]:
+        return [f"events {kinds}"]
+    scores = got[0][1]
+    if len(scores) != len(prompt) or scores[0] is not None:
+        return [f"{len(scores)} scores for {len(prompt)} prompt tokens"]
+    for j in range(1, len(prompt)):
+        want = log_softmax(-0.5 * np.abs(np.arange(50) - engine.next_token(prompt[:j])))
+        lp, top = scores[j]
+        if abs(lp - want[prompt[j]]) > 1e-9 or top[0][0] != int(np.argmax(want)):
+            problems.append(f"position {j}: {lp} and {top} where {want[prompt[j]]}")
+    if got[1][1] != "length" or second.generated:
+        problems.append("max_tokens 0 generated something")
+    return problems
+
+
+def test_the_prompts_log_probabilities_cover_every_position():
+    assert prompt_scores(Scheduler) == []
+    assert prompt_scores(ScoresFromCache) != []
+
+
+def test_what_can_never_fit_the_pool_is_refused_before_queueing():
+    sched = Scheduler(StubEngine(), kv_pages=4)
+    sched.check(10, 54)                                       # 64 positions: 4 pages
+    with pytest.raises(ContextError, match=r"need 5 KV pages .* the server has 4 \(--kv-pages\)"):
+        sched.check(10, 55)
+    with pytest.raises(ValueError, match="max_tokens"):
+        sched.check(10, 0)
+    sched.check(10, 0, score_only=True)
