@@ -39,12 +39,14 @@ from stages import (
 )
 
 
-def fastest_stage() -> str:
+def fastest_stage(serving: bool = False) -> str:
     """The stage `make run` uses: cuda where it can run; else the CPU stage with the best
     decode time recorded on this machine by `make report`; else the last CPU stage (measured,
     not assumed: a later stage is not always a faster one). A stage that runs as several
-    processes (tp, under mpiexec) is run by name only."""
-    runnable = [s for s in runnable_stages() if not info(s).ranks]
+    processes (tp, under mpiexec) is run by name only. serving: among the stages the server
+    can batch through (on the CPU, with a KV cache to hold pages)."""
+    runnable = [s for s in runnable_stages() if not info(s).ranks
+                and (not serving or (info(s).kv_cache and not info(s).gpu))]
     gpu = [s for s in runnable if info(s).gpu]
     if gpu:
         return gpu[-1]

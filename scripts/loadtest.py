@@ -291,20 +291,57 @@ def summary(rounds: list[dict]) -> dict:
     return row
 
 
-def measure(args, log_dir: Path) -> dict[str, list[dict]]:
+def run_once(args) -> dict:
+    """One request as `python -m app run` makes it, no server: `bench` with the same stage,
+    threads, prompt length and tokens (its record: time to the first token, then each token's)."""
+    cmd = [sys.executable, "-m", "app", "bench", "-m", str(args.model), "--stage", args.stage,
+           "-t", str(args.threads), "--prompt-tokens", str(args.prompt_tokens), "-n", str(args.max_tokens),
+           "--no-write", "--json"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"`{' '.join(cmd[1:])}` failed:\n{p.stderr[-2000:]}")
+    b = json.loads(p.stdout.strip().splitlines()[-1])
+    whole_s = (b["ttft_ms"] + sum(b["decode_ms_all"])) / 1e3
+    return {"clients": 1, "tokens_per_s": b["n_generated"] / whole_s, "ttft_ms_p50": b["ttft_ms"],
+            "itl_ms_p50": b["decode_ms"], "decode_tokens_per_s": 1000.0 / b["decode_ms"]}
+
+
+def versus_run(rec: dict) -> list[tuple[str, list[float]]]:
+    """One client through our server against `run` (rounds paired in order): whole requests
+    (tokens / (first token + the rest)) and the decode rate (1000 / the median ms between tokens)."""
+    one = next((r for r in rec["engines"][OURS] if r["clients"] == 1), None)
+    if one is None or "run" not in rec:
+        return []
+    pairs = list(zip(one["rounds"], rec["run"]["rounds"]))
+    return [("whole requests, tokens/s", [o["tokens_per_s"] / r["tokens_per_s"] for o, r in pairs]),
+            ("decode, 1000 / ms between tokens (p50)", [r["itl_ms_p50"] / o["itl_ms_p50"] for o, r in pairs])]
+
+
+def measure(args, log_dir: Path) -> tuple[dict[str, list[dict]], dict | None]:
     """Every level: both servers started (each idle while the other runs), then --rounds
-    rounds in alternating order (ours first, then theirs first, ...)."""
+    rounds in alternating order (ours first, then theirs first, ...). At one client each
+    round also makes the same requests with `run` (run_once), which uses the machine alone:
+    what serving costs one user."""
     kinds = [OURS] + ([LLAMA] if args.llama_server else [])
     out = {k: [] for k in kinds}
+    alone = None
     for clients in args.clients:
         servers = {}
         try:
             for k in kinds:
                 servers[k] = Server(k, args, clients, log_dir)
             runs = {k: [] for k in kinds}
+            solo = []
             for r in range(args.rounds):
                 for k in kinds if r % 2 == 0 else kinds[::-1]:
                     runs[k].append(run_round(servers[k], clients, args, r))
+                if clients == 1:
+                    solo.append(run_once(args))
+            if solo:
+                alone = summary(solo)
+                print(f"{'run':>12}   1 client:  {alone['tokens_per_s']:7.1f} tokens/s, TTFT "
+                      f"{alone['ttft_ms_p50']:.0f} ms, between tokens p50 {alone['itl_ms_p50']:.1f} ms",
+                      file=sys.stderr)
         finally:
             for server in servers.values():
                 server.close()
@@ -314,7 +351,7 @@ def measure(args, log_dir: Path) -> dict[str, list[dict]]:
             print(f"{k:>12} {clients:>3} clients: {row['tokens_per_s']:7.1f} tokens/s, TTFT p50 "
                   f"{row['ttft_ms_p50']:.0f} ms, between tokens p50 {row['itl_ms_p50']:.1f} ms (medians of "
                   f"{len(runs[k])} rounds)", file=sys.stderr)
-    return out
+    return out, alone
 
 
 # ---- the record, its chart and table -------------------------------------------------------------
@@ -335,6 +372,11 @@ def round_ratios(ours: dict, theirs: dict) -> list[float]:
                          f"{len(theirs['rounds'])} of llama-server's; the ratios pair them round by round "
                          f"(measure the level again)")
     return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(ours["rounds"], theirs["rounds"])]
+
+
+def count(value) -> str:
+    """A count from the record (a median of whole numbers may be a half): '-' where not measured."""
+    return "-" if value is None else f"{value:g}"
 
 
 def busy(row: dict) -> str:
@@ -400,8 +442,8 @@ def draw(rec: dict, chart: Path = CHART, table: Path = TABLE):
             lines.append(f"| {style[kind][2]} | {row['clients']} | {row['tokens_per_s']:.1f} | "
                          f"{row['tokens_per_s'] / base:.2f}x | {ceil:.0f} | {row['ttft_ms_p50']:.0f} / "
                          f"{row['ttft_ms_p99']:.0f} | {row['itl_ms_p50']:.1f} / {row['itl_ms_p99']:.1f} | "
-                         f"{row.get('kv_pages_used_max', '-')} | {busy(row)} | "
-                         f"{row.get('engine_preemptions', '-')} |")
+                         f"{count(row.get('kv_pages_used_max'))} | {busy(row)} | "
+                         f"{count(row.get('engine_preemptions'))} |")
     if LLAMA in rec["engines"]:
         theirs = {r["clients"]: r for r in rec["engines"][LLAMA]}
         lines += ["", "| clients | this engine / llama-server (median of the rounds' ratios) | each round |",
@@ -413,6 +455,15 @@ def draw(rec: dict, chart: Path = CHART, table: Path = TABLE):
                              f"{', '.join(f'{x:.2f}' for x in each)} |")
     else:
         lines += ["", f"_llama-server: {rec.get('llama_server_missing', 'not measured')}_"]
+    paired = versus_run(rec)
+    if paired:
+        run = rec["run"]
+        lines += ["", f"One client through our server ÷ the same requests made with `run` on the machine alone "
+                      f"({run['tokens_per_s']:.1f} tokens/s whole requests, {run['itl_ms_p50']:.2f} ms per token "
+                      f"after the first; median of the rounds' ratios):", "",
+                  "| measure | server ÷ run | each round |", "|---|---:|---|"]
+        for name, each in paired:
+            lines.append(f"| {name} | {statistics.median(each):.2f}x | {', '.join(f'{x:.2f}' for x in each)} |")
     table.write_text("\n".join(lines) + "\n")
 
 
@@ -465,7 +516,7 @@ def main(argv=None) -> int:
     ceil = roofline.measure(threads=args.threads)
     key = str(args.threads) if str(args.threads) in ceil["bandwidth_gbs"] else "1"
     log_dir = Path(tempfile.mkdtemp(prefix="loadtest-"))          # the servers' logs
-    engines = measure(args, log_dir)
+    engines, alone = measure(args, log_dir)
     rec = {"kind": "batching", "engines": engines,
            "roofline": {"bandwidth_gbs": ceil["bandwidth_gbs"][key], "peak_gflops": ceil["peak_gflops"][key],
                         "weight_bytes": weight_bytes,
@@ -473,6 +524,8 @@ def main(argv=None) -> int:
                         "method": ceil["method"]}}
     if missing:
         rec["llama_server_missing"] = missing
+    if alone:
+        rec["run"] = alone
     add_context(rec, {"model": args.model.name, "stage": args.stage, "clients": args.clients,
                       "requests": args.requests, "rounds": args.rounds,
                       "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,

@@ -53,7 +53,7 @@ from app.serve.api import BadRequest, Job, chat_logprobs, completion_logprobs
 from app.serve.metrics import Metrics
 from app.serve.scheduler import QueueFull, Request, Scheduler
 from app.serve.text import TextStream
-from stages import StageError, info, runnable_stages
+from stages import StageError, info
 
 RETRY_AFTER_S = 1
 STATIC = Path(__file__).resolve().parent / "static"
@@ -512,22 +512,15 @@ def build(stage: str, model, ctx_size=None, threads=None, max_batch=32, kv_pages
     return Server(engine, stage, scheduler, model_id, **settings)
 
 
-# The stage `serve` picks by default: a batch runs every stage's multi-row kernels, and the
-# threads stage runs them on every core (int8 rounds the rows first, then multiplies the same
-# way; the single-thread stages are the same lesson on one core).
-SERVING_STAGE = "threads"
-
-
 def serving_stage(name: str) -> str:
-    """The stage to serve with: as named, or for 'fastest' the threads stage where it runs
-    (else the last CPU stage with a KV cache this machine can run)."""
-    from app.run import chosen_stage
-    if name != "fastest":
-        return chosen_stage(name)
-    cpu = [s for s in runnable_stages() if info(s).kv_cache and not info(s).gpu]
-    if not cpu:
-        raise StageError("no CPU stage with a KV cache can run here")
-    return SERVING_STAGE if SERVING_STAGE in cpu else cpu[-1]
+    """The stage to serve with: as named, or for 'fastest' the one `make run` picks among those
+    that keep a KV cache on the CPU to hold pages (app/run.py: fastest_stage)."""
+    from app.run import chosen_stage, fastest_stage
+    stage = chosen_stage(fastest_stage(serving=True) if name == "fastest" else name)
+    if not info(stage).kv_cache or info(stage).gpu:
+        raise StageError(f"stage '{stage}' cannot serve: the server needs a CPU stage with a KV cache "
+                         f"(the stages are listed by `python -m app stages`)")
+    return stage
 
 
 class Drain:
@@ -621,8 +614,8 @@ def add_commands(sub):
     p.set_defaults(model=str(DEFAULT_MODEL.path), stage="fastest")
     for action in p._actions:
         if action.dest == "stage":
-            action.help = f"a CPU stage with a KV cache (default: {SERVING_STAGE} where it runs; it runs the " \
-                          f"multi-row kernels a batch uses on every core)"
+            action.help = "a CPU stage with a KV cache (default: fastest, the stage `make run` picks: " \
+                          "the best decode recorded on this machine, else the last CPU stage)"
     g = p.add_argument_group("the engine")
     g.add_argument("--max-batch", type=count("--max-batch"), default=32,
                    help="sequences decoded together (default: %(default)s)")

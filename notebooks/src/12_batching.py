@@ -16,6 +16,11 @@
 # | batched forward | `common/model.py` (`forward_batch`), `common/batch.py` | one step carries every running sequence's newest token as a row of one matrix, each row at its own position |
 # | paged KV cache | `common/paged_kv.py` | one pool of 16-position pages; a page table per sequence; shared prefixes by reference |
 # | continuous batching | `app/serve/scheduler.py` | requests join and leave between steps; long prompts in chunks; admission by the pages needed now, preemption when they run out |
+#
+# The server batches through the stage `make run` picks. For the fused and repack stages a step
+# is still one compiled call (`stages/kernels/layer_stack.py`): every row at its own position,
+# the rows through the integer multi-row tiles, and attention reading each row's own pages
+# through the page table inside the call. This chapter measures that stage.
 
 # %%
 import numpy as np
@@ -24,7 +29,9 @@ from common.batch import Batch, Segment
 from common.paged_kv import PAGE_SIZE, PagePool, PageTable
 
 findings = nb.Findings()
-stage = next((s for s in ("threads", "quantized", "kv_cache") if not nb.missing_stage(s)), None)
+from app.serve.server import serving_stage
+
+stage = serving_stage("fastest")        # the stage `python -m app serve` batches through, as `make run` picks
 print(f"stage used in this chapter: {stage}")
 engine = nb.load(stage)
 mc = engine.config
@@ -44,7 +51,8 @@ import time
 
 batches = (1, 2, 4, 8) if cfg.quick else (1, 2, 4, 8, 16, 32)
 steps = 3 if cfg.quick else 10
-pool = PagePool(mc.n_layer, mc.kv_dim, n_pages=max(batches) * (len(prompt) + steps + 16) // 16 + 8)
+pool = PagePool(mc.n_layer, mc.kv_dim, n_pages=max(batches) * (len(prompt) + steps + 16) // 16 + 8,
+                dtype=engine.backend.kv_dtype)
 
 
 def step_time(B: int) -> float:
@@ -199,7 +207,7 @@ engine.reset()
 # %%
 nb.show_source(PageTable.append_slots)
 P = pool.page_size
-arena_per_seq = 2 * mc.n_layer * engine.n_ctx * mc.kv_dim * 4
+arena_per_seq = 2 * mc.n_layer * engine.n_ctx * mc.kv_dim * np.dtype(engine.backend.kv_dtype).itemsize
 users, length = 32, len(prompt) + 64
 paged = users * -(-length // P) * pool.page_bytes
 nb.show_table(["KV memory for", "arena (context reserved)", "pages (what is used)"],

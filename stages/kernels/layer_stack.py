@@ -384,7 +384,7 @@ def _worker(t, nt, h, weights, cache, rows, dims, scratch, p32, pk, sync):
                     return
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def run_layers(h, weights, cache, rows, dims, sync, nt):
     """Every layer on h [M, D] (changed in place): row m at rows.positions[m], its K and V written
     into cache slot rows.slots[m]. One parallel region of nt iterations: nt must be numba's thread
@@ -426,7 +426,7 @@ def _head_worker(x, blob, mats, scratch, p32, pk, out, per, t, nt):
         chunk(mat, blob, r0, min(mat.rows, r0 + per), M, x, s, out, 0, s.fs[t])
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def matmul_rows(x, blob, mats, nt):
     """x [M, K] times one weight (mats: one MATRIX record, in blob) -> [M, N]: the activation
     rounded once, the rows in work items over nt threads (numba's thread count)."""
