@@ -37,13 +37,10 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -55,9 +52,13 @@ import app  # noqa: E402
 
 app.configure_numba()
 
-from app.measure import roofline  # noqa: E402
+from app.measure import (
+    llama_tools,  # noqa: E402
+    roofline,  # noqa: E402
+)
 from app.measure.bench import BENCH_TEXT, add_context  # noqa: E402
-from app.models import DEFAULT_MODEL, LLAMA_CPP_SDIST, MODELS_DIR, fetch_pypi_dist, resolve  # noqa: E402
+from app.measure.local_server import free_port, wait_ready  # noqa: E402
+from app.models import DEFAULT_MODEL, resolve  # noqa: E402
 from app.serve.server import serving_stage  # noqa: E402
 from common.cpu import physical_cores  # noqa: E402
 from common.gguf import GGUFFile  # noqa: E402
@@ -66,32 +67,10 @@ from common.model import LlamaConfig, flops_per_token  # noqa: E402
 RECORD = ROOT / "profiles" / "bench" / "batching.json"
 CHART = ROOT / "profiles" / "batching.png"
 TABLE = ROOT / "profiles" / "bench" / "batching.md"
-LLAMA_DIR = MODELS_DIR / "llama-server"
 OURS, LLAMA = "ours", "llama-server"
 
 
 # ---- the servers ---------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 600):
-    import httpx
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited:\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"the server did not get ready in {timeout:.0f} s:\n{log.read_text()[-2000:]}")
-
 
 class Server:
     """A server process for one level: ours or llama-server, C sequences at a time."""
@@ -120,43 +99,6 @@ class Server:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-
-
-def build_llama_server() -> Path:
-    """llama-server from the llama.cpp sources inside llama-cpp-python's sdist, built once."""
-    binary = LLAMA_DIR / "build" / "bin" / "llama-server"
-    if binary.exists():
-        return binary
-    LLAMA_DIR.mkdir(parents=True, exist_ok=True)
-    src = LLAMA_DIR / "llama.cpp"
-    if not (src / "CMakeLists.txt").exists():
-        sdist = fetch_pypi_dist(LLAMA_CPP_SDIST, LLAMA_DIR)
-        prefix = None
-        with tarfile.open(sdist) as t:
-            for m in t.getmembers():
-                parts = m.name.split("/")
-                if len(parts) > 3 and parts[1:3] == ["vendor", "llama.cpp"] and (m.isfile() or m.isdir()):
-                    prefix = "/".join(parts[:3])
-                    m.name = "/".join(parts[3:])
-                    if hasattr(tarfile, "data_filter"):
-                        t.extract(m, src, filter="data")
-                    else:
-                        t.extract(m, src)
-        if prefix is None:
-            raise SystemExit(f"{sdist.name} has no vendor/llama.cpp")
-    flags = ["-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-             "-DLLAMA_BUILD_SERVER=ON", "-DCMAKE_BUILD_TYPE=Release"]
-    if platform.machine() == "x86_64":         # as the Makefile's llama-cpp target: no AMX tiles
-        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-        flags += [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
-    build = LLAMA_DIR / "build"
-    print(f"building llama-server in {build} (several minutes)...", file=sys.stderr)
-    subprocess.run(["cmake", "-S", str(src), "-B", str(build), *flags], check=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)],
-                   check=True)
-    if not binary.exists():
-        raise SystemExit(f"the build ended without {binary}")
-    return binary
 
 
 # ---- one level: C clients ------------------------------------------------------------------------
@@ -500,7 +442,7 @@ def main(argv=None) -> int:
     args.clients = [int(c) for c in args.clients.split(",")]
     missing = None
     if args.llama_server == "auto":
-        args.llama_server = build_llama_server()
+        args.llama_server = llama_tools.tool("llama-server")
     elif args.llama_server:
         args.llama_server = Path(shutil.which(args.llama_server) or args.llama_server)
         if not args.llama_server.exists():

@@ -34,7 +34,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from app.measure.bench import add_context  # noqa: E402
+from app.measure.local_server import free_port, wait_ready  # noqa: E402
 from app.models import DEFAULT_MODEL, resolve  # noqa: E402
 
 RECORD = ROOT / "profiles" / "bench" / "soak.json"
@@ -58,27 +58,6 @@ KINDS = {                                   # kind: weight
 EXPECTED = {"bad_json": 400, "unknown_field": 400, "oversized": 413}
 DETERMINISTIC = ("greedy", "chat_stream", "slow_reader", "n2", "echo", "seeded")
 RETRY_AFTER_S = 1.0                         # what a client waits after a 503 (the server's Retry-After)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 600):
-    import httpx
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited:\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"the server did not get ready in {timeout:.0f} s:\n{log.read_text()[-2000:]}")
 
 
 class Server:
