@@ -146,6 +146,14 @@ def some(mask, at_least: int = 1, what: str = "positions") -> np.ndarray:
     return mask
 
 
+def greedy_at_clear_choices(ours, theirs, tokens, near_tie: float, at_least: int = 10):
+    """Assert that ours [n, n_vocab] picks `tokens` [n] wherever theirs (the stage it is checked
+    against) has a clear winner (top two more than near_tie apart); at least `at_least` such rows."""
+    top2 = np.sort(theirs, axis=1)[:, -2:]
+    clear = some(top2[:, 1] - top2[:, 0] > near_tie, at_least, "clear choices")
+    assert (ours.argmax(axis=1)[clear] == np.array(tokens)[clear]).all()
+
+
 # ---- llama.cpp's departure from the float64 reference (tests/golden) ------------------------------
 
 def golden_prompts() -> list[str]:

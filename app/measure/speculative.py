@@ -42,27 +42,36 @@ def prompt_sets() -> dict[str, list[str]]:
 
 # ---- one verify pass against one step ----------------------------------------------------------
 
-def verify_times(engine, context, k_max: int, rounds: int) -> list[list[float]]:
-    """ms[round][k] of one pass of k+1 rows at the end of a cached context (k = 0: the plain
-    decode step, greedy_next of one row). Rounds alternate the order of k, so a drift of the
-    machine's speed falls on every k alike. The rows land past what the cache holds: nothing
-    reads them, each pass writes over the last."""
-    engine.reset()
-    engine.forward(context, 0, all_logits=False)
-    at = len(context)
-    rows = [int(t) for t in context[:k_max + 1]]
+def timed_passes(k_max: int, rounds: int, one_pass) -> list[list[float]]:
+    """ms[round][k] of one_pass(k) for k = 0..k_max, the order of k alternating between rounds,
+    so that a drift of the machine's speed falls on every k alike."""
     out = []
     for r in range(rounds):
         order = list(range(k_max + 1))
         ms = [0.0] * (k_max + 1)
         for k in (order if r % 2 == 0 else order[::-1]):
             t0 = time.perf_counter()
-            if k == 0:
-                engine.greedy_next(rows[:1], at)
-            else:
-                engine.forward(rows[:k + 1], at, all_logits=True)
+            one_pass(k)
             ms[k] = (time.perf_counter() - t0) * 1e3
         out.append(ms)
+    return out
+
+
+def verify_times(engine, context, k_max: int, rounds: int) -> list[list[float]]:
+    """ms[round][k] of one pass of k+1 rows at the end of a cached context (k = 0: the plain
+    decode step, greedy_next of one row). The rows land past what the cache holds: nothing
+    reads them, each pass writes over the last."""
+    engine.reset()
+    engine.forward(context, 0, all_logits=False)
+    at = len(context)
+    rows = [int(t) for t in context[:k_max + 1]]
+
+    def one_pass(k):
+        if k == 0:
+            engine.greedy_next(rows[:1], at)
+        else:
+            engine.forward(rows[:k + 1], at, all_logits=True)
+    out = timed_passes(k_max, rounds, one_pass)
     engine.reset()
     return out
 
@@ -73,17 +82,12 @@ def llama_verify_times(llm, context, k_max: int, rounds: int) -> list[list[float
     llm.eval(list(context))
     at = len(context)
     rows = [int(t) for t in context[:k_max + 1]]
-    out = []
-    for r in range(rounds):
-        order = list(range(k_max + 1))
-        ms = [0.0] * (k_max + 1)
-        for k in (order if r % 2 == 0 else order[::-1]):
-            llm.n_tokens = at
-            llm._ctx.kv_cache_seq_rm(-1, at, -1)          # forget the last pass's rows
-            t0 = time.perf_counter()
-            llm.eval(rows[:k + 1])
-            ms[k] = (time.perf_counter() - t0) * 1e3
-        out.append(ms)
+
+    def one_pass(k):
+        llm.n_tokens = at
+        llm._ctx.kv_cache_seq_rm(-1, at, -1)          # forget the last pass's rows
+        llm.eval(rows[:k + 1])
+    out = timed_passes(k_max, rounds, one_pass)
     llm.reset()
     return out
 

@@ -30,6 +30,7 @@ from notebooks.nb.measure import (
     matmul_work,
     measure,
     measure_in_subprocess,
+    measure_live,
     memory_now,
     missing_stage,
     print_profile,

@@ -85,6 +85,23 @@ def measure(engine, cfg: Settings, n_predict: int | None = None) -> dict:
     return rec
 
 
+def measure_live(stages, threads, cfg: Settings) -> dict:
+    """{(stage, threads): record} of measure() for every stage that runs here at each thread
+    count, each loaded fresh and let go before the next."""
+    live = {}
+    for s in stages:
+        if missing_stage(s):
+            continue
+        for t in threads:
+            gc.collect()
+            engine = load_stage(s, model_path(), threads=t)
+            engine.stage = s
+            engine.warmup()
+            live[(s, t)] = measure(engine, cfg)
+            del engine
+    return live
+
+
 def profile(engine, cfg: Settings) -> list[dict]:
     """Per-op rows (common/profile.py) of a profiled run at the notebook's settings."""
     return bench.profile_run(engine, engine.stage, cfg.prompt_tokens, cfg.profile_n_for(engine.stage))

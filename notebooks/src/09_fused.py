@@ -210,16 +210,7 @@ else:
 # Both stages by the measurement protocol at 1 thread and at all cores.
 
 # %%
-live = {}
-for s in ("int8", "fused"):
-    if missing[s]:
-        continue
-    for t in sorted({1, cores}):
-        e = load_stage(s, nb.model_path(), threads=t)
-        e.stage = s
-        e.warmup()
-        live[(s, t)] = nb.measure(e, cfg)
-        del e
+live = nb.measure_live(("int8", "fused"), sorted({1, cores}), cfg)
 if live:
     nb.show_table(["stage", "threads", "TTFT (ms)", "decode (ms/token)"],
                   [(s, t, f"{r['ttft_ms']:.1f}", f"{r['decode_ms']:.2f}") for (s, t), r in live.items()])
