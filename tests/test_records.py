@@ -65,11 +65,12 @@ def test_the_records_without_a_page_are_of_kinds_that_have_none():
         assert page.with_suffix(".json").exists(), f"{page.relative_to(ROOT)} has no record beside it"
 
 
-def test_the_load_test_table_is_drawn_from_its_record(tmp_path):
+@pytest.mark.parametrize("name", sorted(p.stem for p in BENCH.glob("batching*.json")))
+def test_the_load_test_table_is_drawn_from_its_record(tmp_path, name):
     from scripts.loadtest import draw
-    draw(json.loads((BENCH / "batching.json").read_text()), tmp_path / "batching.png", tmp_path / "batching.md")
-    assert (tmp_path / "batching.md").read_text() == (BENCH / "batching.md").read_text(), \
-        "redraw with `python scripts/loadtest.py --chart-only`"
+    draw(json.loads((BENCH / f"{name}.json").read_text()), tmp_path / f"{name}.png", tmp_path / f"{name}.md")
+    assert (tmp_path / f"{name}.md").read_text() == (BENCH / f"{name}.md").read_text(), \
+        f"redraw with `python scripts/loadtest.py --chart-only --out profiles/bench/{name}.json`"
 
 
 def test_ops_table_is_drawn_from_the_records():
