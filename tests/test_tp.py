@@ -148,8 +148,10 @@ def test_a_bad_rank_count_ends_every_rank_with_the_valid_counts(tiny, tmp_path):
 
 
 def banner_pids(text: str) -> dict:
-    """{rank: pid} from the line `tp: N ranks: rank 0 (pid P on HOST), ...` that rank 0 prints first."""
-    line = next(ln for ln in text.splitlines() if ln.startswith("tp: "))
+    """{rank: pid} from the line `tp: N ranks: rank 0 (pid P on HOST), ...` that rank 0 prints first.
+    The ranks share one stderr, so another rank's words may stand before it on the same line."""
+    line = next(ln for ln in text.splitlines() if "tp: " in ln and " ranks: " in ln)
+    line = line[line.index("tp: "):]
     return {int(r): int(pid) for r, pid in re.findall(r"rank (\d+) \(pid (\d+)", line)}
 
 
