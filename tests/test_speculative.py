@@ -750,3 +750,21 @@ def test_the_chart_is_drawn_from_the_record(tmp_path):
     record.write_text(json.dumps(made_up_record(1.5)))
     md, png = draw(json.loads(record.read_text()), record)
     assert md == tmp_path / "speculative.md" and png == tmp_path / "speculative.png" and png.stat().st_size > 0
+
+
+def test_the_rule_counts_every_token_it_keeps_as_drawn():
+    """Frequency and presence penalties read what the completion drew (Sampler.drawn): the rule
+    counts each guess it keeps before the next row's distribution is taken, and the token it
+    adds, as plain decoding would have. Here the penalty is what rejects the third guess."""
+    n_vocab = 8
+    logits = np.zeros((4, n_vocab), np.float32)
+    logits[:, 3] = 1.0                                  # every row prefers token 3 by 1.0 ...
+    logits[:, 5] = 0.9                                  # ... token 5 next
+    sampler = Sampler(SamplingParams(temp=0, frequency_penalty=0.06))
+    kept, tok = sp.accept(logits, sp.Draft([3, 3, 3], None, "scripted"), sampler, [1, 2])
+    # drawn 3 twice: 1.0 - 2 x 0.06 = 0.88 < 0.9, so row 2 picks 5 and the third guess is refused
+    assert (kept, tok) == (2, 5)
+    assert sampler.drawn == {3: 2, 5: 1}
+    plain = Sampler(SamplingParams(temp=0, frequency_penalty=0.06))
+    assert [plain(logits[i], [1, 2]) for i in range(3)] == [3, 3, 5]      # what plain decoding draws
+    assert plain.drawn == sampler.drawn
