@@ -22,10 +22,9 @@ from stages.kernels import repacked, vector_ir
 from tests.test_fused import _int8_rows, _matmul, _weights, packs_of
 from tests.test_int8 import activations
 from tests.test_quantized import MIXED_TYPES, stage_logits, write_tiny_llama
-from tests.util import greedy_at_clear_choices
+from tests.util import greedy_at_clear_choices, thread_counts
 
 F32 = np.float32
-POOL = numba.config.NUMBA_NUM_THREADS
 TYPES = [GGMLType(t) for t in repacked.REPACK_TYPES]
 NO_ISA = "this CPU (or numba's target) has no AVX2 + F16C: the repack stage's kernels need them"
 needs_isa = pytest.mark.skipif(vector_ir.ISA is None, reason=NO_ISA)
@@ -52,7 +51,7 @@ def test_every_type_against_the_int8_loops(ggml_type):
     for M in (1, 3, 7):
         x = activations(rng, M, K)
         want, scale = _int8_rows(x, raw, ggml_type)
-        runs = [_matmul(x, raw, ggml_type, n, layout=L.REPACKED) for n in sorted({1, POOL})]
+        runs = [_matmul(x, raw, ggml_type, n, layout=L.REPACKED) for n in thread_counts()]
         assert all(np.array_equal(r, runs[0]) for r in runs)
         err = np.abs(runs[0] - want) / np.maximum(scale, 1e-30)
         assert np.isfinite(runs[0]).all() and err.max() < 2e-6, f"{ggml_type.name} M={M}: {err.max():.2e}"
@@ -119,7 +118,7 @@ def test_tiny_model_of_every_type_against_the_reference(tiny_path):
     the relative size int8 is held to, and a repacked matrix unpacks to its tensor's bytes."""
     tokens = [3, 17, 42, 5, 63, 0, 8, 21, 9, 30]
     want = reference.forward(GGUFFile(tiny_path), tokens)
-    engines = [load("repack", tiny_path, threads=n) for n in sorted({1, POOL})]
+    engines = [load("repack", tiny_path, threads=n) for n in thread_counts()]
     runs = [stage_logits(e, tokens, split=6) for e in engines]
     got = runs[0]
     assert np.isfinite(got).all() and all(np.array_equal(r, got) for r in runs)
@@ -208,7 +207,7 @@ def test_default_model_within_int8s_tolerance_and_fuseds_greedy_tokens(default_m
     cont = generate(fused, prompt, 16, ignore_eos=True).tokens
     ids = prompt + cont
     runs = [stage_logits(load("repack", default_model_path, threads=n, n_ctx=256), ids, split=len(prompt))
-            for n in sorted({1, POOL})]
+            for n in thread_counts()]
     assert all(np.array_equal(r, runs[0]) for r in runs)
     ours = runs[0][len(prompt) - 1:-1]
     theirs = stage_logits(fused, ids, split=len(prompt))[len(prompt) - 1:-1]
