@@ -29,6 +29,7 @@ from stages.kernels.toolkit import F16_TO_F32
 from stages.kernels.vector_ir import ISA, named_isa
 from tests.test_quantized import MIXED_TYPES, n_cols_for, random_blocks, stage_logits, write_tiny_llama
 from tests.util import (
+    TARGETS,
     expected_isa,
     lacks,
     lacks_vnni,
@@ -162,9 +163,10 @@ def test_the_isa_check_catches_a_probe_that_is_wrong(monkeypatch):
     """Planted: the probe reads the opposite of this CPU (AVX2 + F16C lost where LLVM sees them,
     invented where it does not); the check above then differs. The rule on made-up CPUs."""
     if numba_target_reason():
-        pytest.skip(numba_target_reason())              # the probe answers None before reading any flag
+        pytest.skip(numba_target_reason())
     has = expected_isa() is not None
     monkeypatch.setattr(vector_ir, "simd_features", (lambda: ["sse4_2"]) if has else (lambda: ["avx2", "f16c"]))
+    monkeypatch.setattr(vector_ir, "target_isa", lambda cpu, features="": None if has else "avx2")   # a named target
     if not_x86_reason() is None:
         assert vector_ir.named_isa() != expected_isa()
     assert expected_isa(have=frozenset({"avx2", "f16c"})) == "avx2"
@@ -172,6 +174,17 @@ def test_the_isa_check_catches_a_probe_that_is_wrong(monkeypatch):
     assert expected_isa(have=frozenset({"avx2", "f16c", "avx512vnni"})) == "avx2"    # no VL: no 256-bit vpdpbusd
     assert expected_isa(have=frozenset({"avx2", "f16c", "avx512vnni", "avx512vl"})) == "vnni"
     assert expected_isa(have=frozenset({"avx2"})) is None
+
+
+def test_llvm_is_asked_what_a_named_cpu_has():
+    """For a CPU named to numba (NUMBA_CPU_NAME), the kernels' ISA is what LLVM compiles for that
+    CPU (vector_ir.target_isa), as LLVM's processor definitions say (tests/util.py TARGETS): the
+    AVX2-only path on a machine that has more, and a feature added by name."""
+    if not_x86_reason():
+        pytest.skip(not_x86_reason())
+    for cpu in ("haswell", "icelake-server", "x86-64"):
+        assert vector_ir.target_isa(cpu, "") == expected_isa(have=TARGETS[cpu]), cpu
+    assert vector_ir.target_isa("haswell", "+avxvnni") == "vnni"
 
 
 def _same_sums(got, want, scale):
