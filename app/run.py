@@ -41,10 +41,12 @@ from stages import (
 
 def fastest_stage(serving: bool = False) -> str:
     """The stage `make run` uses: cuda where it can run; else the CPU stage with the best
-    decode time recorded on this machine by `make report`; else the last CPU stage (measured,
-    not assumed: a later stage is not always a faster one). A stage that runs as several
-    processes (tp, under mpiexec) is run by name only. serving: among the stages the server
-    can batch through (on the CPU, with a KV cache to hold pages)."""
+    decode time in the records `make report` made on this CPU with the code checked out now
+    (recorded_decode_ms); else the registry's last CPU stage (measured, not assumed: a later
+    stage is not always a faster one, but a record of other code or of another CPU says
+    nothing about this one). A stage that runs as several processes (tp, under mpiexec) is run
+    by name only. serving: among the stages the server can batch through (on the CPU, with a
+    KV cache to hold pages)."""
     runnable = [s for s in runnable_stages() if not info(s).ranks
                 and (not serving or (info(s).kv_cache and not info(s).gpu))]
     gpu = [s for s in runnable if info(s).gpu]
@@ -57,16 +59,25 @@ def fastest_stage(serving: bool = False) -> str:
     return runnable[-1]
 
 
-def recorded_decode_ms() -> dict:
-    """{stage: decode ms/token} from this machine's report records for the default model."""
+def recorded_decode_ms(folder=None) -> dict:
+    """{stage: decode ms/token} from the report records for the default model in this machine's
+    folder (`folder` stands in for it), counting only those that measured this CPU (machine_id
+    of the record's own machine) and the code checked out now (provenance's code hash)."""
+    from app.measure.machine import machine_id
+    from app.measure.provenance import provenance
+    here, code = machine_id(), provenance()["code_hash"]
     out = {}
-    for path in bench.results_dir(DEFAULT_MODEL.filename).glob("*.json"):
+    for path in (folder or bench.results_dir(DEFAULT_MODEL.filename)).glob("*.json"):
         try:
             rec = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
         decode = rec.get("decode_ms")
-        if rec.get("kind") == "stage" and isinstance(decode, float) and math.isfinite(decode):
+        if rec.get("kind") != "stage" or not isinstance(decode, float) or not math.isfinite(decode):
+            continue
+        machine = rec.get("machine") or {}
+        same_cpu = "cpu_signature" in machine and "isa" in machine and machine_id(machine) == here
+        if same_cpu and (rec.get("provenance") or {}).get("code_hash") == code:
             out[rec["stage"]] = decode
     return out
 

@@ -29,8 +29,8 @@ from stages.kernels.toolkit import F16_TO_F32
 from stages.kernels.vector_ir import ISA, named_isa
 from tests.test_quantized import MIXED_TYPES, n_cols_for, random_blocks, stage_logits, write_tiny_llama
 from tests.util import (
+    TARGETS,
     expected_isa,
-    golden_reference,
     lacks,
     lacks_vnni,
     llama_cpp_departure,
@@ -163,9 +163,10 @@ def test_the_isa_check_catches_a_probe_that_is_wrong(monkeypatch):
     """Planted: the probe reads the opposite of this CPU (AVX2 + F16C lost where LLVM sees them,
     invented where it does not); the check above then differs. The rule on made-up CPUs."""
     if numba_target_reason():
-        pytest.skip(numba_target_reason())              # the probe answers None before reading any flag
+        pytest.skip(numba_target_reason())
     has = expected_isa() is not None
     monkeypatch.setattr(vector_ir, "simd_features", (lambda: ["sse4_2"]) if has else (lambda: ["avx2", "f16c"]))
+    monkeypatch.setattr(vector_ir, "target_isa", lambda cpu, features="": None if has else "avx2")   # a named target
     if not_x86_reason() is None:
         assert vector_ir.named_isa() != expected_isa()
     assert expected_isa(have=frozenset({"avx2", "f16c"})) == "avx2"
@@ -173,6 +174,17 @@ def test_the_isa_check_catches_a_probe_that_is_wrong(monkeypatch):
     assert expected_isa(have=frozenset({"avx2", "f16c", "avx512vnni"})) == "avx2"    # no VL: no 256-bit vpdpbusd
     assert expected_isa(have=frozenset({"avx2", "f16c", "avx512vnni", "avx512vl"})) == "vnni"
     assert expected_isa(have=frozenset({"avx2"})) is None
+
+
+def test_llvm_is_asked_what_a_named_cpu_has():
+    """For a CPU named to numba (NUMBA_CPU_NAME), the kernels' ISA is what LLVM compiles for that
+    CPU (vector_ir.target_isa), as LLVM's processor definitions say (tests/util.py TARGETS): the
+    AVX2-only path on a machine that has more, and a feature added by name."""
+    if not_x86_reason():
+        pytest.skip(not_x86_reason())
+    for cpu in ("haswell", "icelake-server", "x86-64"):
+        assert vector_ir.target_isa(cpu, "") == expected_isa(have=TARGETS[cpu]), cpu
+    assert vector_ir.target_isa("haswell", "+avxvnni") == "vnni"
 
 
 def _same_sums(got, want, scale):
@@ -417,20 +429,18 @@ def golden():
 @pytest.mark.parametrize("index", range(4))
 def test_against_llama_cpps_logits(index, golden, default_model_path):
     """llama.cpp's recorded logits (tests/golden, see tests/test_reference.py): int8 within the
-    bounds the float64 reference is held to there (5% relative RMS, 2.0 absolute), and its
-    departure from the reference leaning the way llama.cpp's does (positive correlation of
-    the two differences: both round activations to 8 bits; measured 0.28-0.54). It is not
-    closer to llama.cpp than the float stages overall (see stages/int8.py)."""
+    bounds the float64 reference is held to there (5% relative RMS, 2.0 absolute). That int8
+    rounds the activations as llama.cpp does is checked where it can be checked to float32
+    rounding, against the q8 reference (the tests above): a statistic of the two departures from
+    float64 (how well they correlate) depends on the CPU that summed the floats, so it is no
+    bound. It is not closer to llama.cpp than the float stages overall (see stages/int8.py)."""
     p = f"p{index}"
     ids = golden[f"{p}_ids"].tolist()
     subset, want = golden["subset_ids"], golden[f"{p}_subset_logits"].astype(np.float64)
     engine = load("int8", default_model_path)
     got = engine.forward(ids, 0)[:, subset].astype(np.float64)
-    ref = golden_reference(p, str(default_model_path))[:, subset]
     rel = np.sqrt(((got - want) ** 2).mean() / (want ** 2).mean())
     assert rel <= 0.05 and np.abs(got - want).max() <= 2.0, f"relative RMS {rel:.4f}"
-    corr = np.corrcoef((got - ref).ravel(), (want - ref).ravel())[0, 1]
-    assert corr > 0.15, f"int8's and llama.cpp's differences from float64 correlate at {corr:.2f} only"
 
 
 def tolerance_problem(tolerance: float, llama_cpp: float) -> str | None:

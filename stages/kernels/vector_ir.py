@@ -21,11 +21,15 @@ it with, tests/test_vector_ir.py) and the instructions it becomes:
     fma(a, b, c)       a[i] * b[i] + c[i], one rounding          vfmadd231ps
     hsum(v)            v[0] + ... + v[7], as a fixed tree        vextractf128, vaddps, vhaddps
 
-ISA is what this CPU offers numba's code generator: 'vnni' (AVX2 + F16C + AVX512-VNNI with VL,
-or AVX-VNNI: vpdpbusd on 256-bit registers), 'avx2' (AVX2 + F16C), or None (the kernels that
-need these then refuse to compile, and their callers take the plain loops). It is read when a
-kernel is compiled: numba's cache key includes the CPU's features, so a cache never carries
-these kernels to a CPU without them. Pointers are i8* and offsets bytes throughout.
+ISA is what numba's code generator targets: 'vnni' (AVX2 + F16C + AVX512-VNNI with VL, or
+AVX-VNNI: vpdpbusd on 256-bit registers), 'avx2' (AVX2 + F16C), or None (the kernels that need
+these then refuse to compile, and their callers take the plain loops). By default that is this
+CPU (its /proc/cpuinfo flags); where numba is told to compile for another CPU (NUMBA_CPU_NAME,
+NUMBA_CPU_FEATURES: `NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=` compiles for an AVX2-only CPU
+on any x86 machine), LLVM itself is asked what that target has (target_isa), so the other
+CPU's path is the one compiled and run. It is read when a kernel is compiled: numba's cache
+key includes the target's name and features, so a cache never carries these kernels to a CPU
+without them. Pointers are i8* and offsets bytes throughout.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from __future__ import annotations
 import functools
 import inspect
 import platform
+import subprocess
+import sys
 
 from llvmlite import ir
 from numba import types
@@ -53,14 +59,70 @@ _PREFETCH = "llvm.prefetch.p0" if str(I8.as_pointer()) == "ptr" else "llvm.prefe
 
 
 def named_isa():
-    """'vnni', 'avx2' or None (see the module docstring). numba compiles for the host CPU unless
-    told otherwise (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, e.g. for a portable cache): then None."""
-    if platform.machine() not in ("x86_64", "AMD64") or config.CPU_NAME or config.CPU_FEATURES:
+    """'vnni', 'avx2' or None for the CPU numba compiles for (see the module docstring)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
         return None
+    if config.CPU_NAME is not None or config.CPU_FEATURES is not None:
+        import llvmlite.binding as llvm
+        return target_isa(config.CPU_NAME or llvm.get_host_cpu_name(), config.CPU_FEATURES or "")
     f = set(simd_features())
     if not {"avx2", "f16c"} <= f:
         return None
     return "vnni" if "avx_vnni" in f or {"avx512_vnni", "avx512vl"} <= f else "avx2"
+
+
+# Each probe: a module whose instruction selection needs the feature (LLVM stops the process
+# with "Cannot select" where the target lacks it, hence a process of its own), and the assembly
+# text that proves the instruction was chosen (a half -> float conversion compiles everywhere,
+# as a library call where F16C is missing).
+_PROBES = {
+    "avx2": ("declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)\n"
+             "define <16 x i16> @f(<32 x i8> %a, <32 x i8> %b) {\n"
+             "  %r = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %a, <32 x i8> %b)\n"
+             "  ret <16 x i16> %r\n}\n", "vpmaddubsw"),
+    "f16c": ("define <8 x float> @f(<8 x half> %h) {\n  %r = fpext <8 x half> %h to <8 x float>\n"
+             "  ret <8 x float> %r\n}\n", "vcvtph2ps"),
+    "vnni": ("declare <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32>, <8 x i32>, <8 x i32>)\n"
+             "define <8 x i32> @f(<8 x i32> %a, <8 x i32> %b, <8 x i32> %c) {\n"
+             "  %r = call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> %a, <8 x i32> %b, <8 x i32> %c)\n"
+             "  ret <8 x i32> %r\n}\n", "vpdpbusd"),
+}
+_COMPILE = ("import sys, llvmlite.binding as llvm\n"
+            "llvm.initialize_native_target(); llvm.initialize_native_asmprinter()\n"
+            "cpu, features, text = sys.argv[1:4]\n"
+            "tm = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features)\n"
+            "print(tm.emit_assembly(llvm.parse_assembly(text)))\n")
+
+
+@functools.lru_cache(maxsize=None)
+def target_has(cpu: str, features: str, what: str) -> bool:
+    """Whether LLVM, compiling for CPU `cpu` with `features`, emits the instruction of probe `what`."""
+    text, instruction = _PROBES[what]
+    p = subprocess.run([sys.executable, "-c", _COMPILE, cpu, features, text], capture_output=True, text=True,
+                       timeout=120)
+    return p.returncode == 0 and instruction in p.stdout
+
+
+def target_isa(cpu: str, features: str = "") -> str | None:
+    """'vnni', 'avx2' or None for an LLVM target (a CPU name, e.g. 'haswell', and a feature string,
+    '' for that CPU's own). The answer is kept beside numba's cache (the probes take a second)."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import llvmlite
+    key = hashlib.sha256(f"{cpu}|{features}|{llvmlite.__version__}".encode()).hexdigest()[:16]
+    kept = Path(config.CACHE_DIR or ".") / f"target-isa-{key}.json" if config.CACHE_DIR else None
+    if kept is not None and kept.exists():
+        return json.loads(kept.read_text())["isa"]
+    if not (target_has(cpu, features, "avx2") and target_has(cpu, features, "f16c")):
+        isa = None
+    else:
+        isa = "vnni" if target_has(cpu, features, "vnni") else "avx2"
+    if kept is not None:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps({"cpu": cpu, "features": features, "isa": isa}))
+    return isa
 
 
 ISA = named_isa()
