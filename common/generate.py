@@ -64,9 +64,9 @@ MAX_PENALTY = 2.0               # and for frequency_penalty and presence_penalty
 @dataclass
 class SamplingParams:
     """llama.cpp's sampler chain: logit bias -> penalties -> top_k -> top_p -> min_p ->
-    temperature -> draw. temp = 0 means greedy (argmax), the default here so every stage prints
-    the same text. Values out of range raise ParameterError: the one validation the CLI and the
-    server share.
+    temperature -> draw (a grammar's mask before all of it: Sampler's constraint). temp = 0
+    means greedy (argmax), the default here so every stage prints the same text. Values out of
+    range raise ParameterError: the one validation the CLI and the server share.
 
     The penalties: repeat_penalty as llama.cpp's (divide a positive logit, multiply a negative
     one, for each token in the last repeat_last_n of prompt and text); frequency_penalty and

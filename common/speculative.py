@@ -32,6 +32,11 @@ The rule, `accept`:
   (Sampler.distribution: penalties, top-k, top-p, min-p, temperature) with the history the
   plain sampler would see at that position. The random numbers differ from the plain loop's,
   so a seed gives another text, drawn from the same distribution.
+* under a constraint (common/constrain: the sampler's grammar), each row's distribution is
+  masked where the guesses kept before it leave the grammar, since each kept guess moves the
+  matcher on (Sampler.took): a guess the grammar forbids is rejected like any other. Tokens
+  kept past the grammar's end are not emitted, and the matcher takes them back
+  (Constraint.rollback), as the cache does.
 
 The guesses:
 
