@@ -314,8 +314,11 @@ def cmd_run(args):
         profiler.stop()
     if echo:
         sys.stdout.write(stream.flush() + "\n")
-    rec = bench.run_record(engine, stage, gen, tok.decode(gen.tokens, skip_special=not args.special), jit_s,
-                           counted.result)
+    if grammar is None:
+        text = tok.decode(gen.tokens, skip_special=not args.special)
+    else:   # the bytes the grammar matched: the pieces as they are (decode's clean-up could change them)
+        text = b"".join(tok.token_piece(t, special=args.special) for t in gen.tokens).decode("utf-8", "replace")
+    rec = bench.run_record(engine, stage, gen, text, jit_s, counted.result)
     rec.update(spec=mode, drafted=gen.drafted, accepted=gen.accepted,
                constraint=grammar.kind if grammar is not None else None)
     if spec:

@@ -18,6 +18,9 @@
   the schema, planted, fail it). A Lark grammar; --chat; errors on one line before the weights.
 * Speculative decoding under a constraint: its greedy text is plain constrained decoding's, with
   guesses right and wrong, and guesses kept past the grammar's end are taken back.
+* The server's batched step as it is: four requests, three constrained, through preemption: the
+  outputs of a roomy pool, valid, and the free request's text its own.
+* The benchmark's page, drawn from a made-up record.
 """
 
 from __future__ import annotations
@@ -466,6 +469,46 @@ def test_guesses_right_wrong_and_past_the_end_give_plain_constrained_text(tok, l
         assert constraint.tokens == plain.tokens and session.tokens == prompt + plain.tokens
         assert gen.accepted > 0 and (wrong is None or gen.drafted > gen.accepted)
         assert getattr(constraint, "rolled", 0) > 0 or not ignore_eos     # tokens past the end were taken back
+
+
+# ---- in the server's batched step (app/serve/scheduler.py, as it is) -------------------------------
+
+def test_constrained_requests_in_one_batch_through_preemption(tok, ll, engine):
+    """Four requests in one batch: two under the schema, one under a Lark grammar, one free. A
+    pool far too small preempts some (the scheduler keeps a preempted request's sampler, so its
+    matcher keeps its place); every output is the one a roomy pool gives, the constrained ones
+    valid, and the free one's text is what it has alone, beside constrained neighbours."""
+    from app.serve.scheduler import Request, Scheduler
+    from common.paged_kv import PageTable
+    n = 32
+    date = 'start: DATE "."\nDATE: /[0-9]{4}-[0-9]{2}-[0-9]{2}/\n'
+    asks = [("The capital of France is", None), ("A person, as JSON:", Grammar.json_schema(PERSON)),   # the free
+            ("The date the Berlin Wall fell:", Grammar.lark(date)), ("Another person, as JSON:",       # one grows,
+                                                                     Grammar.json_schema(PERSON))]   # newer ones yield
+
+    def run(pages, which):
+        sched = Scheduler(engine, kv_pages=pages, max_batch=len(which), prefill_chunk=16)
+        reqs = []
+        for text, grammar in which:
+            req = Request(prompt=ids(tok, text), max_tokens=n, stop_ids=frozenset(tok.eog_ids))
+            req.sampler = Sampler(constraint=None if grammar is None else Constraint(grammar.checked(ll), ll))
+            sched.submit(req)
+            reqs.append(req)
+        while sched.running or sched.waiting:
+            sched.step()
+        return sched, [r.generated for r in reqs], [r.preemptions for r in reqs]
+    alone = max(PageTable.pages_for(len(ids(tok, text)) + n) for text, _ in asks)
+    _, roomy, _ = run(64, asks)
+    _, crowded, preempted = run(alone + 1, asks)      # room for one request's worst case and a page
+    assert crowded == roomy and any(preempted[1:]), preempted                  # a constrained one was preempted
+    for (text, grammar), out in zip(asks, roomy):
+        body = tok.decode([t for t in out if t not in tok.eog_ids])
+        if grammar is None:
+            assert out == run(64, [(text, None)])[1][0]
+        elif grammar.kind == "lark":
+            assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}\.", body) and out[-1] in tok.eog_ids, body
+        else:
+            jsonschema.validate(json.loads(body), PERSON)
 
 
 # ---- the benchmark's page -------------------------------------------------------------------------
