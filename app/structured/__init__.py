@@ -23,6 +23,18 @@ call, or the response_format's JSON when there is one):
     {"type": "function", "function": {"name": F}}    start: one call of F
     calls      call ("\\n" call)*  (parallel_tool_calls, the default)  or  call
     call       {"name": one of the tools, "arguments": that tool's `parameters`}
+
+A server uses it so (ll: common.constrain.ll_tokenizer(engine.tokenizer, n_vocab), built once):
+
+    request = structured(body, ll, tool_form(tokenizer), chat)   # StructuredError: 400, e.param
+    prompt  = render_prompt(tokenizer, body["messages"], request)   # chat; parse_special=True
+    sampler = Sampler(params, constraint=Constraint(request.grammar, ll))   # if request.grammar
+              (n > 1: each other choice's constraint a fork() of the first's; a preempted
+              request keeps its sampler, so its constraint keeps its place)
+    before each step: fill_masks(the running rows' constraints)   # optional: all masks at once
+    the reply's text: its tokens' pieces as they are (a StreamDecoder's text, not decode()'s)
+    content, tool_calls = request.parse(text)    # finish_reason "tool_calls" when there are calls
+    streaming: calls = request.stream(); calls.push(piece) -> deltas; calls.finish() at the end
 """
 
 from app.structured.calls import ToolCallStream, parse_reply
