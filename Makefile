@@ -20,7 +20,8 @@ name   ?= smollm2
 args   ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup model vocab test test-all run bench report lessons baseline llama-cpp notebooks setup-cuda clean
+
+.PHONY: help setup model vocab test test-all test-avx2 run bench report lessons baseline llama-cpp notebooks setup-cuda clean
 
 help:  ## list the targets and the stages
 	@echo "usage: make TARGET [stage=NAME prompt=TEXT n=N model=PATH name=MODEL]"
@@ -49,9 +50,17 @@ model: $(STAMP)  ## fetch a model: name=smollm2 (default) | tinyllama-synthetic 
 
 vocab: $(VOCAB_STAMP)  ## fetch llama.cpp's vocab-only GGUF files (tokenizer tests)
 
-test: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## lint, then the test suite (fast tests; GPU tests skip, saying why)
+test: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## lint, the test suite (fast tests; GPU tests skip, saying why), then test-avx2
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -rfEsx tests $(args)
+	@$(MAKE) --no-print-directory test-avx2
+
+# The vector kernels choose their instructions by CPU feature (stages/kernels/vector_ir.py): this runs
+# their checks (marker isa_paths) compiled for an AVX2-only CPU, the path a CPU without AVX-512 or VNNI
+# takes, whatever CPU runs the tests. An empty NUMBA_CPU_FEATURES: that CPU's features, not this one's.
+AVX2_CPU ?= haswell
+test-avx2: $(STAMP) $(MODEL_FILE)  ## the vector kernels' checks again, compiled for an AVX2-only CPU (haswell)
+	NUMBA_CPU_NAME=$(AVX2_CPU) NUMBA_CPU_FEATURES= $(PY) -m pytest -q -rfEsx -m isa_paths tests
 
 test-all: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## the test suite including the slow tests
 	$(VENV)/bin/ruff check .

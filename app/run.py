@@ -279,12 +279,13 @@ def cmd_run(args):
     mode = spec_mode(args)
     grammar = constraint_grammar(args)
     g = GGUFFile(resolve(args.model))           # opened once: tokenized and checked, then loaded
+    n_vocab = LlamaConfig.from_gguf(g).n_vocab  # the model's shape first, then its vocabulary
     vocabulary = Tokenizer.from_gguf(g)
     if not args.chat:
         prompt, n_predict = check_prompt_fits(args, stage, g, vocabulary)
     constraint = None
     if grammar is not None:                     # compiled for this vocabulary before the weights load
-        ll = ll_tokenizer(vocabulary, LlamaConfig.from_gguf(g).n_vocab)
+        ll = ll_tokenizer(vocabulary, n_vocab)
         constraint = Constraint(grammar.checked(ll), ll)
     draft = load_draft(args, stage, g) if mode == "draft" else None
     engine = load(stage, g, n_ctx=args.ctx_size, threads=args.threads, progress=lead)

@@ -121,6 +121,7 @@ def expected(q, d, s, raw, ggml_type, shape):
     return y, np.abs(xq) @ np.abs(w64).T
 
 
+@pytest.mark.isa_paths
 @pytest.mark.parametrize("ggml_type", INT_TYPES, ids=lambda t: t.name)
 def test_integer_kernels_on_random_blocks(ggml_type):
     """matvec_int8 against float64 on random blocks (every byte random but the float16 scales),
@@ -152,6 +153,7 @@ def _random_case(ggml_type, n_rows, seed):
     return (q[0], d[0], s[0], sums[0], raw), scale[0]
 
 
+@pytest.mark.isa_paths
 def test_the_isa_probe_is_llvms_view_of_the_cpu():
     """named_isa() (from /proc/cpuinfo's flags, common/cpu.py) says what LLVM's own view of this
     CPU says (tests/util.py expected_isa): the tests below skip by LLVM's view, so a probe that
@@ -193,6 +195,7 @@ def _same_sums(got, want, scale):
     return np.array_equal(got, want) or (np.abs(got - want) / np.maximum(scale, 1e-30)).max() < 1e-6
 
 
+@pytest.mark.isa_paths
 @pytest.mark.skipif(expected_isa() is None, reason=str(NO_NAMED))
 @pytest.mark.parametrize("ggml_type", INT_TYPES, ids=lambda t: t.name)
 def test_named_kernels_equal_the_loops(ggml_type):
@@ -241,6 +244,7 @@ def _named_rows(ggml_type):
     return rows
 
 
+@pytest.mark.isa_paths
 @pytest.mark.skipif(expected_isa() is None, reason=str(NO_NAMED))
 @pytest.mark.parametrize("ggml_type", NAMED_TYPES, ids=lambda t: t.name)
 def test_named_instructions_in_the_assembly(ggml_type):
@@ -365,6 +369,7 @@ def q8_distance(engine, path, tokens, split):
 
 @pytest.mark.parametrize("types, split", [(EVERY_INT8_TYPE, 1), (NO_Q8_1_TYPE, 8)],
                          ids=["every-type-decode", "no-Q8_1-prefill-and-decode"])
+@pytest.mark.isa_paths
 def test_tiny_model_is_the_q8_reference(tmp_path, types, split):
     """The tiny model of the eight types with integer kernels (F16/BF16 kept float), against
     the float64 forward that rounds every activation row to ggml's 8-bit blocks (common/

@@ -43,6 +43,7 @@ def test_unpack_gives_the_files_bytes_back(ggml_type):
     assert not np.array_equal(packed[:raw.nbytes], raw.reshape(-1))          # it did move the bytes
 
 
+@pytest.mark.isa_paths
 @needs_isa
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_every_type_against_the_int8_loops(ggml_type):
@@ -59,6 +60,7 @@ def test_every_type_against_the_int8_loops(ggml_type):
         assert np.isfinite(runs[0]).all() and err.max() < 2e-6, f"{ggml_type.name} M={M}: {err.max():.2e}"
 
 
+@pytest.mark.isa_paths
 @needs_isa
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(ggml_type):
@@ -113,6 +115,7 @@ def tiny_path(tmp_path_factory):
                              "attn_output": GGMLType.Q4_0, "ffn_up": GGMLType.Q4_1, "output": GGMLType.Q6_K})
 
 
+@pytest.mark.isa_paths
 @needs_isa
 def test_tiny_model_of_every_type_against_the_reference(tiny_path):
     """Every integer type in the layers, a float one among them (attn_v F16, left as the file has
@@ -162,6 +165,7 @@ def crowd_differences(engine, prompts, crowds):
     return bad
 
 
+@pytest.mark.isa_paths
 @needs_isa
 def test_batch_invariance_with_a_negative_control(tiny_path):
     """A sequence's logits in a batched step (one compiled call, each row over its own pages) are
