@@ -59,7 +59,7 @@ from app.measure import (
 from app.measure.bench import BENCH_TEXT, add_context  # noqa: E402
 from app.measure.local_server import free_port, wait_ready  # noqa: E402
 from app.models import DEFAULT_MODEL, resolve  # noqa: E402
-from app.serve.server import serving_stage  # noqa: E402
+from app.serve.command import serving_stage  # noqa: E402
 from common.cpu import physical_cores  # noqa: E402
 from common.gguf import GGUFFile  # noqa: E402
 from common.model import LlamaConfig, flops_per_token  # noqa: E402
@@ -413,7 +413,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-m", "--model", default=str(DEFAULT_MODEL.path), help="GGUF file or model name")
     p.add_argument("--stage", default="fastest",
-                   help="our server's stage (default: the one `serve` picks, app/serve/server.py)")
+                   help="our server's stage (default: the one `serve` picks, app/serve/command.py)")
     p.add_argument("--clients", default="1,2,4,8,16,32", help="concurrency levels (default: %(default)s)")
     p.add_argument("--requests", type=int, default=4, help="requests per client per level (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")

@@ -306,7 +306,7 @@ def main(argv=None) -> int:
         p.error("--seconds, --max-requests and --clients must be positive")
     from tqdm import tqdm
 
-    from app.serve.server import serving_stage
+    from app.serve.command import serving_stage
     args.model = resolve(args.model)
     args.stage = serving_stage(args.stage)
     log = Path(tempfile.mkdtemp(prefix="soak-")) / "server.log"

@@ -627,7 +627,7 @@ def test_serve_picks_the_stage_run_picks_among_those_that_can_serve(monkeypatch)
     recorded here, else the last CPU stage), restricted to CPU stages with a KV cache; a
     stage without one is refused by name."""
     from app import run
-    from app.serve.server import serving_stage
+    from app.serve.command import serving_stage
     from stages import StageError, info
     picked = serving_stage("fastest")
     assert info(picked).kv_cache and not info(picked).gpu and picked == run.fastest_stage(serving=True)

@@ -1,4 +1,4 @@
-"""The HTTP server (app/serve/server.py) over StubEngine, in this process: OpenAI's fields and
+"""The HTTP server (app/serve/routes.py, server.py) over StubEngine, in this process: OpenAI's fields and
 shapes through the official `openai` client, llama-server's /tokenize and /detokenize, /metrics
 through prometheus-client's own parser, the operator's switches (API key, CORS, body limit,
 time limit, draining), a failing engine step, and the text pieces (stop strings, log-probability
@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from app.serve.api import token_string
+from app.serve.replies import token_string
 from app.serve.text import StopMatcher, TextStream
 from tests.stub_engine import StubServer
 
@@ -443,17 +443,17 @@ def test_the_drain_waits_for_the_running_until_its_deadline_and_a_second_signal_
     import signal
     import threading
 
-    from app.serve.scheduler import Request
-    from app.serve.server import Drain
+    from app.serve.command import Drain
+    from app.serve.sequence import Ask, Sequence
     with StubServer(default_model_path, delay=0.01) as s:
         alive = threading.Thread(target=time.sleep, args=(30,), daemon=True)
         alive.start()
         drain = Drain(s.server, alive, timeout=0.6)
         assert drain.keep_going(), "serving: go on"
-        long = Request(prompt=[1, 2], max_tokens=500)
-        s.scheduler.submit(long)
+        long = Sequence(Ask([1, 2], 500))
+        s.loop.submit(long)
         deadline = time.time() + 10
-        while not s.scheduler.stats()["running"] and time.time() < deadline:
+        while not s.loop.stats()["running"] and time.time() < deadline:
             time.sleep(0.01)
         drain.signalled(signal.SIGTERM, None)
         assert s.server.draining and drain.keep_going(), "draining with a request running: go on"
@@ -463,6 +463,6 @@ def test_the_drain_waits_for_the_running_until_its_deadline_and_a_second_signal_
         assert drain.keep_going()
         drain.signalled(signal.SIGTERM, None)                # the second signal
         assert not drain.keep_going()
-        s.scheduler.cancel(long)
+        s.loop.cancel(long)
         settled(s)
         assert not Drain(s.server, alive, timeout=60).keep_going(), "draining and nothing left: stop at once"
