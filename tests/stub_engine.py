@@ -99,16 +99,16 @@ def free_port() -> int:
 
 class StubServer:
     """`with StubServer(model_path, **settings) as srv:` the server at srv.url, its engine
-    (StubEngine: next tokens among ordinary ids 300..2999 of the real vocabulary), engine loop
-    and Server; the engine loop and uvicorn each in a thread of their own."""
+    (StubEngine: next tokens among ids low..high-1 of the real vocabulary, by default ordinary
+    ones), engine loop and Server; the engine loop and uvicorn each in a thread of their own."""
 
     def __init__(self, model_path, n_ctx: int = 512, kv_pages: int = 64, max_batch: int = 8, max_queue: int = 8,
                  prefill_chunk: int = 64, fail_on: int | None = None, delay: float = 0.0, eos: int | None = None,
-                 eos_at: int = 0, **settings):
+                 eos_at: int = 0, low: int = 300, high: int = 3000, **settings):
         from app.serve.engine_loop import EngineLoop
         from app.serve.server import Server
         tok = tokenizer(str(model_path))
-        self.engine = StubEngine(n_vocab=tok.n_vocab, low=300, high=3000, n_ctx=n_ctx, fail_on=fail_on,
+        self.engine = StubEngine(n_vocab=tok.n_vocab, low=low, high=high, n_ctx=n_ctx, fail_on=fail_on,
                                  delay=delay, eos=eos, eos_at=eos_at)
         self.engine.tokenizer = tok
         self.engine.gguf = type("gguf", (), {"path": str(model_path)})()

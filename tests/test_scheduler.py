@@ -32,7 +32,7 @@ import pytest
 from app.serve.engine_loop import EngineLoop
 from app.serve.scheduler import QueueFull, Scheduler
 from app.serve.sequence import Ask, Sequence
-from common.generate import ContextError, Sampler, SamplingParams, log_softmax
+from common.generate import ContextError, Sampler, SamplingParams, log_softmax, token_logprobs
 from tests.stub_engine import StubEngine
 
 MAX_TOKENS = 60
@@ -390,6 +390,37 @@ def test_the_prompts_log_probabilities_cover_every_position():
     assert prompt_scores(ScoresFromCache) != []
 
 
+class SentWithTheLastToken(Sequence):
+    """A planted bug (the rule this code had): the prompt's scores sent only with the row of
+    its last token."""
+
+    def score(self, logits, start):
+        super().score(logits, start)
+        return start + len(logits) >= len(self.ask.prompt)
+
+
+def scores_at_a_chunk_boundary(sequence) -> list[str]:
+    """A 17-token prompt prefilled in chunks of 8: they end at 8 and 16, its last position but
+    one, so its 17 scores are all known before its last token is computed (which then comes as
+    a decoding row). Asked with max_tokens 0 and 3: 'prompt', then 'done', or 3 tokens and
+    'done'."""
+    problems = []
+    for max_tokens in (0, 3):
+        loop, got = EngineLoop(StubEngine(), kv_pages=16, prefill_chunk=8), []
+        loop.submit(sequence(Ask(list(range(1, 18)), max_tokens, prompt_logprobs=1),
+                             on_event=lambda k, v: got.append(k if k != "prompt" else (k, len(v)))))
+        drain(loop)
+        want = [("prompt", 17)] + ["token"] * max_tokens + ["done"]
+        if got != want:
+            problems.append(f"max_tokens {max_tokens}: events {got}, not {want}")
+    return problems
+
+
+def test_the_prompts_scores_are_sent_when_a_chunk_ends_at_its_last_position_but_one():
+    assert scores_at_a_chunk_boundary(Sequence) == []
+    assert scores_at_a_chunk_boundary(SentWithTheLastToken) != []
+
+
 def test_what_can_never_fit_the_pool_is_refused_before_queueing():
     loop = EngineLoop(StubEngine(), kv_pages=4)
     loop.scheduler.check(10, 54)                                       # 64 positions: 4 pages
@@ -398,3 +429,130 @@ def test_what_can_never_fit_the_pool_is_refused_before_queueing():
     with pytest.raises(ValueError, match="max_tokens"):
         loop.scheduler.check(10, 0)
     loop.scheduler.check(10, 0, score_only=True)
+
+
+# ---- preempted while its choices wait, or while its prompt is scored ----------------------------
+
+class DropsWaitingChoices(Scheduler):
+    """A planted bug: preemption that forgets the choices still waiting to fork the sequence."""
+
+    def _preempt(self, seq):
+        seq.followers = []
+        super()._preempt(seq)
+
+
+class ScoresAgain(Sequence):
+    """A planted bug: a prompt chunk computed again after a preemption is scored again."""
+
+    def score(self, logits, start):
+        if not self.prompt_scores:
+            self.prompt_scores.append(None)
+        for i, pos in enumerate(range(start, start + len(logits))):
+            if pos + 1 < len(self.ask.prompt):
+                self.prompt_scores.append(token_logprobs(logits[i], self.ask.prompt[pos + 1], self.ask.prompt_logprobs))
+        return len(self.prompt_scores) >= len(self.ask.prompt)
+
+
+def crowded_as_alone(kind: str, scheduler=Scheduler, sequence=Sequence) -> list[str]:
+    """12 requests, each of 2 seeded choices (kind "n2") or asking for its prompt's
+    log-probabilities (kind "echo"), in a pool a third of their worst case, prefilled in
+    chunks of 4: every choice's events (tokens, prompt scores, end) equal what it gets with
+    room for all, and the case this is about happened: a sequence preempted while its choices
+    waited to fork it (n2), or before its prompt was all scored (echo)."""
+    ps, n = prompts(), 24
+
+    class Watched(scheduler):
+        caught = 0
+
+        def _preempt(self, seq):
+            Watched.caught += bool(seq.followers) if kind == "n2" else seq.scoring
+            super()._preempt(seq)
+
+    def run(pages, cls):
+        loop = EngineLoop(StubEngine(), kv_pages=pages, max_batch=24, max_queue=24, prefill_chunk=4, scheduler=cls)
+        events = []
+
+        def listener(seen):
+            return lambda k, v: seen.append((k, v.id if k == "token" else v))
+        for i, p in enumerate(ps):
+            params = SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=i)
+            group = []
+            for c in range(2 if kind == "n2" else 1):
+                events.append([])
+                group.append(sequence(Ask(p, n, params, choice=c, prompt_logprobs=2 if kind == "echo" else None),
+                                      on_event=listener(events[-1])))
+            loop.submit(group[0], group[1:])
+        try:
+            drain(loop, limit=5000)
+        except AssertionError as e:
+            return loop, events, [str(e)]
+        return loop, events, []
+
+    _, alone, problems = run(worst_case_pages(ps, n) * 2, Scheduler)
+    tight, crowd, more = run(worst_case_pages(ps, n) // 3, Watched)
+    problems += more
+    if not Watched.caught:
+        problems.append(f"the scene: no sequence preempted while {'its choices waited' if kind == 'n2' else 'scored'}")
+    problems += [f"choice {i}: its events differ from those it has with room for all"
+                 for i, (a, b) in enumerate(zip(alone, crowd)) if a != b]
+    if (tight.pool.n_free, tight.pool.reserved) != (tight.pool.n_pages, 0):
+        problems.append("pages not returned")
+    return problems
+
+
+@pytest.mark.parametrize("kind", ["n2", "echo"])
+def test_preemption_keeps_waiting_choices_and_scores_each_prompt_position_once(kind):
+    assert crowded_as_alone(kind) == []
+
+
+def test_the_preemption_checks_flag_lost_choices_and_prompts_scored_twice():
+    assert crowded_as_alone("n2", scheduler=DropsWaitingChoices) != []
+    assert crowded_as_alone("echo", sequence=ScoresAgain) != []
+
+
+# ---- the scheduler alone: steps planned with no engine -------------------------------------------
+
+def simulate(scheduler, steps: int) -> list[list[tuple[int, int]]]:
+    """Plan `steps` steps with no engine: each planned row's tokens are taken as computed (the
+    pages take them), and a sequence whose context is then complete gets a made-up next token.
+    The plans, as [(sequence id, rows)]."""
+    plans = []
+    for _ in range(steps):
+        plan = scheduler.schedule()
+        plans.append([(seq.id, n) for seq, n in plan.rows])
+        for seq, n in plan.rows:
+            seg = seq.segment(n)
+            seq.table.append_slots(seg.tokens)
+            if seg.logits:
+                seq.generated.append(7)
+    return plans
+
+
+class WholePrompts(Scheduler):
+    """A planted bug: a prompt prefilled whole, the budget ignored."""
+
+    def _rows(self, seqs, budget):
+        return super()._rows(seqs, 10 ** 9)
+
+
+def prefill_beside_decoding(cls) -> list[str]:
+    """Three sequences decoding, then a 100-token prompt arrives, prefill_chunk 16: each step
+    plans the three decoding rows and 16 of the prompt's, until the prompt is in (7 steps), then
+    four decoding rows."""
+    from common.paged_kv import PagePool
+    sched = cls(PagePool(1, 4, 64), n_ctx=4096, n_ctx_train=4096, max_batch=8, max_queue=8, prefill_chunk=16)
+    decoding = [Sequence(Ask([1, 2, 3], 50)) for _ in range(3)]
+    for seq in decoding:
+        sched.add(seq)
+    simulate(sched, 2)                                    # prefilled, decoding
+    long = Sequence(Ask(list(range(100)), 5))
+    sched.add(long)
+    plans = simulate(sched, 8)
+    d = [(seq.id, 1) for seq in decoding]
+    want = [d + [(long.id, 16)]] * 6 + [d + [(long.id, 4)]] + [d + [(long.id, 1)]]
+    return [] if plans == want else [f"planned {plans}"]
+
+
+def test_the_scheduler_plans_prompt_chunks_beside_the_decoding_rows_without_an_engine():
+    assert prefill_beside_decoding(Scheduler) == []
+    assert prefill_beside_decoding(WholePrompts) != []

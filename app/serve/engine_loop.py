@@ -91,10 +91,10 @@ class EngineLoop:
             return dict(self._snapshot, waiting=self.scheduler.n_waiting())
 
     def wait_for(self, predicate, timeout: float | None = None) -> bool:
-        """Block until predicate(stats()) holds, checked at every published step and every
-        submission; False if `timeout` seconds pass first."""
+        """Block until predicate(view()) holds, checked at every published step, submission and
+        cancellation; False if `timeout` seconds pass first."""
         with self.lock:
-            return self.lock.wait_for(lambda: predicate(self.stats()), timeout)
+            return self.lock.wait_for(lambda: predicate(self.view()), timeout)
 
     def stop(self):
         """Ask run() to return (from any thread) at the next step boundary."""
@@ -181,7 +181,7 @@ class EngineLoop:
         for seg, (seq, _) in zip(segments, plan.rows):
             n = len(seg.tokens) if seg.all_logits else int(seg.logits)
             if n:
-                self._settle(seq, logits[row:row + n], len(seg.table) - len(seg.tokens))
+                self._settle(seq, logits[row:row + n], len(seg.table) - len(seg.tokens), seg.logits)
             row += n
         self.steps += 1
         self.rows += batch.n_rows
@@ -191,17 +191,18 @@ class EngineLoop:
         self._publish()
         return batch.n_rows
 
-    def _settle(self, seq: Sequence, logits: np.ndarray, start: int):
+    def _settle(self, seq: Sequence, logits: np.ndarray, start: int, complete: bool):
         """A step's logits for seq: rows for positions start.. (every row of a scored chunk,
-        else the last). Scores the prompt (echo); once the context is complete, its waiting
-        choices fork it and each draws its next token from the last row."""
-        if seq.scoring:
-            if not seq.score(logits, start):
-                return
+        else the last). Scores the prompt (echo), sent once every position is; once the
+        context is complete (`complete`: the last row is its end), its waiting choices fork it
+        and each draws its next token from the last row."""
+        if seq.scoring and seq.score(logits, start):
             seq.emit("prompt", seq.prompt_scores)
             if seq.ask.max_tokens == 0:                  # the prompt's scores were all it asked for
                 self._finish(seq, "done", "length")
                 return
+        if not complete:
+            return
         for s in (seq, *seq.fork()):
             s.emit("token", s.draw(logits[-1]))
             self.generated_tokens += 1

@@ -282,9 +282,9 @@ class Routes:
             yield f"data: {json.dumps(body)}\n\n"
         finally:
             self.server.active -= 1
+            await updates.aclose()
             if not counted:
                 self.metrics.outcome("cancelled")
-            await updates.aclose()
 
     async def whole(self, request: HTTPRequest, job: Job, reply: Reply, seqs, updates):
         """The answer at once; a client that disconnects while it waits cancels the request."""
@@ -313,6 +313,7 @@ class Routes:
                 gone.cancel()
                 if not work.done():                 # the client left: cancel, free its pages
                     work.cancel()
+                    await asyncio.wait({work})      # until `updates` has stopped (and cancelled)
                 await updates.aclose()
             if work.cancelled():
                 return self.refuse(499, "the client disconnected", "cancelled")

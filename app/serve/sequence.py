@@ -103,14 +103,15 @@ class Sequence:
     def score(self, logits: np.ndarray, start: int) -> bool:
         """Record its prompt's log-probabilities from the rows for positions start.. (entry j
         scores prompt token j from position j - 1's logits; the first has nothing before it).
-        True once every prompt position is scored."""
+        True once every prompt position is scored: after the row of the prompt's last position
+        but one, which may come before the prompt's last token is computed."""
         prompt, scores = self.ask.prompt, self.prompt_scores
         if not scores:
             scores.append(None)
         for i, pos in enumerate(range(start, start + len(logits))):
             if pos + 1 == len(scores) and pos + 1 < len(prompt):    # a chunk recomputed adds nothing twice
                 scores.append(token_logprobs(logits[i], prompt[pos + 1], self.ask.prompt_logprobs))
-        return start + len(logits) >= len(prompt)
+        return len(scores) == len(prompt)
 
     def draw(self, logits: np.ndarray) -> Sampled:
         """Its next token from its row's logits [n_vocab], added to what it generated."""

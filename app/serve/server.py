@@ -90,7 +90,7 @@ class Server:
         ("text", choice, text, entries) as tokens arrive and ("done", choice, finish_reason,
         None) once per choice. Raises EngineError, RequestTimeout. Cancels what is left when
         the consumer stops early (a client gone)."""
-        streams = [TextStream(self.tokenizer, job.stops, self.special) for _ in seqs]
+        streams = [TextStream(self.tokenizer, job.stops, self.special, end_ids=job.stop_ids) for _ in seqs]
         done = [False] * len(seqs)
         deadline = None if self.request_timeout is None else t0 + self.request_timeout
         try:
@@ -114,8 +114,6 @@ class Server:
                     yield "done", i, value, None
                     continue
                 self._timed(i, last, t0)
-                if value.id in job.stop_ids:        # end of generation: no text
-                    continue
                 text, entries, hit = streams[i].push(value.id, value.logprob, value.top)
                 if text or entries:
                     yield "text", i, text, entries
