@@ -15,8 +15,8 @@ A request cancelled (its client went away, or a stop string matched) gives its p
 the next step boundary. If a step fails, the sequences in it end with an error and their pages
 are returned; the others carry on.
 
-`forward` is the one call that runs a batch (engine.forward_batch): replace it with one that
-first hands the batch to other workers, and the rest of the loop is unchanged.
+`forward` is the one call that runs a batch (engine.forward_batch by default): give the loop
+one that first hands the batch to other workers, and the rest of the loop is unchanged.
 """
 
 from __future__ import annotations
@@ -42,16 +42,17 @@ class EngineLoop:
     """The engine, its page pool and scheduler, and the thread that runs them (see the module
     docstring). `observer`, if given, is told of every step (`step(rows)`) and preemption
     (`preempted()`), from the engine thread. `scheduler`: the Scheduler class (tests plant
-    bugs in a subclass)."""
+    bugs in a subclass). `forward`: what runs a Batch and returns its logits rows (default:
+    engine.forward_batch)."""
 
     def __init__(self, engine, kv_pages: int, max_batch: int = 32, max_queue: int = 64, prefill_chunk: int = 64,
-                 page_size: int = PAGE_SIZE, observer=None, scheduler=Scheduler):
+                 page_size: int = PAGE_SIZE, observer=None, scheduler=Scheduler, forward=None):
         cfg = engine.config
         self.engine = engine
         self.pool = PagePool(cfg.n_layer, cfg.kv_dim, kv_pages, page_size, engine.backend.kv_dtype)
         self.scheduler = scheduler(self.pool, engine.n_ctx, cfg.n_ctx_train, max_batch=max_batch,
                                    max_queue=max_queue, prefill_chunk=prefill_chunk)
-        self.forward = engine.forward_batch
+        self.forward = forward or engine.forward_batch
         self.observer = observer
         self.lock = threading.Condition()
         self._stop = False

@@ -136,16 +136,16 @@ class Scheduler:
         return Plan(planned, preempted)
 
     def _rows(self, seqs, budget: int) -> tuple[list[tuple[Sequence, int]], int]:
-        """[(sequence, how many of its context's tokens it feeds this step)]: every decoding
-        sequence its newest token, then prompt (or recomputed context) chunks within budget;
-        and what is left of the budget."""
+        """[(sequence, how many rows it feeds this step)]: every decoding sequence its
+        decode_rows(), then prompt (or recomputed context) chunks within budget; and what is
+        left of the budget."""
         decoding, chunks = [], []
         for seq in seqs:
             if seq.table is None:                        # a choice waiting for its leader's prompt
                 continue
             pending = len(seq.context) - len(seq.table)
             if pending == 1 and not seq.scoring:
-                decoding.append((seq, 1))
+                decoding.append((seq, seq.decode_rows()))
             elif pending > 0 and budget > 0:
                 n = min(pending, budget)
                 budget -= n

@@ -14,11 +14,20 @@ step) -> done; a preempted sequence gives its pages back, keeps what it made and
 The engine loop (app/serve/engine_loop.py) moves it along; the scheduler
 (app/serve/scheduler.py) decides when.
 
-Three methods make one step of a sequence, the places where a per-sequence policy plugs in:
-`segment` (the rows it feeds this step: the tokens its pages do not hold yet), `draw` (its next
-token from its row's logits: a logits processor, such as a grammar's token mask, would be
-applied here before the sampler), and `fork` (a choice takes its leader's prompt pages: what
-else a choice copies from its leader, such as a processor's state, is copied here).
+A few small methods make one step of a sequence; they are where a per-sequence policy plugs in:
+
+    decode_rows   how many rows a decoding sequence feeds in a step (1: its newest token;
+                  speculative decoding: its newest token and k guesses)
+    segment       the tokens of those rows and which logits come back (all of them to verify
+                  guesses; the engine loop then settles the rows, and PageTable.truncate gives
+                  back the pages of the guesses refused)
+    draw          its next token from its row's logits (a logits processor, such as a
+                  grammar's token mask, goes here, before the sampler)
+    fork          a choice takes its leader's prompt pages (and whatever else a choice copies
+                  from its leader, such as a processor's state)
+
+A preempted sequence keeps `generated` and its sampler, so whatever follows from its tokens
+(a processor's state too) can be rebuilt from `context` when it is recomputed.
 """
 
 from __future__ import annotations
@@ -93,6 +102,10 @@ class Sequence:
             self.on_event(kind, value)
 
     # ---- one step ----------------------------------------------------------------------------
+    def decode_rows(self) -> int:
+        """Rows it feeds in a step once decoding: its newest token."""
+        return 1
+
     def segment(self, n: int) -> Segment:
         """Its part of a step: the next n tokens of its context that its pages do not hold yet;
         the logits of the last row once the context is complete, of every row while scoring."""

@@ -54,14 +54,14 @@ class Server:
     def submit(self, job: Job) -> tuple[list[Sequence], asyncio.Queue]:
         """Queue the job's n choices (QueueFull: the queue cannot take them); their events
         arrive on the returned asyncio queue, from the engine thread, as (choice, kind, value)."""
-        loop = asyncio.get_running_loop()
+        http_loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
         def listener(i):
             def on_event(kind, value):
                 try:
-                    loop.call_soon_threadsafe(queue.put_nowait, (i, kind, value))
-                except RuntimeError:                # the loop is closed: nobody is listening
+                    http_loop.call_soon_threadsafe(queue.put_nowait, (i, kind, value))
+                except RuntimeError:                # the asyncio loop is closed: nobody is listening
                     pass
             return on_event
 
