@@ -21,13 +21,13 @@ A few small methods make one step of a sequence; they are where a per-sequence p
     segment       the tokens of those rows and which logits come back (all of them to verify
                   guesses; the engine loop then settles the rows, and PageTable.truncate gives
                   back the pages of the guesses refused)
-    draw          its next token from its row's logits (a logits processor, such as a
-                  grammar's token mask, goes here, before the sampler)
+    draw          its next token from its row's logits, by its `sampler` (a constrained
+                  sequence's sampler carries the grammar's token mask, first in its chain)
     fork          a choice takes its leader's prompt pages (and whatever else a choice copies
-                  from its leader, such as a processor's state)
+                  from its leader, such as a fork of its constraint's state)
 
 A preempted sequence keeps `generated` and its sampler, so whatever follows from its tokens
-(a processor's state too) can be rebuilt from `context` when it is recomputed.
+(a constraint's state too) stays where it was, or can be rebuilt from `context`.
 """
 
 from __future__ import annotations
