@@ -471,14 +471,15 @@ def test_guesses_right_wrong_and_past_the_end_give_plain_constrained_text(tok, l
         assert getattr(constraint, "rolled", 0) > 0 or not ignore_eos     # tokens past the end were taken back
 
 
-# ---- in the server's batched step (app/serve/scheduler.py, as it is) -------------------------------
+# ---- in the server's batched step (app/serve/engine_loop.py, as it is) -------------------------------
 
 def test_constrained_requests_in_one_batch_through_preemption(tok, ll, engine):
     """Four requests in one batch: two under the schema, one under a Lark grammar, one free. A
     pool far too small preempts some (the scheduler keeps a preempted request's sampler, so its
     matcher keeps its place); every output is the one a roomy pool gives, the constrained ones
     valid, and the free one's text is what it has alone, beside constrained neighbours."""
-    from app.serve.scheduler import Request, Scheduler
+    from app.serve.engine_loop import EngineLoop
+    from app.serve.sequence import Ask, Sequence
     from common.paged_kv import PageTable
     n = 32
     date = 'start: DATE "."\nDATE: /[0-9]{4}-[0-9]{2}-[0-9]{2}/\n'
@@ -487,16 +488,16 @@ def test_constrained_requests_in_one_batch_through_preemption(tok, ll, engine):
                                                                      Grammar.json_schema(PERSON))]   # newer ones yield
 
     def run(pages, which):
-        sched = Scheduler(engine, kv_pages=pages, max_batch=len(which), prefill_chunk=16)
-        reqs = []
+        loop = EngineLoop(engine, kv_pages=pages, max_batch=len(which), prefill_chunk=16)
+        seqs = []
         for text, grammar in which:
-            req = Request(prompt=ids(tok, text), max_tokens=n, stop_ids=frozenset(tok.eog_ids))
-            req.sampler = Sampler(constraint=None if grammar is None else Constraint(grammar.checked(ll), ll))
-            sched.submit(req)
-            reqs.append(req)
-        while sched.running or sched.waiting:
-            sched.step()
-        return sched, [r.generated for r in reqs], [r.preemptions for r in reqs]
+            seq = Sequence(Ask(prompt=ids(tok, text), max_tokens=n, stop_ids=frozenset(tok.eog_ids)))
+            seq.sampler = Sampler(constraint=None if grammar is None else Constraint(grammar.checked(ll), ll))
+            loop.submit(seq)
+            seqs.append(seq)
+        while not loop.scheduler.idle:
+            loop.step()
+        return loop, [s.generated for s in seqs], [s.preemptions for s in seqs]
     alone = max(PageTable.pages_for(len(ids(tok, text)) + n) for text, _ in asks)
     _, roomy, _ = run(64, asks)
     _, crowded, preempted = run(alone + 1, asks)      # room for one request's worst case and a page

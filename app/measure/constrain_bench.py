@@ -8,7 +8,7 @@
               and for a tools grammar (tool_choice auto over two tools)
     batch 1   decode ms/token of a greedy reply under the schema (common/generate.py: Session),
               and of the same prompt without it for as many tokens (the engine's argmax path)
-    batch 8   the server's batched step (app/serve/scheduler.py) with 8 requests decoding: step
+    batch 8   the server's batched step (app/serve/engine_loop.py) with 8 requests decoding: step
               ms without constraints, with one per request (each draw computes its mask), and
               with the 8 masks filled at once before each step (fill_masks), the way the server
               should; only steps with all 8 decoding count
@@ -106,25 +106,25 @@ def replay_masks(engine, ll, grammar, traces: list, rng) -> dict:
 def batch_steps(engine, ll, grammar, prompt_ids: list, n: int, mode: str) -> list:
     """Step ms of the server's scheduler while all of `prompt_ids` decode. mode: plain | lazy
     (a constraint per request, each draw computes its mask) | filled (fill_masks before each step)."""
-    from app.serve.scheduler import Request, Scheduler
+    from app.serve.engine_loop import EngineLoop
+    from app.serve.sequence import Ask, Sequence
     tok = engine.tokenizer
     pages = len(prompt_ids) * (PageTable.pages_for(max(map(len, prompt_ids)) + n) + 1)
-    sched = Scheduler(engine, kv_pages=pages, max_batch=len(prompt_ids))
-    reqs = []
+    loop = EngineLoop(engine, kv_pages=pages, max_batch=len(prompt_ids))
     for ids in prompt_ids:
         stop = frozenset(tok.eog_ids) if mode != "plain" else frozenset()     # plain: all n tokens
-        req = Request(prompt=list(ids), max_tokens=n, stop_ids=stop)
+        seq = Sequence(Ask(prompt=list(ids), max_tokens=n, stop_ids=stop))
         if mode != "plain":
-            req.sampler = Sampler(constraint=Constraint(grammar, ll))
-        sched.submit(req)
-        reqs.append(req)
+            seq.sampler = Sampler(constraint=Constraint(grammar, ll))
+        loop.submit(seq)
     steps = []
-    while sched.running or sched.waiting:
-        decoding = sum(1 for r in sched.running if r.table is not None and len(r.context) - len(r.table) == 1)
+    while not loop.scheduler.idle:
+        running = loop.scheduler.running
+        decoding = sum(1 for s in running if s.table is not None and len(s.context) - len(s.table) == 1)
         t0 = time.perf_counter()
         if mode == "filled":
-            fill_masks([r.sampler.constraint for r in sched.running])
-        rows = sched.step()
+            fill_masks([s.sampler.constraint for s in running])
+        rows = loop.step()
         dt = (time.perf_counter() - t0) * 1e3
         if rows == decoding == len(prompt_ids):
             steps.append(dt)
