@@ -176,6 +176,41 @@ def test_a_batchs_masks_computed_at_once_are_each_ones_own(tok, ll):
         assert np.array_equal(c.mask(), Constraint(grammar, ll, tokens[:k]).mask()), k
 
 
+class BigEndianTerms(Constraint):
+    """WRONG, planted: reads each mask byte's bits from the top (the table's rows reversed)."""
+
+    def apply(self, logits):
+        from common.constrain import constraint
+        right = constraint.BYTE_TERMS
+        constraint.BYTE_TERMS = right[:, ::-1].copy()
+        try:
+            return super().apply(logits)
+        finally:
+            constraint.BYTE_TERMS = right
+
+
+@pytest.mark.parametrize("make", [Constraint, BigEndianTerms])
+def test_apply_puts_exactly_the_forbidden_tokens_at_minus_inf(tok, ll, make):
+    """Along a reply under the schema (masks of a few tokens, of nearly all, and of allowed and
+    forbidden ones alternating, inside a number): apply's row is np.where(allowed, logits, -inf)
+    bit for bit, and a fork's result is its own (apply writes into its constraint's buffer)."""
+    grammar = Grammar.json_schema(PERSON).checked(ll)
+    logits = np.random.default_rng(3).normal(size=tok.n_vocab).astype(np.float32)
+    c, counts, agree = make(grammar, ll), [], True
+    for t in ids(tok, ALICE) + [tok.eos_id]:
+        want = np.where(c.allowed(), logits, -np.inf).astype(np.float32)
+        agree &= np.array_equal(c.apply(logits), want)
+        counts.append(int(c.allowed().sum()))
+        c.consume(t)
+    assert min(counts) <= 2 and max(counts) > tok.n_vocab * 0.9 and any(100 < n < tok.n_vocab // 2 for n in counts)
+    start = make(grammar, ll)
+    twin = start.fork()
+    twin.consume(ids(tok, "{")[0])
+    first = start.apply(logits)
+    assert not np.array_equal(first, twin.apply(logits)) and np.array_equal(first, start.apply(logits))
+    assert agree == (make is Constraint)
+
+
 def test_a_token_the_grammar_refuses_is_an_error_that_leaves_the_state(tok, ll):
     c = Constraint(Grammar.lark(COLORS).checked(ll), ll)
     before = c.mask().copy()
