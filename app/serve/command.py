@@ -28,8 +28,9 @@ DRAIN_TIMEOUT_S = 30.0
 
 def build(stage: str, model, ctx_size=None, threads=None, max_batch=32, kv_pages=512, max_queue=64,
           prefill_chunk=64, progress=False, **settings) -> Server:
-    """Load the stage and warm its kernels up (single and batched), in the calling thread:
-    the thread that must then run the engine loop (server.loop.run()). settings: the
+    """Load the stage and warm its kernels up (single and batched), and hand the vocabulary to
+    llguidance (Server.ll), in the calling thread: the thread that must then run the engine
+    loop (server.loop.run()). settings: the
     Server's (api_key, max_body_bytes, request_timeout, special, cors_origins)."""
     from stages import load
     s = info(stage)
@@ -45,7 +46,9 @@ def build(stage: str, model, ctx_size=None, threads=None, max_batch=32, kv_pages
         pass
     loop.reset_counters()
     model_id = engine.gguf.path.split("/")[-1].removesuffix(".gguf")
-    return Server(engine, stage, loop, model_id, **settings)
+    server = Server(engine, stage, loop, model_id, **settings)
+    server.ll                                           # llguidance's vocabulary, built and checked now:
+    return server                                       # a first request under a grammar would wait for it
 
 
 def serving_stage(name: str) -> str:
@@ -135,7 +138,9 @@ def add_commands(sub):
         description="Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions "
                     "(streamed or not), /v1/models, and llama-server's /tokenize, /detokenize; /health, "
                     "/metrics (Prometheus), and a page at / that chats and shows the engine live. Requests "
-                    "share forward steps (continuous batching) and a pool of KV pages."))
+                    "share forward steps (continuous batching) and a pool of KV pages. response_format "
+                    "(json_object, json_schema) and tools (tool_choice, parallel_tool_calls) constrain the "
+                    "reply with llguidance, each request its own grammar in the shared step."))
     add_model_args(p)
     p.set_defaults(model=str(DEFAULT_MODEL.path), stage="fastest", func=cmd_serve)
     for action in p._actions:

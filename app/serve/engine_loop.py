@@ -2,8 +2,13 @@
 sequences join and leave.
 
     step:  end the cancelled -> plan (app/serve/scheduler.py) -> build the batch
-           (common/batch.py) -> run it (`forward`) -> settle each sequence's logits:
-           score its prompt (echo), fork its choices, draw its next token, end it
+           (common/batch.py) -> run it (`forward`) -> the grammars' masks of the rows that
+           draw, all at once (`_fill_masks`) -> settle each sequence's logits: score its
+           prompt (echo), fork its choices, draw its next token, end it
+
+A sequence under a grammar carries its matcher in its sampler (common/constrain/: Constraint);
+the masks of a step's constrained rows are computed together, on llguidance's threads, before
+any row draws; a step without a constrained row does none of it.
 
 The loop owns what is shared between threads: its lock (a Condition), held whenever the
 scheduler's queues change, so another thread may submit, cancel and read the counters at any
@@ -31,6 +36,7 @@ import numpy as np
 from app.serve.scheduler import Scheduler
 from app.serve.sequence import Sequence
 from common.batch import Batch
+from common.constrain import fill_masks
 from common.paged_kv import PAGE_SIZE, PagePool
 
 POLL_S = 0.5          # run(): how often an idle loop asks keep_going()
@@ -178,6 +184,7 @@ class EngineLoop:
             traceback.print_exc()
             self._publish()
             return 0
+        self._fill_masks(segments, plan.rows)
         row = 0
         for seg, (seq, _) in zip(segments, plan.rows):
             n = len(seg.tokens) if seg.all_logits else int(seg.logits)
@@ -191,6 +198,15 @@ class EngineLoop:
             self.observer.step(batch.n_rows)
         self._publish()
         return batch.n_rows
+
+    @staticmethod
+    def _fill_masks(segments, rows):
+        """The masks of the constrained sequences about to draw (their context complete), in one
+        call (fill_masks); nothing when none is constrained."""
+        constraints = [seq.sampler.constraint for seg, (seq, _) in zip(segments, rows)
+                       if seg.logits and seq.sampler.constraint is not None]
+        if constraints:
+            fill_masks(constraints)
 
     def _settle(self, seq: Sequence, logits: np.ndarray, start: int, complete: bool):
         """A step's logits for seq: rows for positions start.. (every row of a scored chunk,
