@@ -148,19 +148,23 @@ class FusedBackend(Int8Backend):
 
     def _run(self, model, tokens, cache: Cache, rows: Rows):
         """The layer stack over the rows `tokens` [M]: h [M, D] before the final norm."""
+        h = self.embed(model.token_embd, tokens)
+        self._stack(run_layers, model, h, cache, rows)
+        return h
+
+    def _stack(self, kernel, model, h, cache: Cache, rows: Rows, *span):
+        """One compiled call on h: run_layers, or run_phases and its Span (layer_stack.py)."""
         if self._plan is None:
             self._plan = _Plan(model, self.layout_of)
-        h = self.embed(model.token_embd, tokens)
         nt = self._threads()
         sync = new_sync()
         t0 = time.perf_counter()
-        run_layers(h, self._plan.weights, cache, rows, self._dims(model), sync, nt)
+        kernel(h, self._plan.weights, cache, rows, self._dims(model), sync, nt, *span)
         self.kernel_seconds += time.perf_counter() - t0
         self.barriers = int(sync[0]) // nt
         if sync[1]:
             raise RuntimeError(f"the {self.name} stage's {nt} threads did not all run (a barrier gave up): "
                                "numba's threading layer must give each parallel iteration its own thread")
-        return h
 
     def forward_layers(self, model, tokens, start_pos: int):
         """One sequence: its arena is one page of n_ctx positions, row m at start_pos + m."""

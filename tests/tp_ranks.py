@@ -6,6 +6,8 @@ numba), in a scenario that tests a failure path: `python tests/tp_ranks.py SCENA
     leave       rank 1 exits with an error before its first all-reduce
     kill        rank 1 is killed (SIGKILL) before its first all-reduce
     no-start    rank 1 exits before MPI starts
+    transport   every rank reaches the all-reduce and none sees it complete (a planted transport
+                failure: the collective's request never completes; the notices still pass)
 """
 
 from __future__ import annotations
@@ -20,6 +22,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stages.parallel import ranks as R  # noqa: E402
+
+
+class StuckCollectives:
+    """The communicator, but a collective it starts never completes (point-to-point still works)."""
+
+    class Never:
+        def Test(self):
+            return False
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def Iallreduce(self, *args, **kwargs):
+        return self.Never()
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
 
 
 def main(scenario: str) -> int:
@@ -40,6 +59,8 @@ def main(scenario: str) -> int:
             return 2
         elif scenario == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+    if scenario == "transport":
+        w.comm = StuckCollectives(w.comm)
     x = np.full(5, w.rank + 1.0, dtype=np.float32)
     w.allreduce(x, ("the all-reduce after layer {}'s attention", 0))
     g = w.allgather(np.full(w.rank + 1, float(w.rank), np.float32), [r + 1 for r in range(w.size)], "the gather")

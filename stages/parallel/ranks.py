@@ -254,7 +254,8 @@ class Ranks:
         if silent:
             who = ", ".join(map(self.describe, silent))
             self._end(f"{who} did not reach {_text(where)} (collective {self.seq}) within {limit:g} s: "
-                      f"{'it' if len(silent) == 1 else 'they'} died or stalled ({TIMEOUT_ENV} sets the deadline)",
+                      f"{'it' if len(silent) == 1 else 'they'} died or stalled, or the network to "
+                      f"{'it' if len(silent) == 1 else 'them'} failed ({TIMEOUT_ENV} sets the deadline)",
                       culprits=silent)
         self._end(f"{_text(where)} (collective {self.seq}) did not complete within {limit:g} s although every "
                   f"rank reached it: the MPI's transport between the ranks failed", culprits=[])
@@ -270,12 +271,18 @@ class Ranks:
         self.comm.Abort(1)
 
     def _leave(self):
-        """At exit: tell the others this rank is gone, then end MPI here."""
+        """At exit: tell the others this rank is gone, then end MPI here. At the end of a run every
+        rank leaves: each reads the others' notices first (for up to GRACE_S), since a message
+        left unread is an error at MPI_Finalize over some transports (UCX over TCP)."""
         MPI = self.MPI
         if MPI.Is_finalized():
             return
         if self.size > 1:
             self._notify(TAG_LEAVING, self.rank, 1.0)
+            deadline = time.monotonic() + GRACE_S
+            while len(self.gone) < self.size - 1 and time.monotonic() < deadline:
+                self._read_notices()
+                time.sleep(0.001)
         MPI.Finalize()
 
 
