@@ -5,41 +5,34 @@ is split across devices (Megatron-LM's tensor parallelism: vLLM over NCCL, llama
 backend), and every layer pays for it in communication. Here the devices are processes started
 by `mpiexec -n N`, on one machine's cores or on several machines listed in a host file:
 
-* Column-parallel: a rank's rows of Wq, Wk, Wv are its heads (whole KV groups, with their query
-  heads), its rows of W_gate and W_up its share of the hidden units (stages/parallel/split.py):
-  its attention reads its own heads' K/V cache and nothing of the others'.
-* Row-parallel: Wo and W_down hold the matching columns, so each rank's product is a partial sum
-  of the whole [M, D] result, complete only once the ranks' parts are added: a row-parallel
-  matmul ends in an all-reduce (nano-vllm's RowParallelLinear), two per layer, after which every
-  rank holds the same whole residual stream h.
-* The output head: a rank's rows of the vocabulary; the logits are gathered once per step, so
-  every rank samples the same token from the same numbers.
-* A rank maps only its slices of the file and copies its row-parallel ones (stages/parallel/
-  shards.py); the repack stage it builds on lays each slice out for the vector unit, as it lays
-  out a whole matrix, and the slices' file pages and copies are let go. Its KV cache holds its
-  KV heads only. Norms, RoPE tables and the embedding lookup are the same on every rank.
+* Column-parallel: a rank's rows of Wq, Wk, Wv are its heads (whole KV groups), its rows of W_gate
+  and W_up its hidden units (stages/parallel/split.py): its attention reads its own K/V only.
+* Row-parallel: Wo and W_down hold the matching columns, so a rank's product is a partial sum of
+  the whole [M, D] output: a row-parallel matmul ends in an all-reduce (nano-vllm's
+  RowParallelLinear), two per layer, after which every rank holds the same residual stream h.
+* The output head: a rank's rows of the vocabulary, the logits gathered once per step.
+* A rank maps only its slices of the file (stages/parallel/shards.py); the repack stage it builds
+  on lays each slice out for the vector unit, then the slice's pages are let go. Its KV cache (or
+  page pool) holds its KV heads only; norms, RoPE tables and the embedding are on every rank.
 
-The layers are the repack stage's compiled stack (stages/kernels/layer_stack.py), the graph as
-it is written once for every fused stage, on the rank's slices. That stack runs every phase of
-every layer in one parallel region, which has no place for an MPI call; so this stage runs it in
-pieces (run_phases), each ending at a row-parallel matmul whose products go into a buffer of
-partial sums instead of into h. Between two pieces Python all-reduces the buffer and adds it to h.
-Two pieces per layer: their fork and join, and the all-reduce, are what a layer pays.
+The layers are the repack stage's compiled stack (the graph as every fused stage writes it once),
+on the rank's slices. The stack runs in one parallel region, which has no place for an MPI call;
+so here it runs in pieces (layer_stack.run_phases), each ending at a row-parallel matmul that adds
+its products into a buffer of partial sums instead of into h; Python all-reduces the buffer and
+adds it to h between two pieces. A step of many sequences (the server's) is built on rank 0 and
+reaches the others in one broadcast of its arrays (stages/parallel/steps.py; `follow`).
 
-Numerics are repack's (LOGIT_TOLERANCE). Wo's and W_down's sums are added in another order (each
-rank's part, then the parts): a rounding of a float, which can tip the next layer's int8 rounding
-of a value, so the logits move within the base's tolerance of the float64 reference and greedy
-text may differ at near-ties (tests/test_tp.py). One rank computes the base's bits exactly.
+Numerics are repack's (LOGIT_TOLERANCE): one rank computes the base's bits; over N, Wo's and
+W_down's sums are added in another order, a float rounding that can tip a later int8 rounding,
+so greedy text may differ at near-ties (tests/test_tp.py).
 
-What limits it: two all-reduces per layer and one gather per token, each a round trip whose latency
-does not shrink with the message (stages/parallel/ranks.py times them and counts their bytes);
-across machines, the link's latency times those round trips; unequal heads where N does not divide
-the KV heads (split.py evens out the bytes, so not the time: a rank waits for another at the
-all-reduce); and what every rank keeps whole: h, the norms, the interpreter and numba.
-`scripts/bench_tp.py` measures each of them (profiles/bench/tp_<model>.md), on one machine and
-across a link between two network namespaces. A collective that waits too long names the rank
-that did not come and ends every rank; one sequence at a time (serving a batch across ranks is
-not built).
+What limits it: per layer two pieces (a fork and join each) and two all-reduces, per token a
+gather, each a round trip whose latency does not shrink with the message (ranks.py times them and
+counts their bytes); across machines the link's latency times those round trips; unequal heads
+where N does not divide the KV heads (a rank waits for another at the all-reduce); and what every
+rank keeps whole: h, the norms, the interpreter and numba. `scripts/bench_tp.py` measures each,
+through shared memory and across a link between two network namespaces (app/netns.py), into
+profiles/bench/tp_<model>.md. A collective that waits too long names the rank that did not come.
 """
 
 from __future__ import annotations
@@ -47,8 +40,10 @@ from __future__ import annotations
 import numpy as np
 
 from common.cpu import physical_cores
+from common.paged_kv import PagePool
 from stages import StageError
 from stages.kernels.layer_stack import DOWN_OP, OPS_PER_LAYER, PHASES, WO_OP, Span, run_phases
+from stages.parallel import steps
 from stages.parallel.ranks import mpi_missing, world
 from stages.parallel.shards import copy_columns, map_rows
 from stages.parallel.split import SplitError, block_values, costs, plan
@@ -151,11 +146,11 @@ class TensorParallelBackend(RepackBackend):
                 if isinstance(w, RepackedMatrix) and w.source is not model.token_embd:
                     w.source = w.tensor = None
 
-    def new_kv_cache(self, n_layer, n_ctx, kv_dim):
-        if self.share is not None:
-            k0, k1 = self.share.kv_rows
-            kv_dim = k1 - k0                   # this rank's KV heads only
-        return super().new_kv_cache(n_layer, n_ctx, kv_dim)
+    def kv_width(self, config) -> int:
+        if self.share is None:
+            return super().kv_width(config)
+        k0, k1 = self.share.kv_rows
+        return k1 - k0                         # this rank's KV heads only
 
     # ---- the layers: the compiled stack in pieces, an all-reduce after each row-parallel matmul -----
     def _dims(self, model):
@@ -198,9 +193,43 @@ class TensorParallelBackend(RepackBackend):
             off, col = off + M * c, col + c
         return out
 
-    # ---- a batch of sequences (the server) needs every head on one rank ------------------------------
+    # ---- a step of many sequences (the server's): rank 0 builds it, every rank runs it --------------
     def forward_layers_batch(self, model, batch):
+        """A step over every rank: on rank 0 its arrays go to the others first (the words of
+        stages/parallel/steps.py; `follow` runs it there), then each rank runs it over its KV heads'
+        pages, as the base runs a step."""
+        if self.ranks.size > 1 and self.ranks.rank == 0:
+            self._send(steps.pack(batch))
+        return super().forward_layers_batch(model, batch)
+
+    def follow(self, model):
+        """Ranks other than 0: run every step rank 0 runs (model.forward_batch there) until it calls
+        end_steps. This rank's pool is laid out as rank 0's, over its own KV heads; the page copies
+        rank 0's step made are made here first."""
+        pool = None
+        while True:
+            head = self.ranks.broadcast(np.empty(steps.HEAD_WORDS, np.int64), "the next step", forever=True)
+            shape = steps.geometry(head)
+            if shape is None:
+                return
+            n = steps.length(head)
+            rest = np.empty(max(0, n - steps.HEAD_WORDS), np.int64)
+            if len(rest):                                          # a step longer than the first message
+                self.ranks.broadcast(rest, "the rest of the step")
+            if pool is None or (pool.n_pages, pool.page_size) != shape:
+                pool = PagePool(model.config.n_layer, self.kv_width(model.config), *shape, self.kv_dtype)
+            step = steps.Step(np.concatenate([head, rest])[:n], pool)
+            pool.copy_pages(step.copies.tolist())
+            model.forward_batch(step)
+
+    def end_steps(self):
+        """Rank 0: the ranks that follow its steps stop following."""
         if self.ranks.size > 1:
-            raise StageError(f"stage 'tp' over {self.ranks.size} ranks runs one sequence at a time (run, chat): "
-                             "serving a batch across ranks is not built; serve with a single-process stage")
-        return super().forward_layers_batch(model, batch)          # 1 rank: the whole model, the base's kernels
+            self._send(steps.end())
+
+    def _send(self, words):
+        head = np.zeros(steps.HEAD_WORDS, np.int64)
+        head[:min(len(words), steps.HEAD_WORDS)] = words[:steps.HEAD_WORDS]
+        self.ranks.broadcast(head, "the next step")
+        if len(words) > steps.HEAD_WORDS:
+            self.ranks.broadcast(np.ascontiguousarray(words[steps.HEAD_WORDS:]), "the rest of the step")

@@ -280,6 +280,26 @@ def test_a_rank_lost_during_generation_ends_the_run_naming_it(rank_model, tmp_pa
             and "at the all-reduce after layer 1's attention" in p.stderr
 
 
+def test_a_step_of_many_sequences_runs_over_the_ranks_as_each_alone(rank_model, tmp_path):
+    """The server's path over 2 ranks, driven by hand (tests/tp_model.py batch_steps): rank 0 builds
+    steps of three sequences (two prompts prefilled together, a fork whose first write copies a
+    shared page, decode steps), the other rank runs each from one broadcast of its arrays, over
+    its own KV heads' pages. Every row's logits are the bits that sequence gets alone over the
+    same ranks: repack computes a row alike in any batch, and the sum of two partial sums is the
+    same in either order (tolerance 0). Planted: the following rank skips the page copies."""
+    def run(*plant):
+        out = tmp_path / f"batch{len(plant)}.npz"
+        p = mpirun(2, "tests/tp_model.py", rank_model, out, ",".join(map(str, TOKENS)), SPLIT, "--batch", *plant)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return dict(np.load(out))
+    got = run()
+    assert int(got["copies"]) >= 1, "the steps copied no page: the planted case would test nothing"
+    assert int(got["broadcasts"]) == 4 + 1, "one broadcast per step (4), one to end them"
+    assert np.array_equal(got["batch"], got["single"])
+    planted = run("--plant-no-copies")
+    assert not np.array_equal(planted["batch"], planted["single"]), "the comparison missed the skipped copies"
+
+
 # ---- two hosts: network namespaces joined by a veth pair ------------------------------------------
 
 @pytest.fixture(scope="module")

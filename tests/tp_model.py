@@ -1,7 +1,7 @@
 """Run by tests/test_tp.py under `mpiexec -n N`: the tp stage on a model file, every rank alike.
 
     python tests/tp_model.py MODEL OUT.npz TOKENS SPLIT [--greedy N] [--plant-no-allreduce]
-                             [--then die|stall|raise]
+                             [--then die|stall|raise] [--batch [--plant-no-copies]]
 
 Prefills TOKENS[:SPLIT], then decodes the rest one token at a time (both paths, the KV cache);
 rank 0 writes to OUT.npz:
@@ -13,6 +13,10 @@ rank 0 writes to OUT.npz:
                 all-reduced: `wo_x`, `wo_sum` (and `down_x`, `down_sum`)
     planted     with --plant-no-allreduce, the logits again with the all-reduces left out (each rank
                 keeps its own partial sums: a planted bug the test's comparison must catch)
+    batch       with --batch, the logits of steps of three sequences as a server runs them (rank 0
+                builds each step, the others follow it: batch_steps), `single` the same rows from
+                each sequence alone, `copies` the pages the steps copied, `broadcasts` the steps'
+                broadcasts; --plant-no-copies: the following ranks skip the page copies
 
 --then: afterwards rank 1 dies (SIGKILL), stalls, or raises an exception in the middle of a
 decode step (in layer 1, while the others wait for it at an all-reduce), and the other ranks go
@@ -67,6 +71,63 @@ def row_parallel(engine, name, cols):
     return x, b.ranks.allreduce(part, f"the all-reduce of layer 0's {name} alone")
 
 
+def batch_steps(engine, tokens, n_steps=3):
+    """Rank 0: three sequences in steps, as a server runs them: A (tokens) and C prefilled in one
+    step, B forked from A (n choices of one prompt: every page shared, the partial last one copied
+    by the first sequence to write into it), then n_steps decode steps of all three, greedy (B
+    starts from A's second choice). Returns [(a sequence's tokens up to a row, its prompt's length,
+    the row's logits)] and the pages copied. The other ranks follow the steps and return ([], 0)."""
+    from common.batch import Batch, Segment
+    from common.paged_kv import PagePool, PageTable
+    b, cfg = engine.backend, engine.config
+    if b.ranks.rank != 0:
+        b.follow(engine)
+        return [], 0
+    pool = PagePool(cfg.n_layer, b.kv_width(cfg), 32, 4, b.kv_dtype)
+    seqs = {"a": list(tokens), "c": list(tokens[3:8])}
+    tables = {name: PageTable(pool) for name in seqs}
+    for name, t in tables.items():
+        t.admit(seqs[name], len(seqs[name]) + n_steps + 1, use_cache=False)
+    rows, copies, new = [], 0, {name: seq for name, seq in seqs.items()}
+    prompts = {name: len(seq) for name, seq in seqs.items()}
+    for step in range(n_steps + 1):
+        names = list(new)
+        for name in names:
+            assert tables[name].reserve_for(len(new[name]))
+        batch = Batch(pool, [Segment(tables[name], new[name]) for name in names], b.row_block)
+        copies += len(batch.copies)
+        logits = engine.forward_batch(batch)
+        batch.finish()
+        for name, row in zip(names, logits):
+            rows.append((list(seqs[name]), prompts[name], row))
+        if step == 0:                                             # B: n = 2 choices of A's prompt
+            tables["b"], seqs["b"], prompts["b"] = tables["a"].fork(), list(seqs["a"]), prompts["a"]
+            logits = np.concatenate([logits, logits[:1]])
+            names.append("b")
+        new = {name: [int(np.argsort(row)[-2 if name == "b" and step == 0 else -1])]
+               for name, row in zip(names, logits)}
+        for name, nxt in new.items():
+            seqs[name] += nxt
+    b.end_steps()
+    return rows, copies
+
+
+def single_rows(engine, rows):
+    """The logits of the same rows, each sequence alone (forward: its prompt, then a token at a
+    time), on every rank: rank 0's sequences reach the others first."""
+    ranks = engine.backend.ranks
+    seqs = ranks.allgather_json([r[:2] for r in rows], "the sequences of the steps")[0]
+    out = []
+    for seq, prompt in seqs:
+        engine.reset()
+        logits = engine.forward(seq[:prompt], 0, all_logits=False)
+        for i in range(prompt, len(seq)):
+            logits = engine.forward(seq[i:i + 1], i, all_logits=False)
+        out.append(logits[0])
+    engine.reset()
+    return np.array(out)
+
+
 def plant_raise(engine):
     """Rank 1 raises in the first decode step after the prompt, in layer 1's first piece of the
     stack (two pieces a layer), while the others go on to the all-reduce after it."""
@@ -90,6 +151,8 @@ def main(argv=None) -> int:
     p.add_argument("--greedy", type=int, default=0)
     p.add_argument("--plant-no-allreduce", action="store_true")
     p.add_argument("--then", choices=("die", "stall", "raise"))
+    p.add_argument("--batch", action="store_true")
+    p.add_argument("--plant-no-copies", action="store_true")
     args = p.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
     engine = load("tp", args.model, threads=1)
@@ -103,6 +166,15 @@ def main(argv=None) -> int:
     out["down_x"], out["down_sum"] = row_parallel(engine, "w_down", "ff")
     if args.greedy:
         out["greedy"] = greedy(engine, tokens, args.greedy)
+    if args.batch:
+        if args.plant_no_copies and ranks.rank != 0:
+            from common.paged_kv import PagePool
+            PagePool.copy_pages = lambda self, pairs: None
+        rows, copies = batch_steps(engine, tokens)
+        out["single"] = single_rows(engine, rows)
+        out["batch"] = np.array([r[2] for r in rows]) if rows else out["single"]
+        out["copies"] = np.array(copies)
+        out["broadcasts"] = np.array(ranks.snapshot().get("broadcast", {}).get("calls", 0))
     if args.plant_no_allreduce:
         ranks.allreduce = lambda x, where: x
         out["planted"] = logits(engine, tokens, args.split)

@@ -24,7 +24,8 @@ ring algorithms send them (an all-reduce of n bytes: 2 (N-1)/N x n; an all-gathe
 next rank, the last it receives), modelled from the message sizes, not counted on the wire.
 A rank waiting at a collective polls it (as MPI's blocking calls do), yielding its core after
 SPINS tests: where other processes share the cores, a spinning rank would otherwise hold the
-core the rank it waits for needs.
+core the rank it waits for needs; past IDLE_S it sleeps between tests (a server's ranks waiting
+for the next step would otherwise keep their cores busy while nobody asks anything).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import json
+import math
 import os
 import socket
 import sys
@@ -45,6 +47,7 @@ JIT_TIMEOUT_S = 900.0     # during the warm-up, a rank may be compiling while an
 GRACE_S = 2.0             # how long a rank that timed out listens for the others' notices
 TAG_LEAVING, TAG_WAITING = 7101, 7102
 SPINS = 1000              # tests of a collective before a waiting rank starts yielding its core
+IDLE_S, IDLE_SLEEP_S = 0.05, 0.001    # past this wait a rank sleeps between tests (an idle server's ranks)
 # The variables launchers set in each rank's environment (MPICH's hydra, Open MPI, PMIx)
 LAUNCHER_RANK = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 LAUNCHER_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
@@ -174,6 +177,16 @@ class Ranks:
         self._count("gather", t0, out.nbytes, (sum(counts) - counts[(self.rank + 1) % self.size]) * 4)
         return out
 
+    def broadcast(self, x: np.ndarray, where, forever: bool = False) -> np.ndarray:
+        """x (C-contiguous) from rank 0 to every rank, in place. forever: no deadline (a rank that
+        waits for the next step of a server idle for hours), though a rank that leaves still ends it."""
+        if self.size == 1:
+            return x
+        t0 = time.perf_counter()
+        self._wait(self.comm.Ibcast(x, root=0), where, math.inf if forever else None)
+        self._count("broadcast", t0, x.nbytes, x.nbytes if self.rank == 0 else 0)
+        return x
+
     def barrier(self, where):
         if self.size > 1:
             self._wait(self.comm.Ibarrier(), where)
@@ -211,8 +224,11 @@ class Ranks:
         n = 0
         while not req.Test():
             n += 1
-            if n > SPINS:
-                os.sched_yield()               # a rank that waits lets a busy core run the rank it waits for
+            if n > SPINS:                      # a rank that waits lets a busy core run the rank it waits for,
+                if time.monotonic() - start > IDLE_S:
+                    time.sleep(IDLE_SLEEP_S)   # and one that waits long lets it rest
+                else:
+                    os.sched_yield()
             if n & 255:
                 continue
             now = time.monotonic()
