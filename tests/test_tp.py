@@ -338,6 +338,24 @@ def test_two_hosts_give_one_ranks_greedy_text_across_the_link(two_hosts, rank_mo
     assert shared < floor, "the byte check missed a run that did not cross the link"
 
 
+def test_make_run_launches_through_the_command_its_host_file_names(tmp_path):
+    """`make stage=tp run np=2 hosts=FILE`, dry run: a host file whose first line names the command
+    that reaches its hosts (app/netns.py writes one) runs through it; the twin, a plain host file,
+    through this checkout's mpiexec."""
+    from app.netns import MPIEXEC_LINE
+    named, plain = tmp_path / "named", tmp_path / "plain"
+    named.write_text(f"{MPIEXEC_LINE}ip netns exec host-a mpiexec -iface tp0\n10.0.0.1:1\n")
+    plain.write_text("10.0.0.1:1\n")
+
+    def recipe(hosts):
+        p = subprocess.run(["make", "-n", "stage=tp", "run", "np=2", f"hosts={hosts}"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        return p.stdout.strip().splitlines()[-1]
+    assert recipe(named).startswith(f"ip netns exec host-a mpiexec -iface tp0 -n 2 -f {named} ")
+    assert recipe(plain).startswith(f".venv/bin/mpiexec -n 2 -f {plain} ")
+
+
 # ---- the record ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("record", sorted((ROOT / "profiles" / "bench").glob("tp_*.json")), ids=lambda p: p.name)
