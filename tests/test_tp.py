@@ -302,6 +302,19 @@ def test_a_step_of_many_sequences_runs_over_the_ranks_as_each_alone(rank_model, 
 
 # ---- two hosts: network namespaces joined by a veth pair ------------------------------------------
 
+def test_where_namespaces_cannot_be_made_the_skip_says_why(monkeypatch):
+    """The machine's properties decide the two-host test's skip (the `ip` command, root), in words
+    CI accepts as a machine's (tests/conftest.py EXPECTED_SKIPS)."""
+    from app import netns
+    from tests.conftest import expected_skip
+    monkeypatch.setattr(netns.sys, "platform", "linux")
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert "needs root (this is uid 1000)" in netns.missing()
+    monkeypatch.setattr(netns.shutil, "which", lambda name: None)
+    why = netns.missing()
+    assert "no `ip` command" in why and expected_skip(f"no network namespaces here: {why}")
+
+
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory):
     from app import netns
