@@ -37,12 +37,15 @@ profiles/bench/tp_<model>.md. A collective that waits too long names the rank th
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from common.cpu import physical_cores
 from common.paged_kv import PagePool
 from stages import StageError
 from stages.kernels.layer_stack import DOWN_OP, OPS_PER_LAYER, PHASES, WO_OP, Span, run_phases
+from stages.kernels.sync import new_sync
 from stages.parallel import steps
 from stages.parallel.ranks import mpi_missing, world
 from stages.parallel.shards import copy_columns, map_rows
@@ -92,7 +95,6 @@ class TensorParallelBackend(RepackBackend):
         super().__init__(threads or max(1, physical_cores() // self.ranks.local_ranks), kv_type)
         self.share = self.shares = self.path = None
         self.head = None                       # the output head: this rank's vocabulary rows
-        self.dims = None                       # the stack's shapes on this rank (layer_stack.Dims)
         self.passes = 0
         self.copied_bytes = 0                  # the row-parallel slices copied out of the file (then repacked)
 
@@ -154,22 +156,25 @@ class TensorParallelBackend(RepackBackend):
 
     # ---- the layers: the compiled stack in pieces, an all-reduce after each row-parallel matmul -----
     def _dims(self, model):
-        """The stack's shapes are this rank's: its heads, its KV heads, its hidden units (made once:
-        the stack is called 2 x n_layer times a step)."""
-        if self.dims is None:
-            dims, s = super()._dims(model), self.share
-            self.dims = dims if s is None else dims._replace(n_head=s.n_heads, n_head_kv=s.n_kv_heads,
-                                                             n_ff=s.ff[1] - s.ff[0])
-        return self.dims
+        """The stack's shapes are this rank's: its heads, its KV heads, its hidden units."""
+        dims, s = super()._dims(model), self.share
+        return dims if s is None else dims._replace(n_head=s.n_heads, n_head_kv=s.n_kv_heads, n_ff=s.ff[1] - s.ff[0])
 
     def _run(self, model, tokens, cache, rows):
-        """The layer stack over the rows `tokens` [M] -> h [M, D], the same on every rank."""
+        """The layer stack over the rows `tokens` [M] -> h [M, D], the same on every rank. (The loop
+        is kept lean: between two pieces the weights have swept the caches, so every object a
+        call touches is a miss.)"""
         h = self.embed(model.token_embd, tokens)
+        weights, dims, nt = self._compiled(model)
+        part, sync = np.empty_like(h), new_sync()                    # part [M, D]: this rank's partial sums
         for il in range(model.config.n_layer):
             for first, last, where in PIECES:
-                part = np.zeros_like(h)                              # [M, D]: this rank's partial sums
-                self._stack(run_phases, model, h, cache, rows, Span(il * OPS_PER_LAYER + first,
-                                                                    il * OPS_PER_LAYER + last, part))
+                part[:] = 0
+                sync[0] = 0
+                t0 = time.perf_counter()
+                run_phases(h, weights, cache, rows, dims, sync, nt,
+                           Span(il * OPS_PER_LAYER + first, il * OPS_PER_LAYER + last, part))
+                self._ran(sync, nt, t0)
                 h += self.ranks.allreduce(part, (where, il))          # the row-parallel matmul, complete
         return h
 

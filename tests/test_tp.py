@@ -235,7 +235,7 @@ def banner_pids(text: str) -> dict:
     return {int(r): int(pid) for r, pid in re.findall(r"rank (\d+) \(pid (\d+)", line)}
 
 
-@pytest.mark.parametrize("scenario", ["healthy", "stall", "leave", "kill", "no-start", "transport"])
+@pytest.mark.parametrize("scenario", ["healthy", "stall", "leave", "leave-late", "kill", "no-start", "transport"])
 def test_every_failure_of_a_rank_ends_the_run_naming_it(scenario):
     p = mpirun(2, "tests/tp_ranks.py", scenario)
     err = p.stderr
@@ -256,8 +256,8 @@ def test_every_failure_of_a_rank_ends_the_run_naming_it(scenario):
     pid = banner_pids(err)[1]
     if scenario == "stall":
         assert f"rank 1 (pid {pid} on" in err and "did not reach the all-reduce after layer 0's attention" in err
-    elif scenario == "leave":
-        assert f"rank 1 (pid {pid} on" in err and "left the run" in err
+    elif scenario in ("leave", "leave-late"):
+        assert f"rank 1 (pid {pid} on" in err and "left the run" in err and "transport" not in err
     else:                                                           # mpiexec saw it die and names its pid
         assert re.search(rf"PID {pid} RUNNING AT", p.stdout + err) and "BAD TERMINATION" in p.stdout + err
 

@@ -416,8 +416,11 @@ def run_phases(h, weights, cache, rows, dims, sync, nt, span):
                 np.zeros((nt, 1, K), np.float32), np.zeros((n_layer * OPS_PER_LAYER, nt), np.int64))
     a = pack_arrays(M, K)
     p32, pk = Q8Blocks(a[0], a[1], a[2], a[3]), Q8KBlocks(a[4], a[5], a[6], a[7])
-    for t in prange(nt):
-        _worker(t, nt, h, weights, cache, rows, dims, s, p32, pk, sync, span)
+    if nt == 1:                 # one thread needs no region (its launch costs about as much as a norm)
+        _worker(0, 1, h, weights, cache, rows, dims, s, p32, pk, sync, span)
+    else:
+        for t in prange(nt):
+            _worker(t, nt, h, weights, cache, rows, dims, s, p32, pk, sync, span)
     return h
 
 

@@ -233,14 +233,15 @@ class Ranks:
                 continue
             now = time.monotonic()
             self._read_notices()
-            if self.gone:
-                r, since = min(self.gone.items(), key=lambda kv: kv[1])
-                if now - since > GRACE_S:          # it left, and this collective still lacks it
-                    self._end(f"{self.describe(r)} left the run while {self.describe(self.rank)} waited for it "
-                              f"at {_text(where)} (collective {self.seq}); its own message, if it gave one, "
-                              f"is above", culprits=[r])
+            if self.gone and (now - min(self.gone.values()) > GRACE_S or now - start > limit):
+                self._left(where)                  # it left, and this collective still lacks it
             if now - start > limit:
                 self._timed_out(where, limit)
+
+    def _left(self, where):
+        r = min(self.gone, key=self.gone.get)
+        self._end(f"{self.describe(r)} left the run while {self.describe(self.rank)} waited for it at {_text(where)} "
+                  f"(collective {self.seq}); its own message, if it gave one, is above", culprits=[r])
 
     def _read_notices(self):
         MPI = self.MPI
@@ -266,6 +267,8 @@ class Ranks:
         while time.monotonic() < deadline:
             self._read_notices()
             time.sleep(0.01)
+        if self.gone:                              # one that left while this rank listened
+            self._left(where)
         silent = [r for r in range(self.size) if r != self.rank and r not in self.heard and r not in self.gone]
         if silent:
             who = ", ".join(map(self.describe, silent))
