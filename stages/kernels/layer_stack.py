@@ -40,8 +40,9 @@ What it reads, as named records (numba compiles named tuples of arrays):
                                  not stored, not attended) and sequence (its row of tables)
     Dims(n_head, n_head_kv, n_ff, eps, scale, cos, sin)   the model's shape, RoPE's tables
     Span(first, last, sums)      phases first..last-1, numbered il * OPS_PER_LAYER + i across the
-                                 layers; sums [M, D]: where WO and DOWN add their products (h
-                                 itself, or a zeroed array that receives them as partial sums)
+                                 layers, first a norm (the others read what the phase before left
+                                 in the call's scratch); sums [M, D]: where WO and DOWN add their
+                                 products (h itself, or a zeroed array that receives them)
 
 A matrix's `layout` says how its rows are stored: ROWS as the file stores them (the fused stage:
 stages/kernels/int_tiles.py), REPACKED in interleaved groups (the repack stage:
