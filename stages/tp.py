@@ -44,7 +44,7 @@ import numpy as np
 from common.cpu import physical_cores
 from common.paged_kv import PagePool
 from stages import StageError
-from stages.kernels.layer_stack import DOWN_OP, OPS_PER_LAYER, PHASES, WO_OP, Span, run_phases
+from stages.kernels.layer_stack import DOWN_OP, OPS_PER_LAYER, PHASES, WO_OP, Span, run_phases, scratch_for
 from stages.kernels.sync import new_sync
 from stages.parallel import steps
 from stages.parallel.ranks import mpi_missing, world
@@ -162,10 +162,11 @@ class TensorParallelBackend(RepackBackend):
 
     def _run(self, model, tokens, cache, rows):
         """The layer stack over the rows `tokens` [M] -> h [M, D], the same on every rank. (The loop
-        is kept lean: between two pieces the weights have swept the caches, so every object a
-        call touches is a miss.)"""
+        is kept lean, its arrays made once: between two pieces the weights have swept the caches,
+        so every object a call touches is a miss.)"""
         h = self.embed(model.token_embd, tokens)
         weights, dims, nt = self._compiled(model)
+        work = scratch_for(h, weights, cache, rows, dims, nt)
         part, sync = np.empty_like(h), new_sync()                    # part [M, D]: this rank's partial sums
         for il in range(model.config.n_layer):
             for first, last, where in PIECES:
@@ -173,7 +174,7 @@ class TensorParallelBackend(RepackBackend):
                 sync[0] = 0
                 t0 = time.perf_counter()
                 run_phases(h, weights, cache, rows, dims, sync, nt,
-                           Span(il * OPS_PER_LAYER + first, il * OPS_PER_LAYER + last, part))
+                           Span(il * OPS_PER_LAYER + first, il * OPS_PER_LAYER + last, part), *work)
                 self._ran(sync, nt, t0)
                 h += self.ranks.allreduce(part, (where, il))          # the row-parallel matmul, complete
         return h

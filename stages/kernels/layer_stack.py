@@ -4,7 +4,7 @@
                                                           region: nt threads (one prange iteration
                                                           each) walk the same ops and meet at a
                                                           barrier between two that depend on each other
-    run_phases(..., span)                                 the phases span.first..span.last-1 only,
+    run_phases(..., span, *scratch_for(...))              the phases span.first..span.last-1 only,
                                                           Wo and W_down adding into span.sums (the tp
                                                           stage: it stops after each, to all-reduce)
     matmul_rows(x, blob, mat, f16, nt)                    one weight matrix (the output head)
@@ -392,16 +392,14 @@ def _worker(t, nt, h, weights, cache, rows, dims, scratch, p32, pk, sync, span):
 def run_layers(h, weights, cache, rows, dims, sync, nt):
     """Every layer on h [M, D] (changed in place): run_phases over all of them, Wo and W_down
     adding into h itself."""
-    return run_phases(h, weights, cache, rows, dims, sync, nt, Span(0, len(weights.norms) * OPS_PER_LAYER, h))
+    work = scratch_for(h, weights, cache, rows, dims, nt)
+    return run_phases(h, weights, cache, rows, dims, sync, nt, Span(0, len(weights.norms) * OPS_PER_LAYER, h), *work)
 
 
-@njit(cache=True, parallel=True, nogil=True)
-def run_phases(h, weights, cache, rows, dims, sync, nt, span):
-    """The phases of span (Span) on h [M, D] (changed in place): row m at rows.positions[m], its K
-    and V written into cache slot rows.slots[m]. One parallel region of nt iterations: nt must be
-    numba's thread count (numba.get_num_threads(), read by the caller: inside a cached kernel it
-    cannot be). sync: sync.new_sync(); sync[0] counts the barriers' arrivals, sync[1] is 1 if one
-    gave up."""
+@njit(cache=True)
+def scratch_for(h, weights, cache, rows, dims, nt):
+    """The arrays a call of run_phases works in, for these rows (their positions: attention's
+    chunks): (Scratch, Q8Blocks, Q8KBlocks). Made once, they serve every call of a step."""
     M, D = h.shape
     kv_dim = cache.k.shape[2]
     hd = kv_dim // dims.n_head_kv
@@ -410,18 +408,27 @@ def run_phases(h, weights, cache, rows, dims, sync, nt, span):
         n_chunks = max(n_chunks, chunks_of(rows.positions[m]))
     H, n_ff, n_layer = dims.n_head, dims.n_ff, weights.norms.shape[0]
     K = max(D, n_ff, H * hd)
-    # made here, not by a function: numba's parallel loop must see where a named tuple comes from
     s = Scratch(np.zeros((M, max(D, H * hd)), np.float32), np.zeros((M, n_ff), np.float32),
                 np.zeros((M, max(H * hd + 2 * kv_dim, 2 * n_ff, D)), np.float32),
                 np.zeros((M, H, n_chunks, hd + 2), np.float32), np.zeros((nt, CHUNK), np.float32),
                 np.zeros((nt, 1, K), np.float32), np.zeros((n_layer * OPS_PER_LAYER, nt), np.int64))
     a = pack_arrays(M, K)
-    p32, pk = Q8Blocks(a[0], a[1], a[2], a[3]), Q8KBlocks(a[4], a[5], a[6], a[7])
+    return s, Q8Blocks(a[0], a[1], a[2], a[3]), Q8KBlocks(a[4], a[5], a[6], a[7])
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def run_phases(h, weights, cache, rows, dims, sync, nt, span, scratch, p32, pk):
+    """The phases of span (Span) on h [M, D] (changed in place): row m at rows.positions[m], its K
+    and V written into cache slot rows.slots[m]; scratch, p32, pk: scratch_for's. One parallel region
+    of nt iterations: nt must be numba's thread count (numba.get_num_threads(), read by the caller:
+    inside a cached kernel it cannot be). sync: sync.new_sync(); sync[0] counts the barriers'
+    arrivals, sync[1] is 1 if one gave up."""
+    scratch.counters[span.first:span.last] = 0
     if nt == 1:                 # one thread needs no region (its launch costs about as much as a norm)
-        _worker(0, 1, h, weights, cache, rows, dims, s, p32, pk, sync, span)
+        _worker(0, 1, h, weights, cache, rows, dims, scratch, p32, pk, sync, span)
     else:
         for t in prange(nt):
-            _worker(t, nt, h, weights, cache, rows, dims, s, p32, pk, sync, span)
+            _worker(t, nt, h, weights, cache, rows, dims, scratch, p32, pk, sync, span)
     return h
 
 
@@ -461,10 +468,10 @@ def matmul_rows(x, blob, mats, nt):
     return out
 
 
-__all__ = ["run_layers", "run_phases", "matmul_rows", "matrix_table", "Weights", "Cache", "Rows", "Dims", "Span",
-           "MATRIX", "ROWS", "REPACKED", "OPS_PER_LAYER", "PHASES", "CHUNK"]
+__all__ = ["run_layers", "run_phases", "scratch_for", "matmul_rows", "matrix_table", "Weights", "Cache", "Rows", "Dims",
+           "Span", "MATRIX", "ROWS", "REPACKED", "OPS_PER_LAYER", "PHASES", "CHUNK"]
 
-toolkit.guard_cache(__name__, [run_phases, matmul_rows, _worker, _head_worker, _matmul_op, _attend, _merge,
+toolkit.guard_cache(__name__, [run_phases, scratch_for, matmul_rows, _worker, _head_worker, _matmul_op, _attend, _merge,
                                _norm_rows, _round_f, _chunk_float, _chunk_tiles, _chunk_loops],
                     [int_tiles.__file__, int_dot.__file__, dequant_dot.__file__, sync.__file__, toolkit.__file__,
                      q8.__file__, layer_ops.__file__, repacked.__file__, vector_ir.__file__])

@@ -45,6 +45,7 @@ TIMEOUT_ENV = "LLM_TP_TIMEOUT"
 TIMEOUT_S = 60.0          # any collective after the warm-up; MPI_Init and the start's handshake
 JIT_TIMEOUT_S = 900.0     # during the warm-up, a rank may be compiling while another waits
 GRACE_S = 2.0             # how long a rank that timed out listens for the others' notices
+FORWARD_S = 0.5           # how long the rank that says why the run ends waits before it ends it
 TAG_LEAVING, TAG_WAITING = 7101, 7102
 SPINS = 1000              # tests of a collective before a waiting rank starts yielding its core
 IDLE_S, IDLE_SLEEP_S = 0.05, 0.001    # past this wait a rank sleeps between tests (an idle server's ranks)
@@ -285,6 +286,7 @@ class Ranks:
         if not alive or self.rank == min(alive):
             print(f"\ntp {self.describe(self.rank)}: {message}; ending all {self.size} ranks", file=sys.stderr,
                   flush=True)
+            time.sleep(FORWARD_S)      # the launcher forwards a rank's output; MPI_Abort may overtake it
         else:
             time.sleep(GRACE_S)        # the lowest rank speaks; then, or if it cannot, this one ends it
         self.comm.Abort(1)
