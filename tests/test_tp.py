@@ -113,7 +113,11 @@ def test_slices_are_the_files_bytes_and_nothing_more(tiny):
 
 @pytest.fixture(scope="module")
 def rank_model(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tp") / "tiny-k.gguf", RANK_TYPES)
+    path = write_tiny_llama(tmp_path_factory.mktemp("tp") / "tiny-k.gguf", RANK_TYPES)
+    # The ranks below load their kernels from numba's cache: compiled here once, not by two ranks
+    # at once inside mpiexec's deadline (a cold cache on a busy machine took longer than RUN_TIMEOUT_S)
+    stage_logits(load("tp", path, threads=1))
+    return path
 
 
 def mpirun(n: int, *args, timeout_s: float = 3, launcher=None) -> subprocess.CompletedProcess:
