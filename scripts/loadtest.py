@@ -405,7 +405,7 @@ def draw(rec: dict, chart: Path = CHART, table: Path = TABLE):
                   "| measure | server ÷ run | each round |", "|---|---:|---|"]
         for name, each in paired:
             lines.append(f"| {name} | {statistics.median(each):.2f}x | {', '.join(f'{x:.2f}' for x in each)} |")
-        lines += ["", *(f"**{gap}**" for gap in serving_gaps(rec))]
+        lines += [line for gap in serving_gaps(rec) for line in ("", f"**{gap}**")]
     table.write_text("\n".join(lines) + "\n")
 
 
