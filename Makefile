@@ -132,7 +132,7 @@ serve: $(STAMP) $(MODEL_FILE)  ## OpenAI-compatible HTTP server, continuous batc
 	$(if $(np),$(MPIEXEC) -n $(np) $(if $(hosts),-f $(hosts)) )$(PY) -m app serve --stage $(stage) -m $(model) $(args)
 
 loadtest: $(STAMP) $(MODEL_FILE)  ## 1..32 concurrent clients against the server: profiles/batching.png [args="--llama-server auto"]
-	$(PY) scripts/loadtest.py --stage $(stage) -m $(model) $(args)
+	$(PY) scripts/loadtest.py --stage $(stage) -m $(model) $(if $(np),--np $(np)) $(args)
 
 soak: $(STAMP) $(MODEL_FILE)  ## a few minutes of mixed traffic against the server: profiles/bench/soak.json [args="--seconds 180"]
 	$(PY) scripts/soak.py --stage $(stage) -m $(model) $(args)
