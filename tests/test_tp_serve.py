@@ -1,9 +1,10 @@
 """`serve --stage tp` under `mpiexec -n 2` (app/serve/ranks.py), through the official openai client:
 the greedy texts `serve --stage repack` gives in one process (or the same up to a near-tie, the
 rule of tests/test_tp.py), two requests at once among them; SIGTERM to mpiexec drains rank 0 and
-every rank exits 0; a rank lost mid-request: stalled (SIGSTOP), its clients' errors name it and
-the server exits non-zero, never hangs; killed (SIGKILL), mpiexec ends every rank and names its
-pid. On a tiny made-up model carrying the default model's tokenizer and chat template."""
+every rank exits 0; a rank lost mid-request: stalled (SIGSTOP) or failed with an error of its own,
+its clients' errors name it and the server exits non-zero, never hangs; killed (SIGKILL), mpiexec
+ends every rank and names its pid. On a tiny made-up model carrying the default model's tokenizer
+and chat template."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import time
 
 import pytest
 
-from common.gguf import GGUFFile
+from common.gguf import GGMLType, GGUFFile
 from tests.test_quantized import write_tiny_llama
 from tests.test_tp import MPIEXEC, NEAR_TIE, RANK_TYPES, ROOT
+from tests.tp_serve_rank import PLANTED_ERROR
 
 NEEDS_BY_FIXTURE = {"chat_model": "model"}          # its tokenizer is the default model's
 N_CTX = 256
@@ -39,16 +41,20 @@ AT_ONCE = ([{"role": "system", "content": "You are terse."}, {"role": "user", "c
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     from app.models import DEFAULT_MODEL
-    return write_tiny_llama(tmp_path_factory.mktemp("tp-serve") / "tiny-chat.gguf", RANK_TYPES,
-                            vocab=GGUFFile(DEFAULT_MODEL.path), n_ctx=N_CTX)
+    # the head in Q8_0, not tests/test_tp.py's Q6_K: quantizing a vocabulary of 49152 rows to Q6_K
+    # in numpy costs half a minute (the head's split is the same whatever its type)
+    return write_tiny_llama(tmp_path_factory.mktemp("tp-serve") / "tiny-chat.gguf",
+                            {**RANK_TYPES, "output": GGMLType.Q8_0}, vocab=GGUFFile(DEFAULT_MODEL.path), n_ctx=N_CTX)
 
 
-def start(model, log, ranks: int = 0):
-    """`serve --stage repack` in one process, or `serve --stage tp` under mpiexec -n RANKS; ready."""
+def start(model, log, ranks: int = 0, planted: bool = False):
+    """`serve --stage repack` in one process, or `serve --stage tp` under mpiexec -n RANKS; ready.
+    planted: rank 1 fails with an error of its own in the first prompt (tests/tp_serve_rank.py)."""
     from app.measure.local_server import LocalServer
     launcher = [str(MPIEXEC), "-n", str(ranks)] if ranks else []
     stage = "tp" if ranks else "repack"
-    return LocalServer([*launcher, sys.executable, "-m", "app", "serve", "--stage", stage, "-m", model,
+    app = ["tests/tp_serve_rank.py"] if planted else ["-m", "app"]
+    return LocalServer([*launcher, sys.executable, *app, "serve", "--stage", stage, "-m", model,
                         "--ctx-size", N_CTX], log, name=stage)
 
 
@@ -125,31 +131,32 @@ def test_tp_over_two_ranks_serves_repacks_greedy_texts_and_ends_every_rank(chat_
     assert departs(planted, want["chat"]) is not None
 
 
-def stream_until_lost(server, pid: int, how: int) -> Exception:
-    """A streamed chat completion; at its first token `how` (a signal) is sent to `pid`; the
-    exception that ends the stream."""
+def stream_until_lost(server, pid: int, how: int | None) -> Exception:
+    """A streamed chat completion; at its first token `how` (a signal, if any) is sent to `pid`;
+    the exception that ends the stream."""
     import openai
     stream = client(server).chat.completions.create(model="tiny-chat", messages=CHAT, max_tokens=N_CTX // 2,
                                                     temperature=0, stream=True)
     with pytest.raises((openai.APIError, openai.APIConnectionError)) as e:
         for i, _ in enumerate(stream):
-            if i == 1:
+            if i == 1 and how is not None:
                 os.kill(pid, how)
     return e.value
 
 
-@pytest.mark.parametrize("how", ["stall", "kill"])
+@pytest.mark.parametrize("how", ["stall", "raise", "kill"])
 def test_a_rank_lost_mid_request_ends_the_request_and_the_server(chat_model, tmp_path, monkeypatch, how):
     """Stalled (SIGSTOP): after the collectives' deadline rank 0 names it in the client's error,
-    says the server cannot go on and ends every rank. Killed (SIGKILL): mpiexec ends every rank
-    at once, naming its pid; the client's connection closes. Neither hangs."""
+    says the server cannot go on and ends every rank. Failed with an error of its own: the same,
+    once it says it leaves. Killed (SIGKILL): mpiexec ends every rank at once, naming its pid; the
+    client's connection closes. None hangs."""
     log = tmp_path / "tp.log"
     monkeypatch.setenv("LLM_TP_TIMEOUT", str(TIMEOUT_S))
-    tp = start(chat_model, log, ranks=2)
+    tp = start(chat_model, log, ranks=2, planted=how == "raise")
     try:
         pid = rank_pids(log)[1]
         t0 = time.monotonic()
-        error = stream_until_lost(tp, pid, signal.SIGSTOP if how == "stall" else signal.SIGKILL)
+        error = stream_until_lost(tp, pid, {"stall": signal.SIGSTOP, "kill": signal.SIGKILL}.get(how))
         code = tp.proc.wait(timeout=END_S)
         took = time.monotonic() - t0
     finally:
@@ -157,9 +164,11 @@ def test_a_rank_lost_mid_request_ends_the_request_and_the_server(chat_model, tmp
             tp.proc.kill()
     text = log.read_text()
     assert code != 0 and took < END_S, text[-3000:]
-    if how == "stall":
-        assert f"rank 1 (pid {pid} on" in str(error) and "did not reach" in str(error), str(error)
+    if how in ("stall", "raise"):
+        said = "did not reach" if how == "stall" else "left the run"
+        assert f"rank 1 (pid {pid} on" in str(error) and said in str(error), str(error)
         assert "the server cannot go on" in str(error) and "the server cannot go on" in text
+        assert how == "stall" or PLANTED_ERROR in text                    # its own traceback
     else:
         assert re.search(rf"PID {pid} RUNNING AT", text), text[-3000:]
         assert "rank 1" not in str(error)        # the stall's check's twin: a closed connection names nobody

@@ -6,8 +6,8 @@ load the model, warm up as rank 0 does, then run each step rank 0 runs (`follow`
 listen for HTTP. mpiexec passes Ctrl-C and SIGTERM to every rank: only rank 0 acts on them (its
 drain); the others stop when it ends the steps, and every rank exits 0.
 
-A rank lost while serving (it stalled, left, or its network failed: stages/parallel/ranks.py
-names it after LLM_TP_TIMEOUT at most) ends every request in flight with an error naming it;
+A rank lost while serving (it stalled, failed with an error of its own, or its network failed:
+stages/parallel/ranks.py names it after LLM_TP_TIMEOUT at most) ends every request in flight with an error naming it;
 the server says it cannot go on and ends every rank (exit status 1): a layer split over ranks
 cannot run without each of them. A rank killed outright is seen by mpiexec first (MPICH's
 hydra ends every rank of a job one of whose processes died, and names it by its pid: the
@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import signal
 import sys
+import traceback
 
 from stages import backend_class, load
+
+# A rank failed on its own waits this long for rank 0 to tell its clients and end every rank: its
+# exit would be seen by mpiexec, which ends every rank at once (its leaving at exit lasts GRACE_S).
+LINGER_S = 30.0
 
 
 def follows(stage: str) -> bool:
@@ -35,7 +40,12 @@ def follow(stage: str, args):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     engine = load(stage, resolve(args.model), n_ctx=args.ctx_size, threads=args.threads)
     engine.warmup()
-    engine.backend.follow(engine)
+    try:
+        engine.backend.follow(engine)
+    except Exception:                                     # its own error: rank 0 names it to its clients
+        traceback.print_exc()
+        engine.backend.ranks.leave_now(LINGER_S)
+        raise SystemExit(1) from None
 
 
 class Lead:

@@ -305,6 +305,13 @@ class Ranks:
             time.sleep(GRACE_S)        # the lowest rank speaks; then, or if it cannot, this one ends it
         self.comm.Abort(1)
 
+    def leave_now(self, wait_s: float):
+        """A rank that failed on its own: the others hear it leaves, then it waits up to wait_s to
+        be ended by them (a server's rank 0 tells its clients first; this rank's exit would be seen
+        by mpiexec, which ends every rank at once)."""
+        self._notify(TAG_LEAVING, self.rank, 1.0)
+        time.sleep(wait_s)
+
     def abort(self, message: str):
         """Print the message and end every rank (exit status 1): after a RanksLost, a rank cannot
         leave as at the end of a run, since the others' notices may never come."""
