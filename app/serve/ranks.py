@@ -7,9 +7,9 @@ listen for HTTP. mpiexec passes Ctrl-C and SIGTERM to every rank: only rank 0 ac
 drain); the others stop when it ends the steps, and every rank exits 0.
 
 A rank lost while serving (it stalled, failed with an error of its own, or its network failed:
-stages/parallel/ranks.py names it after LLM_TP_TIMEOUT at most) ends every request in flight with an error naming it;
-the server says it cannot go on and ends every rank (exit status 1): a layer split over ranks
-cannot run without each of them. A rank killed outright is seen by mpiexec first (MPICH's
+stages/parallel/ranks.py names it after LLM_TP_TIMEOUT at most) ends every request in flight
+with an error naming it; the server says it cannot go on and ends every rank (exit status 1): a
+layer split over ranks cannot run without each of them. A rank killed outright is seen by mpiexec first (MPICH's
 hydra ends every rank of a job one of whose processes died, and names it by its pid: the
 banner maps pids to ranks), so there the clients see their connections close.
 """
@@ -21,6 +21,7 @@ import sys
 import traceback
 
 from stages import backend_class, load
+from stages.parallel.ranks import RanksLost
 
 # A rank failed on its own waits this long for rank 0 to tell its clients and end every rank: its
 # exit would be seen by mpiexec, which ends every rank at once (its leaving at exit lasts GRACE_S).
@@ -60,7 +61,6 @@ class Lead:
         if self.ranks is None or self.ranks.size == 1:
             self.ranks = None
             return
-        from stages.parallel.ranks import RanksLost
         self.ranks.raise_on_loss = True
         forward = loop.forward
 
@@ -78,6 +78,9 @@ class Lead:
         """The other ranks stop following (they exit 0); after a lost rank, every rank ends (exit 1)."""
         if self.ranks is None:
             return
-        if self.ranks.lost:
-            self.ranks.abort(f"the server cannot go on: {self.ranks.lost}")
-        self.backend.end_steps()
+        if not self.ranks.lost:
+            try:
+                return self.backend.end_steps()
+            except RanksLost:                             # one was lost while the server was idle
+                pass
+        self.ranks.abort(f"the server cannot go on: {self.ranks.lost}")
