@@ -128,11 +128,11 @@ clean:  ## remove the numba cache and Python caches (keeps .venv and models/)
 # ---- many users at once: the OpenAI-compatible server and its load test -------------------------
 .PHONY: serve loadtest soak browser
 
-serve: $(STAMP) $(MODEL_FILE)  ## OpenAI-compatible HTTP server, continuous batching: make serve [stage=... args="--port 8080"]
-	$(PY) -m app serve --stage $(stage) -m $(model) $(args)
+serve: $(STAMP) $(MODEL_FILE)  ## OpenAI-compatible HTTP server, continuous batching: make serve [stage=... args="--port 8080"] (tp: np=2 [hosts=FILE])
+	$(if $(np),$(MPIEXEC) -n $(np) $(if $(hosts),-f $(hosts)) )$(PY) -m app serve --stage $(stage) -m $(model) $(args)
 
 loadtest: $(STAMP) $(MODEL_FILE)  ## 1..32 concurrent clients against the server: profiles/batching.png [args="--llama-server auto"]
-	$(PY) scripts/loadtest.py --stage $(stage) -m $(model) $(args)
+	$(PY) scripts/loadtest.py --stage $(stage) -m $(model) $(if $(np),--np $(np)) $(args)
 
 soak: $(STAMP) $(MODEL_FILE)  ## a few minutes of mixed traffic against the server: profiles/bench/soak.json [args="--seconds 180"]
 	$(PY) scripts/soak.py --stage $(stage) -m $(model) $(args)

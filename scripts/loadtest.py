@@ -5,6 +5,7 @@
     python scripts/loadtest.py --llama-server PATH          # a llama-server binary you have
     python scripts/loadtest.py --chart-only                 # redraw the chart and table from the record
     python scripts/loadtest.py --kv-pages 200 --out ...     # a pool too small for every worst case: preemptions
+    python scripts/loadtest.py --stage tp --np 2 --out ...  # the server over 2 MPI ranks (mpiexec -n 2)
 
 For each number of concurrent clients C, both servers are started with room for C sequences
 (llama-server with C parallel slots) and, in --rounds rounds that alternate which server goes
@@ -78,6 +79,8 @@ def start(kind: str, args, clients: int, log_dir: Path) -> LocalServer:
         pages = args.kv_pages or clients * -(-ctx // 16) + 16
         cmd = [sys.executable, "-m", "app", "serve", "-m", args.model, "--stage", args.stage,
                "--max-batch", clients, "--kv-pages", pages, "--max-queue", clients, "--threads", args.threads]
+        if args.np:                                    # tp: --threads for each rank
+            cmd = [Path(sys.executable).parent / "mpiexec", "-n", args.np, *cmd]
     else:
         cmd = [args.llama_server, "-m", args.model, "-np", clients, "-c", clients * ctx, "-t", args.threads,
                "-tb", args.threads]
@@ -276,7 +279,7 @@ def measure(args, log_dir: Path) -> tuple[dict[str, list[dict]], dict | None]:
             for r in range(args.rounds):
                 for k in kinds if r % 2 == 0 else kinds[::-1]:
                     runs[k].append(run_round(servers[k], clients, args, r))
-                if clients == 1:
+                if clients == 1 and not args.np:      # `bench` runs in one process
                     solo.append(run_once(args))
             if solo:
                 alone = summary(solo)
@@ -420,7 +423,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=32, help="about this many prompt tokens (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds per level, the servers alternating; figures are medians (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=physical_cores(), help="threads, both servers (default: cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads, both servers (default: cores; over N ranks, cores / N each)")
+    p.add_argument("--np", type=int, default=None,
+                   help="our server over N MPI ranks (the tp stage under mpiexec -n N; --threads each); "
+                        "then without the comparison with `run`")
     p.add_argument("--kv-pages", type=int, default=None,
                    help="our server's KV pages (default: every client's worst case at once, so nothing is "
                         "preempted); smaller: the pool runs out and sequences are preempted, counted")
@@ -439,6 +446,7 @@ def main(argv=None) -> int:
         return 0
     args.model = resolve(args.model)
     args.stage = serving_stage(args.stage)
+    args.threads = args.threads or max(1, physical_cores() // (args.np or 1))
     args.clients = [int(c) for c in args.clients.split(",")]
     missing = None
     if args.llama_server == "auto":
@@ -471,7 +479,7 @@ def main(argv=None) -> int:
     add_context(rec, {"model": args.model.name, "stage": args.stage, "clients": args.clients,
                       "requests": args.requests, "rounds": args.rounds,
                       "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
-                      "threads": args.threads, "sampling": "greedy", "ignore_eos": True,
+                      "threads": args.threads, "ranks": args.np or 1, "sampling": "greedy", "ignore_eos": True,
                       "kv_pages": args.kv_pages,
                       "llama_server": str(args.llama_server) if args.llama_server else None})
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -144,20 +144,26 @@ def fresh_asm(dispatcher, *args) -> str:
 
 # ---- whole models ---------------------------------------------------------------------------------
 
-def write_tiny_llama(path, types: dict, seed: int = 0):
+def write_tiny_llama(path, types: dict, seed: int = 0, vocab=None, n_ctx: int = 64):
     """A 2-layer llama with 256-wide embeddings whose matrices use the given ggml types
-    (tensor role -> type), random weights; no tokenizer (the tests feed token ids)."""
+    (tensor role -> type), random weights; no tokenizer (the tests feed token ids), or
+    `vocab`'s (a GGUFFile: its tokenizer and chat template, and so its vocabulary size)."""
     rng = np.random.default_rng(seed)
     n_embd, n_ff, n_head, n_head_kv, n_vocab, n_layer = 256, 512, 4, 2, 64, 2
+    if vocab is not None:
+        n_vocab = len(vocab.metadata["tokenizer.ggml.tokens"])
     kv = n_embd // n_head * n_head_kv
     w = GGUFWriter(path)
     U32, F32 = ValueType.UINT32, ValueType.FLOAT32
     w.add("general.architecture", "llama")
-    for key, value in [("context_length", 64), ("embedding_length", n_embd), ("block_count", n_layer),
+    for key, value in [("context_length", n_ctx), ("embedding_length", n_embd), ("block_count", n_layer),
                        ("feed_forward_length", n_ff), ("attention.head_count", n_head),
                        ("attention.head_count_kv", n_head_kv), ("vocab_size", n_vocab)]:
         w.add(f"llama.{key}", value, U32)
     w.add("llama.attention.layer_norm_rms_epsilon", 1e-5, F32)
+    for key, value in (vocab.metadata.items() if vocab is not None else ()):
+        if key.startswith("tokenizer."):
+            w.add(key, value, vocab.metadata_types[key], vocab.array_types.get(key))
 
     def matrix(name, role, shape, std):
         t = types.get(role, GGMLType.Q8_0)

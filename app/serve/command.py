@@ -95,13 +95,17 @@ class Drain:
 def cmd_serve(args):
     import uvicorn
 
+    from app.serve import ranks
     from app.serve.routes import create_app
     stage = serving_stage(args.stage)
+    if ranks.follows(stage):                       # tp's ranks > 0: rank 0's steps, no HTTP
+        return ranks.follow(stage, args)
     origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else []
     server = build(stage, args.model, ctx_size=args.ctx_size, threads=args.threads, max_batch=args.max_batch,
                    kv_pages=args.kv_pages, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
                    progress=True, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                    request_timeout=args.request_timeout or None, special=args.special, cors_origins=origins)
+    lead = ranks.Lead(server)                      # over N ranks: each step to every rank
     pool = server.loop.pool
     print(f"serving {server.model_id} with stage {stage} on http://{args.host}:{args.port}  "
           f"(max batch {args.max_batch}, {pool.n_pages} KV pages of {pool.page_size} positions = "
@@ -124,6 +128,7 @@ def cmd_serve(args):
             time.sleep(0.05)
         http.should_exit = True
         web.join(timeout=10)
+        lead.end()
     if not http.started:
         raise SystemExit(f"error: the server could not listen on {args.host}:{args.port} (see uvicorn's "
                          f"message above; is the port in use? try --port)")

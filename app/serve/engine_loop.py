@@ -55,7 +55,7 @@ class EngineLoop:
                  page_size: int = PAGE_SIZE, observer=None, scheduler=Scheduler, forward=None):
         cfg = engine.config
         self.engine = engine
-        self.pool = PagePool(cfg.n_layer, cfg.kv_dim, kv_pages, page_size, engine.backend.kv_dtype)
+        self.pool = PagePool(cfg.n_layer, engine.backend.kv_width(cfg), kv_pages, page_size, engine.backend.kv_dtype)
         self.scheduler = scheduler(self.pool, engine.n_ctx, cfg.n_ctx_train, max_batch=max_batch,
                                    max_queue=max_queue, prefill_chunk=prefill_chunk)
         self.forward = forward or engine.forward_batch

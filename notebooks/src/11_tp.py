@@ -255,6 +255,10 @@ for path in records:
 # step's arrays (token ids, positions, cache slots, page tables, and the pages it copied) in one
 # broadcast, and the other ranks, waiting in `follow`, run it over a page pool of their own laid
 # out as rank 0's. Only integers cross; the hidden states cross in the all-reduces as before.
+#
+# `make serve stage=tp np=2` is that server: rank 0 runs HTTP, the scheduler and the sampler, the
+# other ranks only `follow` (app/serve/ranks.py); a rank lost mid-step ends its requests with an
+# error that names it, and the server, which cannot run a layer without it, ends every rank.
 
 # %%
 if not why:

@@ -15,6 +15,9 @@ mix with the collectives:
     waiting   a rank whose deadline passes says where it waits and listens for the others: those
               it does not hear from are named (they died or stalled), and the run ends (MPI_Abort)
 
+A server's rank 0 (app/serve/ranks.py) sets `raise_on_loss`: there the run's end is an exception,
+RanksLost, since its clients must hear why first; it then ends every rank itself (`abort`).
+
 A rank killed outright (a signal) is seen by mpiexec, which ends every rank and names the
 process by its pid; `banner()` maps pids to ranks. MPI_Init itself waits for every rank to
 start, with no deadline of its own: a C watchdog (faulthandler) ends a rank stuck there.
@@ -52,6 +55,11 @@ IDLE_S, IDLE_SLEEP_S = 0.05, 0.001    # past this wait a rank sleeps between tes
 # The variables launchers set in each rank's environment (MPICH's hydra, Open MPI, PMIx)
 LAUNCHER_RANK = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 LAUNCHER_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+
+
+class RanksLost(RuntimeError):
+    """A rank died, stalled or left while this one (a server's rank 0) waited for it; no collective
+    can run any more: say so, then abort()."""
 
 
 def _env_int(names) -> int | None:
@@ -106,6 +114,8 @@ class Ranks:
         self.MPI = MPI
         self.timeout = timeout_s()
         self.warming = True            # the caller clears it once its kernels are compiled
+        self.raise_on_loss = False     # a server's rank 0: a lost rank is RanksLost, not MPI_Abort at once
+        self.lost = None               # the message of the RanksLost raised
         if not MPI.Is_initialized():
             self._wait_for_every_rank_to_start_mpi(MPI)
         self.comm = MPI.COMM_WORLD
@@ -281,7 +291,11 @@ class Ranks:
                   f"rank reached it: the MPI's transport between the ranks failed", culprits=[])
 
     def _end(self, message: str, culprits):
-        """Print the message (from the lowest rank still in the run) and end every rank."""
+        """Print the message (from the lowest rank still in the run) and end every rank; or where
+        raise_on_loss is set, raise it (RanksLost)."""
+        if self.raise_on_loss and self.rank not in culprits:
+            self.lost = f"tp {self.describe(self.rank)}: {message}"
+            raise RanksLost(self.lost)
         alive = [r for r in range(self.size) if r not in culprits and r not in self.gone]
         if not alive or self.rank == min(alive):
             print(f"\ntp {self.describe(self.rank)}: {message}; ending all {self.size} ranks", file=sys.stderr,
@@ -291,6 +305,20 @@ class Ranks:
             time.sleep(GRACE_S)        # the lowest rank speaks; then, or if it cannot, this one ends it
         self.comm.Abort(1)
 
+    def leave_now(self, wait_s: float):
+        """A rank that failed on its own: the others hear it leaves, then it waits up to wait_s to
+        be ended by them (a server's rank 0 tells its clients first; this rank's exit would be seen
+        by mpiexec, which ends every rank at once)."""
+        self._notify(TAG_LEAVING, self.rank, 1.0)
+        time.sleep(wait_s)
+
+    def abort(self, message: str):
+        """Print the message and end every rank (exit status 1): after a RanksLost, a rank cannot
+        leave as at the end of a run, since the others' notices may never come."""
+        print(f"\n{message}; ending all {self.size} ranks", file=sys.stderr, flush=True)
+        time.sleep(FORWARD_S)
+        self.comm.Abort(1)
+
     def _leave(self):
         """At exit: tell the others this rank is gone, then end MPI here. At the end of a run every
         rank leaves: each reads the others' notices first (for up to GRACE_S), since a message
@@ -298,6 +326,8 @@ class Ranks:
         MPI = self.MPI
         if MPI.Is_finalized():
             return
+        if self.lost:
+            self.comm.Abort(1)
         if self.size > 1:
             self._notify(TAG_LEAVING, self.rank, 1.0)
             deadline = time.monotonic() + GRACE_S
