@@ -34,7 +34,6 @@ import jsonschema
 import numpy as np
 import pytest
 
-from common import speculative as sp
 from common.constrain import (
     Constraint,
     ConstraintError,
@@ -463,8 +462,8 @@ def test_guesses_right_wrong_and_past_the_end_give_plain_constrained_text(tok, l
     for wrong, ignore_eos in ((None, True), (3, False)):       # ignore_eos: the grammar's end alone ends it
         constraint = Counted(grammar, ll)
         session = Session(engine)
-        gen = sp.generate(session, prompt, 40, Sampler(constraint=constraint),
-                          always_guessing(Scripted(script, wrong=wrong)), stop_ids=tok.eog_ids, ignore_eos=ignore_eos)
+        gen = session.generate(prompt, 40, Sampler(constraint=constraint), stop_ids=tok.eog_ids,
+                               ignore_eos=ignore_eos, step=always_guessing(Scripted(script, wrong=wrong)))
         assert gen.tokens == plain.tokens and gen.stop_reason == "eog", (wrong, ignore_eos)
         assert constraint.tokens == plain.tokens and session.tokens == prompt + plain.tokens
         assert gen.accepted > 0 and (wrong is None or gen.drafted > gen.accepted)
