@@ -259,7 +259,7 @@ def spec_mode(args) -> str:
     if mode == "draft" and not args.model_draft:
         raise ParameterError("--spec draft needs a draft model: give --model-draft FILE (a smaller model with "
                              "the same vocabulary; app/draft_model.py cuts one from the model's first layers)")
-    if mode != "off" and args.chat:
+    if mode != "off" and getattr(args, "chat", False):
         raise ParameterError("--spec runs with -p, not --chat: drop one of them")
     return mode
 

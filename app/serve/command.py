@@ -21,16 +21,21 @@ from app.models import DEFAULT_MODEL, resolve
 from app.serve.engine_loop import EngineLoop
 from app.serve.sequence import Ask, Sequence
 from app.serve.server import MAX_BODY_BYTES, REQUEST_TIMEOUT_S, Server
+from app.serve.speculation import Speculation, StepTime
+from common.generate import ParameterError
+from common.speculative import DRAFT_MAX
 from stages import StageError, info
 
 DRAIN_TIMEOUT_S = 30.0
 
 
 def build(stage: str, model, ctx_size=None, threads=None, max_batch=32, kv_pages=512, max_queue=64,
-          prefill_chunk=64, progress=False, **settings) -> Server:
+          prefill_chunk=64, progress=False, spec="off", draft_max=DRAFT_MAX, **settings) -> Server:
     """Load the stage and warm its kernels up (single and batched), in the calling thread:
-    the thread that must then run the engine loop (server.loop.run()). settings: the
-    Server's (api_key, max_body_bytes, request_timeout, special, cors_origins)."""
+    the thread that must then run the engine loop (server.loop.run()). spec: speculative
+    decoding, "lookup" or "off" (app/serve/speculation.py), whose step times are measured
+    here. settings: the Server's (api_key, max_body_bytes, request_timeout, special,
+    cors_origins)."""
     from stages import load
     s = info(stage)
     if not s.kv_cache or s.gpu:
@@ -38,11 +43,16 @@ def build(stage: str, model, ctx_size=None, threads=None, max_batch=32, kv_pages
                          f"(kv_cache, quantized, threads, int8, ...)")
     engine = load(stage, resolve(model), n_ctx=ctx_size, threads=threads, progress=progress)
     engine.warmup()
+    speculation = None
+    if spec == "lookup":
+        speculation = Speculation(engine.n_ctx, draft_max, StepTime(row_block=engine.backend.row_block))
     loop = EngineLoop(engine, kv_pages=kv_pages, max_batch=max_batch, max_queue=max_queue,
-                      prefill_chunk=prefill_chunk)
+                      prefill_chunk=prefill_chunk, speculation=speculation)
     loop.submit(Sequence(Ask([0, 1], max_tokens=2)))     # compile the batched kernels before serving
     while loop.step() or loop.scheduler.running:
         pass
+    if speculation is not None:                          # what a step of M rows costs on this engine
+        speculation.time.calibrate(loop.forward, loop.pool, max_batch * (1 + draft_max) + prefill_chunk)
     loop.reset_counters()
     model_id = engine.gguf.path.split("/")[-1].removesuffix(".gguf")
     return Server(engine, stage, loop, model_id, **settings)
@@ -92,17 +102,24 @@ class Drain:
 def cmd_serve(args):
     import uvicorn
 
+    from app.run import spec_mode
     from app.serve.routes import create_app
+    mode = spec_mode(args)                          # contradictions refused before anything loads
+    if mode == "draft":
+        raise ParameterError("serve --spec draft: the server guesses by prompt lookup only (--spec lookup); "
+                             "a draft model runs with `python -m app run --spec draft`")
     stage = serving_stage(args.stage)
     origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else []
     server = build(stage, args.model, ctx_size=args.ctx_size, threads=args.threads, max_batch=args.max_batch,
                    kv_pages=args.kv_pages, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                   progress=True, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                   request_timeout=args.request_timeout or None, special=args.special, cors_origins=origins)
+                   progress=True, spec=mode, draft_max=args.draft_max, api_key=args.api_key,
+                   max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout or None,
+                   special=args.special, cors_origins=origins)
     pool = server.loop.pool
+    spec = f", speculative: prompt lookup, up to {args.draft_max} guesses" if mode == "lookup" else ""
     print(f"serving {server.model_id} with stage {stage} on http://{args.host}:{args.port}  "
           f"(max batch {args.max_batch}, {pool.n_pages} KV pages of {pool.page_size} positions = "
-          f"{pool.nbytes / 2**20:.0f} MiB, queue {args.max_queue}, context {server.engine.n_ctx}"
+          f"{pool.nbytes / 2**20:.0f} MiB, queue {args.max_queue}, context {server.engine.n_ctx}{spec}"
           f"{', API key required' if args.api_key else ''})", file=sys.stderr)
     http = uvicorn.Server(uvicorn.Config(create_app(server), host=args.host, port=args.port,
                                          log_level=args.log_level, timeout_graceful_shutdown=5))
@@ -129,7 +146,7 @@ def cmd_serve(args):
 
 
 def add_commands(sub):
-    from app.run import add_model_args, one_line_errors
+    from app.run import add_model_args, add_spec_args, one_line_errors
     p = one_line_errors(sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (continuous batching, paged KV cache)",
         description="Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions "
@@ -143,6 +160,7 @@ def add_commands(sub):
             action.help = "a CPU stage with a KV cache (default: fastest, the stage `make run` picks: " \
                           "the best decode recorded on this machine, else the last CPU stage)"
     engine_args(p.add_argument_group("the engine"))
+    add_spec_args(p)
     operator_args(p.add_argument_group("the operator's"))
 
 

@@ -1,0 +1,144 @@
+"""Speculative decoding in the server's batched step: every decoding sequence may guess its
+next tokens from its own context, and one step verifies all of them.
+
+    plan      before a step (the scheduler calls it): each decoding sequence offers what prompt
+              lookup finds in its own prompt and output so far (common/speculative.py: Guesser),
+              with an accept rate drawn from its own counts; `allot` decides how many of those
+              guesses ride in this step
+    run       its rows are [newest token, guesses]: every row of every sequence in the same
+              compiled call (rows carry their own positions and page tables: common/batch.py),
+              every row's logits back
+    settle    the rule on its rows (app/serve/sequence.py: Sequence.take): the kept guesses
+              and the model's own token are its new tokens, cut where its text ends; the
+              positions of the rest leave its pages (PageTable.truncate) and its grammar's
+              matcher (Constraint.rollback)
+
+How many guesses, the rule (common/speculative.py: allot). Guess j of a sequence whose guesses
+are kept with probability a is worth a^j tokens; every other row of the step (a decoding row's
+token, a prompt row's share of the prompt) is worth one. The step takes the K most valuable
+guess rows for the K that gives the most worth per unit of step time, where the time of a step
+of M rows is measured on this engine (`StepTime`). Why this rule: a guess costs what its row
+adds to the step, which the measurements say, not a constant. While the step reads weights and
+its rows are nearly free (memory-bound: few sequences, a small batch), a likely guess is worth
+more than its row costs; once the step is compute-bound, a row costs about the step's average
+row, worth one token, and no guess (worth a^j < 1) pays: the rule then guesses nothing.
+vLLM's n-gram proposer guesses the same k at any load, and its docs note n-gram speculation can
+run slower than none at high load; TensorRT-LLM's policy drafts 5 tokens at batch <= 4, 3 up to
+32 and none above, constants that fit one GPU and one model. Here the same shape comes out of
+the measured step times and each sequence's own accept rate, on whatever machine runs it.
+
+`StepTime` is the shape of t(M), the forward pass of M rows, timed once when the server starts
+(`calibrate`: passes of 1..max rows, the best of three; a stage that pads rows to its row block
+costs the same for every M in a block), scaled by what the steps take as they run (the machine
+may be busier now), plus the rest of a step outside the forward pass (planning, sampling,
+events), measured as the steps run. Without a calibration every row costs a step: nothing is
+guessed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from common import speculative as sp
+from common.batch import Batch, Segment, padded
+from common.paged_kv import PageTable
+
+CALIBRATE_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
+SMOOTH = 0.1            # weight of a new step in the running figures (scale, time outside the pass)
+
+
+class StepTime:
+    """t(M): the ms of a step of M rows (the module docstring)."""
+
+    def __init__(self, shape: dict | None = None, row_block: int = 1):
+        self.shape = dict(shape or {})          # rows -> ms of the forward pass, as calibrated
+        self.row_block = row_block
+        self.scale = 1.0                        # forward passes now take scale x the calibration
+        self.other_ms = 0.0                     # a step's time outside its forward pass
+
+    @property
+    def calibrated(self) -> bool:
+        return len(self.shape) >= 2
+
+    def forward_ms(self, rows: int) -> float:
+        """The calibrated pass of `rows` rows (padded to the row block), interpolated between
+        the row counts timed, and past the last by its slope; scaled."""
+        m = padded(max(rows, 1), self.row_block)
+        known = sorted(self.shape)
+        lo = max([r for r in known if r <= m], default=known[0])
+        hi = min([r for r in known if r >= m], default=known[-1])
+        if lo == hi:
+            if m <= known[-1]:
+                return self.scale * self.shape[lo]
+            lo, hi = known[-2], known[-1]
+        t = self.shape[lo] + (self.shape[hi] - self.shape[lo]) * (m - lo) / (hi - lo)
+        return self.scale * t
+
+    def __call__(self, rows: int) -> float:
+        """A step of `rows` rows: its forward pass and the rest. Uncalibrated: `rows` steps."""
+        if not self.calibrated:
+            return float(rows)
+        return self.forward_ms(rows) + self.other_ms
+
+    def observe(self, rows: int, forward_ms: float, step_ms: float):
+        """A step ran: its rows, its forward pass's ms and its whole ms."""
+        if not self.calibrated:
+            return
+        self.scale += SMOOTH * (forward_ms / (self.forward_ms(rows) / self.scale) - self.scale)
+        self.other_ms += SMOOTH * (max(step_ms - forward_ms, 0.0) - self.other_ms)
+
+    def calibrate(self, forward, pool, max_rows: int, rounds: int = 3):
+        """Time forward(Batch) for M rows of one sequence at positions 0.., M up to max_rows
+        (and what the pool can hold), the best of `rounds`; its pages are given back."""
+        ms = {}
+        for m in [r for r in CALIBRATE_ROWS if r <= max_rows]:
+            m = padded(m, self.row_block)
+            table = PageTable(pool)
+            if table.admit([0], m) is None:
+                break
+            best = float("inf")
+            for _ in range(rounds):
+                table.truncate(0)
+                table.reserve_for(m)
+                batch = Batch(pool, [Segment(table, [0] * m, all_logits=True)], self.row_block)
+                t0 = time.perf_counter()
+                forward(batch)
+                best = min(best, (time.perf_counter() - t0) * 1e3)
+            table.release()
+            ms[m] = best
+        top = 0.0                                    # a pass of more rows never costs less
+        self.shape = {m: (top := max(top, t)) for m, t in sorted(ms.items())}
+        self.scale = 1.0
+
+
+class Speculation:
+    """Prompt lookup for a server's decoding sequences: the guesses of each step (`plan`), the
+    measured step times, and the counts of guesses made and kept (`pooled`: every sequence's,
+    the prior a new sequence starts from; its `drafted` and `accepted` are /metrics' counters).
+    `rule`: common/speculative.py's accept (tests plant wrong ones); `seed`: the accept-rate
+    draws are reproducible."""
+
+    def __init__(self, n_ctx: int, draft_max: int = sp.DRAFT_MAX, time: StepTime | None = None, rule=sp.accept,
+                 n_max: int = sp.LOOKUP_NGRAM[1], seed: int = 0):
+        self.n_ctx, self.draft_max, self.rule, self.n_max = n_ctx, draft_max, rule, n_max
+        self.time = time or StepTime()
+        self.pooled = sp.AcceptCounts()
+        self.rng = np.random.default_rng(seed)
+
+    def guesser(self) -> sp.Guesser:
+        """One sequence's part (app/serve/sequence.py: Sequence.guesser)."""
+        return sp.Guesser(self.pooled, self.n_max, self.rule)
+
+    def plan(self, decoding: list, rows: int):
+        """Set each decoding sequence's `guesses` for the next step, whose other rows number
+        `rows` (the module docstring's rule)."""
+        offers = []
+        for seq in decoding:
+            cap = min(self.draft_max, seq.ask.max_tokens - len(seq.generated) - 1, self.n_ctx - len(seq.context))
+            guess, a = seq.guesser.offer(seq.context, cap, self.rng) if cap > 0 and seq.guesser else ([], 0.0)
+            offers.append((guess, a))
+        ks = sp.allot([(a, len(guess)) for guess, a in offers], rows, lambda extra: self.time(rows + extra))
+        for seq, (guess, _), k in zip(decoding, offers, ks):
+            seq.guesses = guess[:k]
