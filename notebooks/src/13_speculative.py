@@ -80,9 +80,13 @@ findings["the ridge"] = (f"at {roof['ridge_rows']:.1f} rows here: reading the we
 # The cheapest guess needs no model: find the longest n-gram at the end of the text that occurred
 # earlier in it, and propose what followed it there. Text that copies itself (code being edited,
 # a list recited, a passage quoted) is full of such matches; free text has few.
+#
+# A scan of the whole text at every step would grow with the text; `NgramIndex` keeps, for every
+# n-gram seen, the position after its latest occurrence, so a step looks its ending up in a few
+# dictionary lookups.
 
 # %%
-nb.show_source(sp.PromptLookup.find)
+nb.show_source(sp.NgramIndex)
 look = sp.PromptLookup()
 text = [5, 1, 2, 3, 9, 8, 1, 2, 3, 7, 1, 2]
 n, guess = look.find(text, 4)
