@@ -91,23 +91,25 @@ class StepTime:
 
     def calibrate(self, forward, pool, max_rows: int, rounds: int = 3):
         """Time forward(Batch) for M rows of one sequence at positions 0.., M up to max_rows
-        (and what the pool can hold), the best of `rounds`; its pages are given back."""
-        ms = {}
-        for m in [r for r in CALIBRATE_ROWS if r <= max_rows]:
-            m = padded(m, self.row_block)
-            table = PageTable(pool)
-            if table.admit([0], m) is None:
-                break
-            best = float("inf")
-            for _ in range(rounds):
+        (and what the pool can hold): `rounds` rounds over every M, in an order that alternates
+        (a burst of other work falls on several M, not on one), the best of each; its pages are
+        given back."""
+        sizes = sorted({padded(m, self.row_block) for m in CALIBRATE_ROWS if m <= max_rows})
+        while sizes and PageTable.pages_for(sizes[-1], pool.page_size) > pool.n_available:
+            sizes.pop()
+        table = PageTable(pool)
+        if not sizes or table.admit([0], sizes[-1]) is None:
+            return
+        ms = dict.fromkeys(sizes, float("inf"))
+        for r in range(rounds):
+            for m in sizes if r % 2 == 0 else sizes[::-1]:
                 table.truncate(0)
                 table.reserve_for(m)
                 batch = Batch(pool, [Segment(table, [0] * m, all_logits=True)], self.row_block)
                 t0 = time.perf_counter()
                 forward(batch)
-                best = min(best, (time.perf_counter() - t0) * 1e3)
-            table.release()
-            ms[m] = best
+                ms[m] = min(ms[m], (time.perf_counter() - t0) * 1e3)
+        table.release()
         top = 0.0                                    # a pass of more rows never costs less
         self.shape = {m: (top := max(top, t)) for m, t in sorted(ms.items())}
         self.scale = 1.0
