@@ -166,11 +166,11 @@ async def run_level(url: str, clients: int, args, round_: int = 0, counters=None
     texts = prompts(n, args.prompt_tokens * 3 // 4, first=round_ * n, set_name=set_name)
     kw = dict(model=model, max_tokens=args.max_tokens, temperature=0, stream=True,
               stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    ttft, itl, tokens = [], [], []
+    ttft, itl, tokens, decode = [], [], [], []
 
     async def request(text):
         t0 = time.perf_counter()
-        last, n, usage = None, 0, None
+        first, last, n, usage = None, None, 0, None
         async for ch in await c.completions.create(prompt=text, **kw):
             if ch.usage is not None:
                 usage = ch.usage.completion_tokens
@@ -178,17 +178,20 @@ async def run_level(url: str, clients: int, args, round_: int = 0, counters=None
                 now = time.perf_counter()
                 if last is None:
                     ttft.append(now - t0)
+                    first = now
                 else:
                     itl.append(now - last)
                 last, n = now, n + 1
         tokens.append(usage if usage is not None else n)
+        if last is not None and last > first:                 # the tokens after the first, over their time
+            decode.append((tokens[-1] - 1) / (last - first))
 
     async def client(i):
         for r in range(args.requests):
             await request(texts[1 + i * args.requests + r])
 
     await request(texts[0])                          # warm: the first request pays for nothing later
-    ttft.clear(), itl.clear(), tokens.clear()
+    ttft.clear(), itl.clear(), tokens.clear(), decode.clear()
     before = counters() if counters else None
     t0 = time.perf_counter()
     await asyncio.gather(*[client(i) for i in range(clients)])
@@ -200,7 +203,8 @@ async def run_level(url: str, clients: int, args, round_: int = 0, counters=None
            "tokens_per_s": sum(tokens) / wall,
            "ttft_ms_p50": percentile(ms[0], 50), "ttft_ms_p99": percentile(ms[0], 99),
            "itl_ms_p50": percentile(ms[1], 50), "itl_ms_p99": percentile(ms[1], 99),
-           "itl_ms_mean": statistics.fmean(ms[1]) if ms[1] else float("nan")}
+           "itl_ms_mean": statistics.fmean(ms[1]) if ms[1] else float("nan"),
+           "decode_tokens_per_s_p50": statistics.median(decode) if decode else float("nan")}
     if counters:
         steps, rows = after["steps"] - before["steps"], after["rows"] - before["rows"]
         busy = after["step_seconds"] - before["step_seconds"]
@@ -333,9 +337,10 @@ def measure_spec(args, log_dir: Path) -> list[dict]:
             row = {"set": set_name, "clients": clients, "rounds": rows[set_name]}
             levels.append(row)
             each = spec_serve.round_ratios(row)
-            print(f"{set_name:>5} {clients:>3} clients: plain {spec_serve.median_of(row, OURS, 'tokens_per_s'):7.1f}, "
-                  f"lookup {spec_serve.median_of(row, OURS_LOOKUP, 'tokens_per_s'):7.1f} tokens/s; lookup / plain "
-                  f"{statistics.median(each):.2f}x ({', '.join(f'{x:.2f}' for x in each)}), "
+            decode = [spec_serve.median_of(row, k, "decode_tokens_per_s_p50") for k in (OURS, OURS_LOOKUP)]
+            print(f"{set_name:>5} {clients:>3} clients: a client decodes {decode[0]:.1f} tokens/s plain, "
+                  f"{decode[1]:.1f} with lookup: {statistics.median(each):.2f}x ({', '.join(f'{x:.2f}' for x in each)}"
+                  f"); whole requests {statistics.median(spec_serve.round_ratios(row, 'tokens_per_s')):.2f}x; "
                   f"{100 * spec_serve.accept_rate(row):.0f}% of guesses kept", file=sys.stderr)
     return levels
 

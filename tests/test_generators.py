@@ -133,10 +133,11 @@ def test_the_load_tests_ratios_pair_the_rounds():
 
 # ---- scripts/loadtest.py --spec: speculation in the server (app/measure/spec_serve.py) -------------
 
-def spec_round(plain_tps, lookup_tps, drafted=0, accepted=0, itl=(10.0, 5.0)):
-    return {spec_serve.PLAIN: {"tokens_per_s": plain_tps, "itl_ms_p50": itl[0]},
-            spec_serve.LOOKUP: {"tokens_per_s": lookup_tps, "itl_ms_p50": itl[1], "drafted": drafted,
-                                "accepted": accepted}}
+def spec_round(plain_tps, lookup_tps, drafted=0, accepted=0):
+    """A round: decode rates as given, whole-request rates half of them."""
+    return {spec_serve.PLAIN: {"decode_tokens_per_s_p50": plain_tps, "tokens_per_s": plain_tps / 2},
+            spec_serve.LOOKUP: {"decode_tokens_per_s_p50": lookup_tps, "tokens_per_s": lookup_tps / 2,
+                                "drafted": drafted, "accepted": accepted}}
 
 
 def spec_record() -> dict:
@@ -163,9 +164,10 @@ def test_the_spec_load_tests_table_is_worked_out_from_its_rounds():
     gain, k = spec_serve.speedup([1.0, 1.1, 1.5], 0.75)
     assert (k, gain) == (1, pytest.approx(1.75 / 1.1))
     text = spec_serve.page(rec, "r.json")
-    assert "| copy | 1 | 10.0 | 20.0 | 1.90x | 2.00, 1.50, 1.90 | 75% | 10.0 / 5.0 |" in text
-    assert "| free | 8 | 100.0 | 95.0 | 0.95x | 0.90, 1.00, 0.95 | 17% | 10.0 / 5.0 |" in text
+    assert spec_serve.round_ratios(copy1, "tokens_per_s") == [2.0, 1.5, 1.9]
+    assert "| copy | 1 | 10.0 / 20.0 | 1.90x | 2.00, 1.50, 1.90 | 5.0 / 10.0 | 1.90x | 75% |" in text
+    assert "| free | 8 | 100.0 / 95.0 | 0.95x | 0.90, 1.00, 0.95 | 50.0 / 47.5 | 0.95x | 17% |" in text
     assert "| c(k+1) | 1.00x | 1.10x | 1.50x |" in text and "(75%): 1.59x tokens per unit of time, with k = 1" in text
-    assert "| copy, 1 client(s): lookup / plain | 1.90x | >= 1.80x | yes |" in text
-    assert "| free, 8 client(s): lookup / plain | 0.95x | >= 0.97x | no |" in text
+    assert "| copy, 1 client(s): lookup / plain, decode | 1.90x | >= 1.80x | yes |" in text
+    assert "| free, 8 client(s): lookup / plain, decode | 0.95x | >= 0.97x | no |" in text
     assert "copy, 4 client(s)" not in text                   # a level not measured is not a row
