@@ -221,7 +221,7 @@ class DraftModel:
         dense = None
         if not sampler.params.greedy:
             n_vocab = self.engine.config.n_vocab
-            dense = [_dense(ids, probs, n_vocab) for ids, probs in q]
+            dense = [dense_distribution(ids, probs, n_vocab) for ids, probs in q]
         return Draft(s.tokens[-k:], dense, "model")
 
     def close(self):
@@ -244,7 +244,8 @@ class _Recording(Sampler):
         return tok
 
 
-def _dense(ids, probs, n_vocab: int) -> np.ndarray:
+def dense_distribution(ids, probs, n_vocab: int) -> np.ndarray:
+    """A sampler's distribution (the ids it keeps, their probabilities) over the whole vocabulary."""
     p = np.zeros(n_vocab)
     p[ids] = probs
     return p
@@ -448,8 +449,8 @@ def accept(logits: np.ndarray, draft: Draft, sampler: Sampler, history) -> tuple
             if int(ids[0]) != d:
                 return settled(i, int(ids[0]))
         else:
-            p = _dense(ids, probs, logits.shape[1])
-            q = draft.q[i] if draft.q is not None else _dense([d], [1.0], logits.shape[1])
+            p = dense_distribution(ids, probs, logits.shape[1])
+            q = draft.q[i] if draft.q is not None else dense_distribution([d], [1.0], logits.shape[1])
             if not rng.random() < min(1.0, p[d] / q[d]):
                 residual = np.maximum(p - q, 0.0)
                 nz = np.flatnonzero(residual)
@@ -524,15 +525,16 @@ class Guesser:
     """One sequence's prompt lookup in a server's batched step (app/serve/speculation.py plans
     the step; app/serve/sequence.py runs its part):
 
-        offer     what it could guess now: the lookup over its own context (prompt and output
-                  so far), and an accept rate drawn from its own counts for that kind of guess
+        offer     what it could guess now (`found`: the lookup over its own context, prompt and
+                  output so far) and an accept rate drawn from its own counts for that kind
         verify    the rule on its k+1 rows of the step's logits [k+1, n_vocab] -> the kept
                   guesses and the model's own token (the caller cuts them where the text ends
                   and gives the rest of the positions back: PageTable.truncate)
 
     Its counts start from the server's (`pooled`: every sequence's guesses), worth PRIOR_WEIGHT
     guesses of evidence, so a new sequence starts from what this server has seen and then
-    follows its own text."""
+    follows its own text. `q`: the distributions the guesses were drawn from (a draft model's;
+    None for lookup's deterministic guesses)."""
 
     PRIOR_WEIGHT = 3.0        # Beta(1, 2)'s weight: the pooled rate counts as 3 guesses
 
@@ -541,22 +543,32 @@ class Guesser:
         self.index = NgramIndex(n_max)
         self.counts = AcceptCounts()
         self.key = None
+        self.found: list = []
+        self.q = None
 
-    def offer(self, context, k_max: int, rng) -> tuple[list, float]:
-        """(up to k_max guesses, their drawn accept rate); ([], 0) when the lookup finds nothing.
-        The context only ever grows, so the index takes only its new tokens."""
+    def offer(self, context, k_max: int, rng) -> tuple[int, float]:
+        """(how many guesses it has, up to k_max; their drawn accept rate); (0, 0) when the
+        lookup finds nothing. The context only ever grows, so the index takes its new tokens."""
         self.index.extend(context[len(self.index.tokens):])
-        n, follow = self.index.find(k_max)
-        if not follow:
-            return [], 0.0
+        n, self.found = self.index.find(k_max)
+        if not self.found:
+            return 0, 0.0
         self.key = ("ngram", n)
+        return len(self.found), self.draw(rng)
+
+    def draw(self, rng) -> float:
+        """An accept rate for this kind of guess, from its own counts and the server's."""
         r = self.pooled.rate(self.key)
-        return follow, self.counts.draw(self.key, rng, (self.PRIOR_WEIGHT * r, self.PRIOR_WEIGHT * (1 - r)))
+        return self.counts.draw(self.key, rng, (self.PRIOR_WEIGHT * r, self.PRIOR_WEIGHT * (1 - r)))
 
     def verify(self, rows: np.ndarray, guesses: list, sampler: Sampler, history) -> tuple[int, int]:
         """(guesses kept, the model's own token) by the rule; every token kept taken by the sampler."""
-        return self.rule(rows, Draft(list(guesses), None, self.key), sampler, history)
+        q = self.q[:len(guesses)] if self.q is not None else None
+        return self.rule(rows, Draft(list(guesses), q, self.key), sampler, history)
 
     def observe(self, drafted: int, kept: int, emitted: int):
         for counts in (self.counts, self.pooled):
             counts.observe(self.key, drafted, kept, emitted)
+
+    def release(self):
+        """The sequence ended or was preempted: what it holds besides its text goes back."""

@@ -22,9 +22,14 @@ bug, which it must flag:
     the rule          allot: nothing guessed where rows cost what they yield, guesses where
                       they are nearly free (planted: a policy that ignores the cost)
 
+A draft model guessing (DraftSpeculation; the stub copying its text): the crowd and the
+preemption give each request's plain text and every page of both pools back (planted: a rule
+that keeps every guess, a draft that keeps its pages); sampled guesses keep the distribution
+(chi-square, planted: two wrong rules).
+
 On the default model, both batching stages (fused pads rows to 8, repack does not): greedy
 text with guesses is plain serving's, token for token, alone and in a crowd, for copy-heavy
-and free prompts.
+and free prompts; with the model's first two layers as the draft, in a crowd.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from app.serve.engine_loop import EngineLoop
 from app.serve.metrics import Metrics
 from app.serve.scheduler import Scheduler
 from app.serve.sequence import Ask, Sequence
-from app.serve.speculation import Speculation, StepTime
+from app.serve.speculation import DraftGuesser, DraftSpeculation, Speculation, StepTime
 from common import speculative as sp
 from common.generate import Sampler, SamplingParams
 from common.paged_kv import PageTable
@@ -234,8 +239,8 @@ class Guessing(Speculation):
     def guesser(self):
         class Fixed(sp.Guesser):
             def offer(self, context, k_max, rng):
-                self.key = "fixed"
-                return Guessing.GUESS[:k_max], 0.9
+                self.key, self.found = "fixed", Guessing.GUESS[:k_max]
+                return len(self.found), 0.9
         return Fixed(self.pooled, rule=self.rule)
 
 
@@ -288,8 +293,8 @@ class Scripted(Speculation):
 
         class Script(sp.Guesser):
             def offer(self, context, k_max, rng):
-                self.key = "script"
-                return script(context)[:k_max], 0.9
+                self.key, self.found = "script", script(context)[:k_max]
+                return len(self.found), 0.9
 
             def observe(self, drafted, kept, emitted):
                 super().observe(drafted, kept, kept if counts_kept else emitted)
@@ -392,6 +397,74 @@ def test_streamed_tokens_and_logprobs_are_plain_servings(default_model_path):
     assert got["plain"][2] == 0 and got["lookup"][2] > 0
 
 
+# ---- a draft model in the server ----------------------------------------------------------------------
+
+class CopyingDraft(StubEngine):
+    """A draft model of the copying stub: always the token `copies` back (the target's rule
+    three times in four), so its guesses are kept and refused."""
+
+    def next_token(self, tokens) -> int:
+        return int(tokens[-self.copies]) if len(tokens) >= self.copies else self.low
+
+
+def drafted(rule=sp.accept, draft_max: int = 6, pages: int = 400, guesser=DraftGuesser, **draft):
+    spec = DraftSpeculation(4096, CopyingDraft(copies=5, **draft), pages, draft_max, free_rows(), rule=rule)
+    spec.guesser = lambda: guesser(spec.pooled, spec.rule, spec.pool)
+    return spec
+
+
+def test_a_draft_models_guesses_write_each_requests_plain_text_and_every_page_comes_back():
+    """A crowd, then a pool a quarter of the worst case (preemption with guesses drafted): each
+    request's plain text; guesses kept and refused; both pools' pages all back at the end."""
+    asks = [Ask(p, MAX_TOKENS) for p in prompts()]
+    worst = sum(-(-(len(p) + MAX_TOKENS) // 16) for p in prompts())
+    plain, _, _, _ = serve(StubEngine(copies=5), asks, None, pages=worst)
+    for pages in (worst, worst // 4):
+        spec = drafted()
+        seen, loop, _, problems = serve(StubEngine(copies=5), asks, spec, pages=pages)
+        assert problems == [] and seen == plain, pages
+        s = loop.stats()
+        assert 0 < s["accepted"] < s["drafted"], s
+        assert pages_back(loop) == [] and (spec.pool.n_free, spec.pool.reserved) == (spec.pool.n_pages, 0)
+        assert pages == worst or loop.preemptions >= 3
+    seen, _, _, _ = serve(StubEngine(copies=5), asks, drafted(keep_every_guess), pages=worst)
+    assert seen != plain                                                   # the planted rule is caught
+    spec = drafted(guesser=KeepsItsDraftPages)
+    serve(StubEngine(copies=5), asks, spec, pages=worst // 4)
+    assert spec.pool.n_free < spec.pool.n_pages                            # so is a draft that keeps its pages
+
+
+class KeepsItsDraftPages(DraftGuesser):
+    """Planted: a sequence that ends or is preempted keeps its pages in the draft model's pool."""
+
+    def release(self):
+        pass
+
+
+def test_a_draft_models_sampled_guesses_keep_the_distribution():
+    """Guesses drawn from the draft model's own distribution (q: the stub's logits under the
+    sequence's temperature and top-k), two per step: the chi-square test of the first four
+    tokens passes with the rule and fails with the planted ones."""
+    exact = exact_joint(StubEngine(n_vocab=V, low=0, high=V), 4)
+
+    def joint(rule):
+        counts = np.zeros((V,) * 4, int)
+        for first in range(0, DRAWS, BATCH):
+            asks = [Ask(PROMPT, 4, params=SamplingParams(seed=i, **CHAIN)) for i in range(first, first + BATCH)]
+            spec = drafted(rule, draft_max=2, pages=BATCH + 8, n_vocab=V, low=0, high=V)
+            seen, loop, _, problems = serve(StubEngine(n_vocab=V, low=0, high=V), asks, spec, pages=BATCH + 8,
+                                            max_batch=BATCH)
+            assert problems == [] and loop.stats()["drafted"] >= 2 * BATCH
+            for out in seen:
+                counts[tuple(out[:4])] += 1
+        return counts
+    p_right = chi_square_p(joint(sp.accept), exact)
+    assert p_right > 1e-3, f"the rule's draws fail the chi-square test (p = {p_right:.2g})"
+    for name, rule in {"keeps every guess": keep_every_guess, "draws a rejection from p": resample_from_p}.items():
+        p_wrong = chi_square_p(joint(rule), exact)
+        assert p_wrong < 1e-6, f"a rule that {name} passed the chi-square test (p = {p_wrong:.2g})"
+
+
 # ---- the rule for how many ---------------------------------------------------------------------------
 
 def greedy_everywhere(offers, rows, cost):
@@ -466,13 +539,47 @@ def test_greedy_text_with_guesses_is_plain_servings_alone_and_in_a_crowd(batchin
         assert crowd[i] == plain[i] == alone[0], f"{stage}, prompt {i}: {crowd[i]} / {alone[0]} / {plain[i]}"
 
 
+def test_greedy_text_with_a_draft_models_guesses_is_plain_servings(batching_engine, default_model_path,
+                                                                   tmp_path_factory):
+    """The model's first two layers guessing (app/draft_model.py) for a crowd of copy-heavy and
+    free prompts: each text is plain serving's, token for token; guesses kept and refused; the
+    pages of both models' pools all back."""
+    from app.draft_model import first_layers
+    from app.measure.speculative import prompt_sets
+    from stages import load
+    stage, engine = batching_engine
+    draft = load(stage, first_layers(default_model_path, 2, tmp_path_factory.mktemp("draft")))
+    sets = prompt_sets()
+    asks = [Ask(engine.tokenizer.encode(t), N_REAL) for t in sets["copy"][:3] + sets["free"][:2]]
+    plain, _, _, _ = serve(engine, asks, None, pages=300)
+    spec = DraftSpeculation(engine.n_ctx, draft, 300, 4, free_rows())
+    crowd, loop, _, problems = serve(engine, asks, spec, pages=300)
+    assert problems == [] and pages_back(loop) == [] and spec.pool.n_free == spec.pool.n_pages
+    s = loop.stats()
+    assert 0 < s["accepted"] < s["drafted"], s
+    for i in range(len(asks)):
+        assert crowd[i] == plain[i], f"{stage}, prompt {i}: {crowd[i]} / {plain[i]}"
+
+
 @pytest.mark.parametrize("args, message", [
-    (["--spec", "draft", "--model-draft", "d.gguf"], "serve --spec draft: the server guesses by prompt lookup"),
     (["--spec", "lookup", "--model-draft", "d.gguf"], "--model-draft is for --spec draft"),
     (["--spec", "draft"], "--spec draft needs a draft model"),
+    (["--spec", "draft", "--model-draft", "no/such/draft.gguf"], "no model file"),
+    (["--model-draft", "OTHER"], "differ at token 9"),
 ])
-def test_serve_spec_flags_are_refused_in_one_line_before_loading(args, message, capsys):
+def test_serve_spec_flags_are_refused_in_one_line_before_loading(args, message, default_model_path, tmp_path,
+                                                                  monkeypatch, capsys):
+    """Contradictions, a draft file missing or of another vocabulary: one line, exit 2, and no
+    model's weights loaded."""
+    import stages
     from app.cli import main
-    assert main(["serve", "-m", "never/opened.gguf", *args]) == 2
+    from common.gguf import GGUFFile
+    from tests.test_speculative import metadata_copy
+    if "OTHER" in args:
+        g = GGUFFile(default_model_path)
+        other = metadata_copy(g, tmp_path / "other.gguf", {"tokenizer.ggml.tokens": lambda t: t[:9] + ["?"] + t[10:]})
+        args = [other.path if a == "OTHER" else a for a in args]
+    monkeypatch.setattr(stages, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert main(["serve", "-m", str(default_model_path), "--stage", "repack", *args]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+    assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err

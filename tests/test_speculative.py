@@ -322,8 +322,8 @@ def resample_from_p(logits, draft, sampler, history):
     history = list(history)
     for i, d in enumerate(draft.tokens):
         ids, probs = sampler.distribution(logits[i], history)
-        p = sp._dense(ids, probs, logits.shape[1])
-        q = draft.q[i] if draft.q is not None else sp._dense([d], [1.0], logits.shape[1])
+        p = sp.dense_distribution(ids, probs, logits.shape[1])
+        q = draft.q[i] if draft.q is not None else sp.dense_distribution([d], [1.0], logits.shape[1])
         if not sampler.rng.random() < min(1.0, p[d] / q[d]):
             return i, int(ids[sampler.rng.choice(len(ids), p=probs)])
         history.append(d)

@@ -21,19 +21,22 @@ from app.models import DEFAULT_MODEL, resolve
 from app.serve.engine_loop import EngineLoop
 from app.serve.sequence import Ask, Sequence
 from app.serve.server import MAX_BODY_BYTES, REQUEST_TIMEOUT_S, Server
-from app.serve.speculation import Speculation, StepTime
-from common.generate import ParameterError
-from common.speculative import DRAFT_MAX
+from app.serve.speculation import DraftSpeculation, Speculation, StepTime
+from common.gguf import GGUFFile
+from common.paged_kv import PageTable
+from common.speculative import DRAFT_MAX, check_vocabulary
 from stages import StageError, info
 
 DRAIN_TIMEOUT_S = 30.0
 
 
 def build(stage: str, model, ctx_size=None, threads=None, max_batch=32, kv_pages=512, max_queue=64,
-          prefill_chunk=64, progress=False, spec="off", draft_max=DRAFT_MAX, **settings) -> Server:
+          prefill_chunk=64, progress=False, spec="off", draft_max=DRAFT_MAX, model_draft=None,
+          **settings) -> Server:
     """Load the stage and warm its kernels up (single and batched), in the calling thread:
     the thread that must then run the engine loop (server.loop.run()). spec: speculative
-    decoding, "lookup" or "off" (app/serve/speculation.py), whose step times are measured
+    decoding, "lookup", "draft" (with model_draft, a GGUF file of the same vocabulary, loaded
+    on the same stage) or "off" (app/serve/speculation.py), whose step times are measured
     here. settings: the Server's (api_key, max_body_bytes, request_timeout, special,
     cors_origins)."""
     from stages import load
@@ -41,11 +44,22 @@ def build(stage: str, model, ctx_size=None, threads=None, max_batch=32, kv_pages
     if not s.kv_cache or s.gpu:
         raise StageError(f"stage '{stage}' cannot serve a batch: serving needs a CPU stage with a KV cache "
                          f"(kv_cache, quantized, threads, int8, ...)")
-    engine = load(stage, resolve(model), n_ctx=ctx_size, threads=threads, progress=progress)
+    target = GGUFFile(resolve(model))
+    draft = None
+    if spec == "draft":                                  # its vocabulary checked before any weights load
+        draft = GGUFFile(resolve(model_draft))
+        check_vocabulary(target, draft)
+    engine = load(stage, target, n_ctx=ctx_size, threads=threads, progress=progress)
     engine.warmup()
     speculation = None
     if spec == "lookup":
         speculation = Speculation(engine.n_ctx, draft_max, StepTime(row_block=engine.backend.row_block))
+    elif spec == "draft":
+        draft = load(stage, draft, n_ctx=engine.n_ctx, threads=threads, progress=progress)
+        draft.warmup()
+        pages = kv_pages + max_batch * PageTable.pages_for(draft_max + 1)        # each one's context and guesses
+        speculation = DraftSpeculation(engine.n_ctx, draft, pages, draft_max,
+                                       StepTime(row_block=engine.backend.row_block))
     loop = EngineLoop(engine, kv_pages=kv_pages, max_batch=max_batch, max_queue=max_queue,
                       prefill_chunk=prefill_chunk, speculation=speculation)
     loop.submit(Sequence(Ask([0, 1], max_tokens=2)))     # compile the batched kernels before serving
@@ -53,6 +67,8 @@ def build(stage: str, model, ctx_size=None, threads=None, max_batch=32, kv_pages
         pass
     if speculation is not None:                          # what a step of M rows costs on this engine
         speculation.time.calibrate(loop.forward, loop.pool, max_batch * (1 + draft_max) + prefill_chunk)
+    if draft is not None:                                # and on the draft model
+        speculation.draft_time.calibrate(draft.forward_batch, speculation.pool, max_batch)
     loop.reset_counters()
     model_id = engine.gguf.path.split("/")[-1].removesuffix(".gguf")
     return Server(engine, stage, loop, model_id, **settings)
@@ -105,18 +121,17 @@ def cmd_serve(args):
     from app.run import spec_mode
     from app.serve.routes import create_app
     mode = spec_mode(args)                          # contradictions refused before anything loads
-    if mode == "draft":
-        raise ParameterError("serve --spec draft: the server guesses by prompt lookup only (--spec lookup); "
-                             "a draft model runs with `python -m app run --spec draft`")
     stage = serving_stage(args.stage)
     origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else []
     server = build(stage, args.model, ctx_size=args.ctx_size, threads=args.threads, max_batch=args.max_batch,
                    kv_pages=args.kv_pages, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                   progress=True, spec=mode, draft_max=args.draft_max, api_key=args.api_key,
+                   progress=True, spec=mode, draft_max=args.draft_max, model_draft=args.model_draft,
+                   api_key=args.api_key,
                    max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout or None,
                    special=args.special, cors_origins=origins)
     pool = server.loop.pool
-    spec = f", speculative: prompt lookup, up to {args.draft_max} guesses" if mode == "lookup" else ""
+    spec = {"lookup": ", speculative: prompt lookup", "draft": f", speculative: draft model {args.model_draft}",
+            "off": ""}[mode] + (f", up to {args.draft_max} guesses" if mode != "off" else "")
     print(f"serving {server.model_id} with stage {stage} on http://{args.host}:{args.port}  "
           f"(max batch {args.max_batch}, {pool.n_pages} KV pages of {pool.page_size} positions = "
           f"{pool.nbytes / 2**20:.0f} MiB, queue {args.max_queue}, context {server.engine.n_ctx}{spec}"

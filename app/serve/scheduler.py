@@ -119,10 +119,12 @@ class Scheduler:
         return dropped
 
     def release(self, seq: Sequence):
-        """seq has ended: its pages go back, it leaves the running set."""
+        """seq has ended: its pages go back (a draft model's too), it leaves the running set."""
         if seq.table is not None:
             seq.table.release()
             seq.table = None
+        if seq.guesser is not None:
+            seq.guesser.release()
         if seq in self.running:
             self.running.remove(seq)
 
@@ -204,6 +206,8 @@ class Scheduler:
         queue, before every newer one; it keeps its tokens and its sampler."""
         seq.table.release()
         seq.table, seq.guesses = None, []
+        if seq.guesser is not None:
+            seq.guesser.release()
         for s in (seq, *seq.followers):
             self.running.remove(s)
         seq.preemptions += 1
