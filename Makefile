@@ -67,11 +67,27 @@ test-all: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## the test suite including the
 	LLM_SLOW_TESTS=1 $(PY) -m pytest -q -rfEsx tests $(args)
 
 # np=N: N MPI ranks (the tp stage), hosts=FILE: spread over the machines an MPICH host file lists
+# (a host file `make netns` writes starts with the command that reaches its hosts: mpiexec then runs through it)
 np     ?=
 hosts  ?=
+MPIEXEC = $(or $(if $(hosts),$(shell sed -n '1s/^# mpiexec: //p' $(hosts))),$(VENV)/bin/mpiexec)
 
 run: $(STAMP) $(MODEL_FILE)  ## run one stage: make stage=tiling run [prompt=... n=... model=...] (tp: np=2 [hosts=FILE])
-	$(if $(np),$(VENV)/bin/mpiexec -n $(np) $(if $(hosts),-f $(hosts)) )$(PY) -m app run --stage $(stage) -m $(model) -p "$(prompt)" $(if $(n),-n $(n)) $(args)
+	$(if $(np),$(MPIEXEC) -n $(np) $(if $(hosts),-f $(hosts)) )$(PY) -m app run --stage $(stage) -m $(model) -p "$(prompt)" $(if $(n),-n $(n)) $(args)
+
+# Two hosts on one machine (app/netns.py): network namespaces joined by a veth pair, for tp across a network
+.PHONY: netns netns-down iproute2
+NETNS := build/netns
+
+netns: $(STAMP) iproute2  ## (root) two network namespaces joined by a veth pair: make stage=tp run np=2 hosts=build/netns/hosts
+	$(SUDO) $(PY) -m app.netns up $(NETNS)
+
+netns-down:  ## remove the two network namespaces of `make netns`
+	$(SUDO) $(PY) -m app.netns down $(NETNS)
+
+iproute2:  ## install the `ip` command (Debian's iproute2), for the test of tp across two network namespaces
+	@command -v ip >/dev/null || { \
+		$(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends iproute2; }
 
 bench: $(STAMP) $(MODEL_FILE)  ## measure one stage into profiles/: make stage=simd bench
 	$(PY) -m app bench --stage $(stage) -m $(model) $(args)

@@ -163,7 +163,7 @@ class Sampler:
         completion drew (SamplingParams)."""
         p = self.params
         if self.constraint is not None:
-            logits = self.constraint.apply(logits)       # a copy: forbidden tokens at -inf
+            logits = self.constraint.apply(logits)       # its buffer: forbidden tokens at -inf
         if not p.penalized:
             return logits
         logits = logits.astype(np.float32, copy=True)

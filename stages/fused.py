@@ -148,19 +148,27 @@ class FusedBackend(Int8Backend):
 
     def _run(self, model, tokens, cache: Cache, rows: Rows):
         """The layer stack over the rows `tokens` [M]: h [M, D] before the final norm."""
-        if self._plan is None:
-            self._plan = _Plan(model, self.layout_of)
         h = self.embed(model.token_embd, tokens)
-        nt = self._threads()
+        weights, dims, nt = self._compiled(model)
         sync = new_sync()
         t0 = time.perf_counter()
-        run_layers(h, self._plan.weights, cache, rows, self._dims(model), sync, nt)
+        run_layers(h, weights, cache, rows, dims, sync, nt)
+        self._ran(sync, nt, t0)
+        return h
+
+    def _compiled(self, model):
+        """(weights, dims, threads): what the compiled stack takes beside h and the rows."""
+        if self._plan is None:
+            self._plan = _Plan(model, self.layout_of)
+        return self._plan.weights, self._dims(model), self._threads()
+
+    def _ran(self, sync, nt: int, t0: float):
+        """After a compiled call begun at t0: its time and barriers counted, a barrier that gave up raised."""
         self.kernel_seconds += time.perf_counter() - t0
         self.barriers = int(sync[0]) // nt
         if sync[1]:
             raise RuntimeError(f"the {self.name} stage's {nt} threads did not all run (a barrier gave up): "
                                "numba's threading layer must give each parallel iteration its own thread")
-        return h
 
     def forward_layers(self, model, tokens, start_pos: int):
         """One sequence: its arena is one page of n_ctx positions, row m at start_pos + m."""

@@ -175,6 +175,41 @@ def test_a_batchs_masks_computed_at_once_are_each_ones_own(tok, ll):
         assert np.array_equal(c.mask(), Constraint(grammar, ll, tokens[:k]).mask()), k
 
 
+class BigEndianTerms(Constraint):
+    """WRONG, planted: reads each mask byte's bits from the top (the table's rows reversed)."""
+
+    def apply(self, logits):
+        from common.constrain import constraint
+        right = constraint.BYTE_TERMS
+        constraint.BYTE_TERMS = right[:, ::-1].copy()
+        try:
+            return super().apply(logits)
+        finally:
+            constraint.BYTE_TERMS = right
+
+
+@pytest.mark.parametrize("make", [Constraint, BigEndianTerms])
+def test_apply_puts_exactly_the_forbidden_tokens_at_minus_inf(tok, ll, make):
+    """Along a reply under the schema (masks of a few tokens, of nearly all, and of allowed and
+    forbidden ones alternating, inside a number): apply's row is np.where(allowed, logits, -inf)
+    bit for bit, and a fork's result is its own (apply writes into its constraint's buffer)."""
+    grammar = Grammar.json_schema(PERSON).checked(ll)
+    logits = np.random.default_rng(3).normal(size=tok.n_vocab).astype(np.float32)
+    c, counts, agree = make(grammar, ll), [], True
+    for t in ids(tok, ALICE) + [tok.eos_id]:
+        want = np.where(c.allowed(), logits, -np.inf).astype(np.float32)
+        agree &= np.array_equal(c.apply(logits), want)
+        counts.append(int(c.allowed().sum()))
+        c.consume(t)
+    assert min(counts) <= 2 and max(counts) > tok.n_vocab * 0.9 and any(100 < n < tok.n_vocab // 2 for n in counts)
+    start = make(grammar, ll)
+    twin = start.fork()
+    twin.consume(ids(tok, "{")[0])
+    first = start.apply(logits)
+    assert not np.array_equal(first, twin.apply(logits)) and np.array_equal(first, start.apply(logits))
+    assert agree == (make is Constraint)
+
+
 def test_a_token_the_grammar_refuses_is_an_error_that_leaves_the_state(tok, ll):
     c = Constraint(Grammar.lark(COLORS).checked(ll), ll)
     before = c.mask().copy()
@@ -522,14 +557,15 @@ def test_constrained_requests_in_one_batch_through_preemption(tok, ll, engine):
 
 def test_the_bench_page_is_drawn_from_its_record():
     """scripts/bench_constrain.py's page from a made-up record: medians over rounds, ratios taken
-    within each round, the mask's share of a step."""
+    within each round, the mask's share of the server's step."""
     from app.measure.constrain_bench import page
-    rounds = [{"batch1": {"plain_ms": 6.0, "constrained_ms": 6.5, "tokens": 30},
-               "batch8": {"plain_ms": 10.0, "lazy_ms": 12.5, "filled_ms": 11.0}},
-              {"batch1": {"plain_ms": 8.0, "constrained_ms": 8.0, "tokens": 30},
-               "batch8": {"plain_ms": 12.0, "lazy_ms": 12.0, "filled_ms": 12.0}},
-              {"batch1": {"plain_ms": 7.0, "constrained_ms": 14.0, "tokens": 30},
-               "batch8": {"plain_ms": 11.0, "lazy_ms": 22.0, "filled_ms": 11.0}}]
+    b1 = [(6.0, 6.5), (8.0, 8.0), (7.0, 14.0)]                 # run: plain, constrained
+    one = [(5.0, 5.5), (6.0, 6.0), (5.5, 11.0)]                # the server, 1 request
+    eight = [(10.0, 11.0, 12.5), (12.0, 12.0, 12.0), (11.0, 11.0, 22.0)]   # 8: plain, filled, one by one
+    rounds = [{"batch1": {"plain_ms": a, "constrained_ms": b, "tokens": 30},
+               "server": {"1": {"plain_ms": c, "constrained_ms": d},
+                          "8": {"plain_ms": e, "constrained_ms": f, "one by one_ms": g}}}
+              for (a, b), (c, d), (e, f, g) in zip(b1, one, eight)]
     masks = {"batch1": {"mask_us": [30.0, 40.0, 50.0], "apply_us": [20.0, 20.0, 20.0]},
              "batch8": {"fill_us_per_row": [35.0, 45.0], "apply_us_per_row": [25.0, 25.0]}}
     record = {"kind": "constrain", "command": "python scripts/bench_constrain.py", "n_vocab": 49152,
@@ -537,8 +573,9 @@ def test_the_bench_page_is_drawn_from_its_record():
               "machine": {"cpu": "a CPU", "physical_cores": 2}, "provenance": {"commit": "abc", "code_hash": "h"},
               "rounds": rounds, "masks": {"json schema": masks}, "texts": {"json schema": '{"a": 1}'}}
     text = page(record, "profiles/bench/constrain.json")
-    assert "| 1 | 7.00 | 8.00 | 0.923 |" in text                     # ratios 0.923, 1.0, 0.5: their median
-    assert "| 8 | 11.00 | 12.50 (masks one by one) | 0.800 |" in text   # 0.8, 1.0, 0.5
-    assert "| 8 | 11.00 | 11.00 (masks filled at once) | 1.000 |" in text   # 0.909, 1.0, 1.0
-    # mask 40 + apply 20 us of a 7 ms step; 8 rows of (40 + 25) us of an 11 ms step
-    assert "| json schema | 40.0 / 48.0 | 20.0 | 0.9% | 40.0 / 44.0 | 25.0 | 4.7% |" in text
+    assert "| run | 1 | 7.00 | 8.00 | 0.923 |" in text                  # ratios 0.923, 1.0, 0.5: their median
+    assert "| server | 1 | 5.50 | 6.00 | 0.909 |" in text               # 0.909, 1.0, 0.5
+    assert "| server | 8 | 11.00 | 11.00 (masks filled at once) | 1.000 |" in text      # 0.909, 1.0, 1.0: their median
+    assert "| server | 8 | 11.00 | 12.50 (masks one by one) | 0.800 |" in text        # 0.8, 1.0, 0.5
+    # mask 40 + apply 20 us of a 5.5 ms step; 8 rows of (40 + 25) us of an 11 ms step
+    assert "| json schema | 40.0 / 48.0 | 20.0 | 1.1% | 40.0 / 44.0 | 25.0 | 4.7% |" in text

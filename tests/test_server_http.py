@@ -26,6 +26,7 @@ import urllib.request
 from collections import Counter
 
 import httpx
+import jsonschema
 import numpy as np
 import pytest
 
@@ -183,10 +184,27 @@ def test_paths_without_v1_answer_too(srv):
     assert r.status_code == 200 and r.json()["object"] == "chat.completion"
 
 
+CITY = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["C", "F"]}}}}}
+SUM = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "additionalProperties": False, "required": ["x", "y"],
+                                  "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                 "y": {"type": "integer", "minimum": 0, "maximum": 99}}}}}
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (CITY, SUM)}
 REFUSED = [
-    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools: not supported", "tools"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format: not supported",
+    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, 'tools[0] must be {"type": "function"', "tools"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strin"}}}}, "llguidance refuses it: Invalid type: strin", "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, 'response_format must be {"type": "text"}',
      "response_format"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice 'required' needs tools", "tool_choice"),
+    ("/v1/chat/completions", {"tools": [CITY], "tool_choice": {"type": "function", "function": {"name": "mul"}}},
+     "'mul', which is not among the tools", "tool_choice"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions: not supported", "functions"),
+    ("/v1/completions", {"tools": [CITY]}, "tools: tools are for chat completions", "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "18 C"}]}, "needs tool_call_id", "messages"),
     ("/v1/completions", {"suffix": "x"}, "suffix: not supported", "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of: not supported", "best_of"),
     ("/v1/completions", {"n": 9}, "n = 9: must be an integer in 1..8", "n"),
@@ -218,6 +236,183 @@ def test_neutral_values_of_unsupported_fields_are_accepted(srv):
     r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                           "max_tokens": 1, "store": False, "tools": None})
     assert r.status_code == 200, r.text
+
+# ---- structured outputs and tool calls (app/structured/ through the server) ---------------------
+# The stub's next token is a hash of the context; under a grammar it takes the allowed token
+# nearest that hash, so what comes back is the grammar's doing, and the shapes are the server's.
+
+def test_a_refused_schema_leaves_the_server_serving(srv):
+    before = srv.loop.stats()["failures"]
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+        "d": {"type": "string", "format": "colour"}}}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(srv).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                            response_format=bad)
+    assert refused.value.body["param"] == "response_format" and "Unknown format: colour" in refused.value.message
+    unit = {"type": "object", "required": ["unit"], "properties": {"unit": {"enum": ["C", "F"]}},
+            "additionalProperties": False}
+    good = client(srv).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=80, temperature=0, response_format={
+                                                   "type": "json_schema", "json_schema": {"name": "u", "schema": unit}})
+    jsonschema.validate(json.loads(good.choices[0].message.content), unit)
+    assert srv.loop.stats()["failures"] == before
+
+
+def tool_call_problems(s) -> list[str]:
+    """tool_choice required, one call. Whole: content null, one call with an id, type function,
+    a tool's name and arguments its parameters accept (jsonschema), finish_reason tool_calls.
+    Streamed: the call opens with its index, id, type, name and empty arguments, then only
+    arguments follow, in pieces that join to the whole's; finish_reason tool_calls at the end;
+    and the log-probability entries are the whole's, token for token."""
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "The weather in Paris?"}], tools=[CITY, SUM],
+                tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=150, logprobs=True)
+    problems = []
+    whole = client(s).chat.completions.create(**body).choices[0]
+    calls = whole.message.tool_calls or []
+    if whole.message.content is not None or len(calls) != 1 or whole.finish_reason != "tool_calls":
+        return [f"whole: {whole}"]
+    call = calls[0]
+    if not call.id.startswith("call_") or call.type != "function" or call.function.name not in PARAMETERS:
+        problems.append(f"whole: the call {call}")
+    else:
+        try:
+            jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+        except (ValueError, jsonschema.ValidationError) as e:
+            problems.append(f"whole: arguments {call.function.arguments!r}: {e}")
+    chunks = [ch.choices[0] for ch in client(s).chat.completions.create(stream=True, **body) if ch.choices]
+    pieces = [d.tool_calls for ch in chunks if (d := ch.delta).tool_calls]
+    if not pieces or any(len(p) != 1 or p[0].index != 0 for p in pieces):
+        return problems + [f"streamed: {pieces}"]
+    head, rest = pieces[0][0], [p[0] for p in pieces[1:]]
+    if not (head.id and head.id.startswith("call_") and head.type == "function"
+            and (head.function.name, head.function.arguments) == (call.function.name, "")):
+        problems.append(f"streamed: the call opens with {head}")
+    if any(p.id or p.type or p.function.name for p in rest):
+        problems.append("streamed: an id, type or name after the call's first delta")
+    if "".join(p.function.arguments for p in rest) != call.function.arguments or len(rest) < 2:
+        problems.append(f"streamed: arguments {[p.function.arguments for p in rest]} for {call.function.arguments!r}")
+    if any(ch.delta.content for ch in chunks) or chunks[-1].finish_reason != "tool_calls":
+        problems.append(f"streamed: content {[ch.delta.content for ch in chunks]}, end {chunks[-1].finish_reason}")
+    streamed = [e.token for ch in chunks if ch.logprobs for e in ch.logprobs.content]
+    if streamed != [e.token for e in whole.logprobs.content]:
+        problems.append(f"streamed log-probabilities: {streamed}")
+    return problems
+
+
+@pytest.mark.parametrize("planted", [None, "finish", "text"])
+def test_tool_calls_come_back_in_openais_shape_whole_and_streamed(srv, monkeypatch, planted):
+    if planted == "finish":                                 # planted: the reason stays 'stop'
+        monkeypatch.setattr(replies, "called", lambda finish: finish)
+    if planted == "text":                                   # planted: a streamed call goes out as text
+        plain = replies.Reply.piece
+
+        def as_text(self, i, text, entries, finish=None):
+            self.tools = False
+            return plain(self, i, text, entries, finish)
+        monkeypatch.setattr(replies.Reply, "piece", as_text)
+    assert (tool_call_problems(srv) == []) == (planted is None), planted
+
+
+def forked_choices_problems(s, stream: bool) -> list[str]:
+    """A text completion (response_format, as llama-server takes it) with n = 3 sampled choices:
+    each follows the schema on its own, valid (jsonschema) and ended by the grammar."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "n"],
+              "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                             "n": {"type": "integer", "minimum": 0, "maximum": 999}}}
+    body = dict(model=MODEL, prompt="A city as JSON:", n=3, temperature=1.0, seed=7, max_tokens=120,
+                extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}})
+    try:
+        if stream:
+            texts, finish = [""] * 3, [None] * 3
+            for ch in client(s).completions.create(stream=True, **body):
+                for c in ch.choices:
+                    texts[c.index] += c.text
+                    finish[c.index] = c.finish_reason or finish[c.index]
+        else:
+            choices = sorted(client(s).completions.create(**body).choices, key=lambda c: c.index)
+            texts, finish = [c.text for c in choices], [c.finish_reason for c in choices]
+    except openai.APIError as e:
+        return [f"the request failed: {e}"]
+    problems = [] if finish == ["stop"] * 3 else [f"finish reasons {finish}"]
+    for text in texts:
+        try:
+            jsonschema.validate(json.loads(text), schema)
+        except (ValueError, jsonschema.ValidationError) as e:
+            problems.append(f"{text!r}: {e}")
+    return problems
+
+
+def unforked(self):
+    """WRONG, planted: followers take the pages, not the constraint (they decode free)."""
+    followers = [f for f in self.followers if not f.done]
+    self.followers = []
+    for f in followers:
+        f.leader, f.table = None, self.table.fork()
+    return followers
+
+
+def shared(self):
+    """WRONG, planted: followers share the leader's matcher (each token moves all of them)."""
+    followers = unforked(self)
+    for f in followers:
+        f.sampler.constraint = self.sampler.constraint
+    return followers
+
+
+@pytest.mark.parametrize("planted", [None, unforked, shared], ids=["fork", "unforked", "shared"])
+def test_n_choices_each_follow_the_grammar_on_their_own(srv, monkeypatch, planted):
+    if planted is not None:
+        monkeypatch.setattr(Sequence, "fork", planted)
+    found = forked_choices_problems(srv, stream=False) + forked_choices_problems(srv, stream=True)
+    assert (found == []) == (planted is None), found
+    srv.idle()
+
+
+def grammar_end_problems(s) -> list[str]:
+    """ignore_eos with a grammar: the grammar's end still ends the reply ('stop', long before
+    max_tokens), and the end token is no text."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["unit"],
+              "properties": {"unit": {"enum": ["C", "F"]}}}
+    r = httpx.post(s.url + "/v1/completions", json={
+        "prompt": "A unit:", "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "u", "schema": schema}}}).json()
+    c = r["choices"][0]
+    problems = [] if (c["finish_reason"], r["usage"]["completion_tokens"] < 300) == ("stop", True) else \
+        [f"{c['finish_reason']} after {r['usage']['completion_tokens']} tokens"]
+    try:
+        jsonschema.validate(json.loads(c["text"]), schema)
+    except (ValueError, jsonschema.ValidationError) as e:
+        problems.append(f"{c['text']!r}: {e}")
+    return problems
+
+
+def test_a_grammar_ends_the_reply_even_with_ignore_eos(srv, monkeypatch):
+    assert grammar_end_problems(srv) == []
+    monkeypatch.setattr(Sequence, "end_reason", lambda self: (    # planted: the grammar's end not heard
+        "stop" if self.generated and self.generated[-1] in self.ask.stop_ids else
+        "length" if len(self.generated) >= self.ask.max_tokens else None))
+    assert grammar_end_problems(srv) != []
+
+
+def test_requests_without_a_grammar_make_no_matcher_and_no_mask(srv, monkeypatch):
+    """Unconstrained requests (completions, chat, n = 2, streamed, response_format text) pay
+    nothing: no matcher is made, no mask computed, the engine loop fills none; one constrained
+    request afterwards is seen by the same counters."""
+    from app.serve import engine_loop
+    from common.constrain import Constraint
+    made = Counter()
+    real_init, real_mask, real_fill = Constraint.__init__, Constraint.mask, engine_loop.fill_masks
+    monkeypatch.setattr(Constraint, "__init__", lambda self, *a, **k: (made.update(["matcher"]),
+                                                                      real_init(self, *a, **k))[1])
+    monkeypatch.setattr(Constraint, "mask", lambda self: (made.update(["mask"]), real_mask(self))[1])
+    monkeypatch.setattr(engine_loop, "fill_masks", lambda cs: (made.update(["fill"]), real_fill(cs))[1])
+    c, chat = client(srv), [{"role": "user", "content": "hi"}]
+    c.completions.create(model=MODEL, prompt="hi", max_tokens=8, n=2, temperature=0)
+    c.chat.completions.create(model=MODEL, messages=chat, max_tokens=8, response_format={"type": "text"})
+    list(c.chat.completions.create(model=MODEL, messages=chat, max_tokens=8, stream=True))
+    assert made == Counter()
+    c.chat.completions.create(model=MODEL, messages=chat, max_tokens=60, response_format={"type": "json_object"})
+    assert made["matcher"] == 1 and made["fill"] > 0 and made["mask"] > 0
 
 
 def test_a_kv_pool_too_small_for_the_request_is_a_400_that_says_so(default_model_path):

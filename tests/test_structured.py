@@ -4,8 +4,9 @@
   a schema llguidance refuses named where it was given.
 * The grammar, by tool_choice and parallel_tool_calls, judged token by token on the default
   model's vocabulary: calls whose arguments jsonschema accepts pass, others do not; text only
-  where `auto` allows it; one call where only one may be; the tagged form; a JSON answer beside
-  calls where they can be told apart, refused where they cannot.
+  where `auto` allows it (and `none`: text that does not begin like a call); one call where
+  only one may be; the tagged form; a JSON answer beside calls where they can be told apart,
+  refused where they cannot.
 * The prompt: SmolLM2's and TinyLlama's templates know no tools (the generic form: tools in a
   system message, calls as JSON lines, results as user turns); a template that reads `tools`
   gets them, and the turns as Hugging Face templates expect them.
@@ -124,8 +125,18 @@ def test_text_completions_take_response_format_but_not_tools(ll):
 
 
 def test_nothing_asked_is_no_grammar(ll):
-    for data in ({}, {"response_format": {"type": "text"}}, {"tools": TOOLS, "tool_choice": "none"}):
+    for data in ({}, {"response_format": {"type": "text"}}, {"tool_choice": "none"}):
         assert structured(data, ll).grammar is None, data
+
+
+@pytest.mark.parametrize("form", [GENERIC, TAGGED], ids=["generic", "tagged"])
+def test_tool_choice_none_with_tools_is_a_message_that_does_not_begin_like_a_call(tok, ll, form):
+    """The tools are there (their calls in the history) but none may be called: the reply is
+    text, never one written like a call (which the parser would give back as content)."""
+    request = structured({"tools": TOOLS, "tool_choice": "none"}, ll, form)
+    assert passes(tok, ll, request, "It is sunny in Paris.")
+    assert not passes(tok, ll, request, call(*GOOD_WEATHER, form))
+    assert request.parse(call(*GOOD_WEATHER, form))[1] == []        # were it written, it would be text
 
 
 # ---- the grammar ---------------------------------------------------------------------------------

@@ -6,12 +6,16 @@
               floats -> -inf where forbidden), one sequence at a time (batch 1) and for 8
               sequences at once (fill_masks: llguidance's threads), per row; for a JSON schema
               and for a tools grammar (tool_choice auto over two tools)
-    batch 1   decode ms/token of a greedy reply under the schema (common/generate.py: Session),
-              and of the same prompt without it for as many tokens (the engine's argmax path)
-    batch 8   the server's batched step (app/serve/engine_loop.py) with 8 requests decoding: step
-              ms without constraints, with one per request (each draw computes its mask), and
-              with the 8 masks filled at once before each step (fill_masks), the way the server
-              should; only steps with all 8 decoding count
+    run       decode ms/token of a greedy reply under the schema (common/generate.py: Session,
+              what `run -j` does), and of the same prompt without it for as many tokens (the
+              engine's argmax path)
+    server    the server's own step (app/serve/engine_loop.py) with 1 and with 8 requests
+              decoding, their sequences made as the server makes them (the matcher in the
+              sampler): step ms without constraints and under the schema, the masks of the
+              step filled at once before any row draws (what the server does); at 8, also with
+              each draw computing its own mask (OneByOne: the engine loop without its
+              _fill_masks), to show what filling them together saves; only steps with every
+              request decoding count
 
 Rounds alternate the order of the conditions; ratios are taken within a round, medians over
 rounds. The page sets the mask's cost beside the step's: the mask and its application must
@@ -25,6 +29,8 @@ import time
 
 import numpy as np
 
+from app.serve.engine_loop import EngineLoop
+from app.serve.sequence import Ask, Sequence
 from common.constrain import Constraint, Grammar, fill_masks, ll_tokenizer
 from common.generate import Sampler, Session
 from common.paged_kv import PageTable
@@ -103,27 +109,34 @@ def replay_masks(engine, ll, grammar, traces: list, rng) -> dict:
             "batch8": {"fill_us_per_row": fill, "apply_us_per_row": apply}}
 
 
+class OneByOne(EngineLoop):
+    """The engine loop without its masks filled at once: each constrained draw computes its own."""
+
+    @staticmethod
+    def _fill_masks(segments, rows):
+        pass
+
+
+SERVER_MODES = ("plain", "constrained", "one by one")
+
+
 def batch_steps(engine, ll, grammar, prompt_ids: list, n: int, mode: str) -> list:
-    """Step ms of the server's scheduler while all of `prompt_ids` decode. mode: plain | lazy
-    (a constraint per request, each draw computes its mask) | filled (fill_masks before each step)."""
-    from app.serve.engine_loop import EngineLoop
-    from app.serve.sequence import Ask, Sequence
+    """Step ms of the server's engine loop while all of `prompt_ids` decode. mode: plain (no
+    constraint) | constrained (each request's matcher in its sampler, as Server.submit makes
+    it; the loop fills the step's masks at once) | one by one (the same, each draw computing its
+    own mask)."""
     tok = engine.tokenizer
     pages = len(prompt_ids) * (PageTable.pages_for(max(map(len, prompt_ids)) + n) + 1)
-    loop = EngineLoop(engine, kv_pages=pages, max_batch=len(prompt_ids))
+    loop = (OneByOne if mode == "one by one" else EngineLoop)(engine, kv_pages=pages, max_batch=len(prompt_ids))
     for ids in prompt_ids:
         stop = frozenset(tok.eog_ids) if mode != "plain" else frozenset()     # plain: all n tokens
-        seq = Sequence(Ask(prompt=list(ids), max_tokens=n, stop_ids=stop))
-        if mode != "plain":
-            seq.sampler = Sampler(constraint=Constraint(grammar, ll))
-        loop.submit(seq)
+        loop.submit(Sequence(Ask(prompt=list(ids), max_tokens=n, stop_ids=stop),
+                             constraint=None if mode == "plain" else Constraint(grammar, ll)))
     steps = []
     while not loop.scheduler.idle:
         running = loop.scheduler.running
         decoding = sum(1 for s in running if s.table is not None and len(s.context) - len(s.table) == 1)
         t0 = time.perf_counter()
-        if mode == "filled":
-            fill_masks([s.sampler.constraint for s in running])
         rows = loop.step()
         dt = (time.perf_counter() - t0) * 1e3
         if rows == decoding == len(prompt_ids):
@@ -144,22 +157,24 @@ def measure(engine, rounds: int, n: int, progress=lambda text: None) -> dict:
            "texts": {k: tok.decode(v[0], skip_special=True) for k, v in traces.items()},
            "rounds": [], "masks": {}}
     for r in range(rounds):
-        rec = {"batch1": {}, "batch8": {}}
+        rec = {"batch1": {}, "server": {}}
         order = ["plain", "constrained"] if r % 2 == 0 else ["constrained", "plain"]
         for name in order:
-            progress(f"round {r + 1}: batch 1, {name}")
+            progress(f"round {r + 1}: run, {name}")
             if name == "constrained":
                 gen = constrained_reply(engine, ll, schema, ids[0], n)
             else:
                 gen = Session(engine).generate(ids[0], len(traces["json schema"][0]), Sampler(), ignore_eos=True)
             rec["batch1"][name + "_ms"] = gen.decode_ms_median
         rec["batch1"]["tokens"] = len(traces["json schema"][0])
-        modes = ["plain", "lazy", "filled"]
-        for mode in modes[r % 3:] + modes[:r % 3]:
-            progress(f"round {r + 1}: batch 8, {mode}")
-            steps = batch_steps(engine, ll, schema, ids, n, mode)
-            rec["batch8"][mode + "_ms"] = statistics.median(steps) if steps else float("nan")
-            rec["batch8"][mode + "_steps"] = len(steps)
+        for batch in (1, BATCH):
+            modes = SERVER_MODES if batch == BATCH else SERVER_MODES[:2]
+            step = rec["server"].setdefault(str(batch), {})
+            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+                progress(f"round {r + 1}: the server's step, {batch} decoding, {mode}")
+                steps = batch_steps(engine, ll, schema, ids[:batch], n, mode)
+                step[mode + "_ms"] = statistics.median(steps) if steps else float("nan")
+                step[mode + "_steps"] = len(steps)
         out["rounds"].append(rec)
     for name, (g, _) in grams.items():
         progress(f"masks: {name}")
@@ -170,7 +185,8 @@ def measure(engine, rounds: int, n: int, progress=lambda text: None) -> dict:
 # ---- the page -------------------------------------------------------------------------------------
 
 def summary(record: dict) -> dict:
-    """Medians over rounds of the step times, ratios within rounds, mask figures per grammar."""
+    """Medians over rounds of the step times, ratios (tokens/s under the schema over without:
+    step without / step under) within rounds, mask figures per grammar."""
     rounds = record["rounds"]
 
     def med(xs):
@@ -178,9 +194,14 @@ def summary(record: dict) -> dict:
         return statistics.median(xs) if xs else float("nan")
     b1 = {k: med([r["batch1"][k] for r in rounds]) for k in ("plain_ms", "constrained_ms")}
     b1["ratio"] = med([r["batch1"]["plain_ms"] / r["batch1"]["constrained_ms"] for r in rounds])
-    b8 = {k: med([r["batch8"][k] for r in rounds]) for k in ("plain_ms", "lazy_ms", "filled_ms")}
-    for mode in ("lazy", "filled"):
-        b8[mode + "_ratio"] = med([r["batch8"]["plain_ms"] / r["batch8"][mode + "_ms"] for r in rounds])
+    server = {}
+    for batch in rounds[0]["server"]:
+        steps = [r["server"][batch] for r in rounds]
+        modes = [m for m in SERVER_MODES if m + "_ms" in steps[0]]
+        row = {m + "_ms": med([s[m + "_ms"] for s in steps]) for m in modes}
+        for m in modes[1:]:
+            row[m + "_ratio"] = med([s["plain_ms"] / s[m + "_ms"] for s in steps])
+        server[int(batch)] = row
     masks = {}
     for name, m in record["masks"].items():
         one, eight = m["batch1"], m["batch8"]
@@ -188,14 +209,14 @@ def summary(record: dict) -> dict:
                        "apply_us": med(one["apply_us"]), "fill_us_per_row": med(eight["fill_us_per_row"]),
                        "fill_p90_us_per_row": float(np.percentile(eight["fill_us_per_row"], 90)),
                        "apply_us_per_row": med(eight["apply_us_per_row"])}
-    return {"batch1": b1, "batch8": b8, "masks": masks}
+    return {"batch1": b1, "server": server, "masks": masks}
 
 
 def page(record: dict, source: str) -> str:
     from app.measure.provenance import describe
     s = summary(record)
     st, m = record["settings"], record["machine"]
-    b1, b8 = s["batch1"], s["batch8"]
+    b1, one, eight = s["batch1"], s["server"][1], s["server"][BATCH]
     lines = [
         "# Constrained decoding: what the mask costs a step",
         "",
@@ -206,27 +227,34 @@ def page(record: dict, source: str) -> str:
         f"ratios within a round; load average {record.get('load_average_before', '?')} before, "
         f"{record.get('load_average_after', '?')} after{QUICK if st.get('quick') else ''}._",
         "",
-        "Decode steps (app/measure/constrain_bench.py). Batch 1: ms/token of a reply under the JSON schema against the "
-        "same prompt without it. Batch 8: the server's step with 8 requests decoding, without constraints, with one "
-        "per request (each draw computes its mask), and with the 8 masks filled at once before the step.",
+        "Decode steps (app/measure/constrain_bench.py). run: ms/token of `run -j`'s path, a reply under the JSON "
+        "schema against the same prompt without it. server: the server's own step with 1 and with "
+        f"{BATCH} requests decoding, without constraints and under the schema, each request its own matcher; the "
+        "step's masks filled at once before any row draws, as the server does, and (the last row) each draw "
+        "computing its own.",
         "",
-        "| batch | step without a constraint, ms | under the schema, ms | tokens/s under it / without |",
-        "|---:|---:|---:|---:|",
-        f"| 1 | {b1['plain_ms']:.2f} | {b1['constrained_ms']:.2f} | {b1['ratio']:.3f} |",
-        f"| 8 | {b8['plain_ms']:.2f} | {b8['lazy_ms']:.2f} (masks one by one) | {b8['lazy_ratio']:.3f} |",
-        f"| 8 | {b8['plain_ms']:.2f} | {b8['filled_ms']:.2f} (masks filled at once) | {b8['filled_ratio']:.3f} |",
+        "| path | requests decoding | step without a constraint, ms | under the schema, ms | "
+        "tokens/s under it / without |",
+        "|---|---:|---:|---:|---:|",
+        f"| run | 1 | {b1['plain_ms']:.2f} | {b1['constrained_ms']:.2f} | {b1['ratio']:.3f} |",
+        f"| server | 1 | {one['plain_ms']:.2f} | {one['constrained_ms']:.2f} | {one['constrained_ratio']:.3f} |",
+        f"| server | {BATCH} | {eight['plain_ms']:.2f} | {eight['constrained_ms']:.2f} (masks filled at once) | "
+        f"{eight['constrained_ratio']:.3f} |",
+        f"| server | {BATCH} | {eight['plain_ms']:.2f} | {eight['one by one_ms']:.2f} (masks one by one) | "
+        f"{eight['one by one_ratio']:.3f} |",
         "",
         f"The mask per row, replayed along greedy replies ({record['n_vocab']} tokens: the mask is "
         f"{(record['n_vocab'] + 31) // 32} 32-bit words; applying it writes -inf into a row of logits). Share of a "
-        "step: mask and application of every row of the step, over the step without a constraint.",
+        "step: mask and application of every row of the step, over the server's step without a constraint.",
         "",
-        "| grammar | mask, us (median / p90) | apply, us | share of a batch-1 step | 8 rows at once: mask per row, us "
-        "(median / p90) | apply per row, us | share of a batch-8 step |",
+        "| grammar | mask, us (median / p90) | apply, us | share of a 1-request step | "
+        f"{BATCH} rows at once: mask per row, us (median / p90) | apply per row, us | "
+        f"share of a {BATCH}-request step |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, g in s["masks"].items():
-        share1 = (g["mask_us"] + g["apply_us"]) / 1e3 / b1["plain_ms"]
-        share8 = BATCH * (g["fill_us_per_row"] + g["apply_us_per_row"]) / 1e3 / b8["plain_ms"]
+        share1 = (g["mask_us"] + g["apply_us"]) / 1e3 / one["plain_ms"]
+        share8 = BATCH * (g["fill_us_per_row"] + g["apply_us_per_row"]) / 1e3 / eight["plain_ms"]
         lines.append(f"| {name} | {g['mask_us']:.1f} / {g['mask_p90_us']:.1f} | {g['apply_us']:.1f} | {share1:.1%} | "
                      f"{g['fill_us_per_row']:.1f} / {g['fill_p90_us_per_row']:.1f} | {g['apply_us_per_row']:.1f} | "
                      f"{share8:.1%} |")

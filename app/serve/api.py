@@ -1,14 +1,23 @@
 """OpenAI's request bodies in (completions and chat), a Job out: what the engine is asked.
 
 Every field of OpenAI's completions and chat completions APIs is either honoured or refused by
-name with a 400 (UNSUPPORTED: tools, response_format, ...); a field OpenAI does not have is
-refused as unrecognized, as OpenAI does. The generation parameters go through the command
-line's own validation (common/generate.py: SamplingParams, check_n_predict, check_fits), so a
-value out of range gets the same words in both, with the API's names for the fields.
+name with a 400 (UNSUPPORTED: functions, audio, ...); a field OpenAI does not have is refused as
+unrecognized, as OpenAI does. The generation parameters go through the command line's own
+validation (common/generate.py: SamplingParams, check_n_predict, check_fits), so a value out of
+range gets the same words in both, with the API's names for the fields.
+
+Structured outputs and tool calls (app/structured/): chat takes `response_format` (json_object,
+json_schema), `tools`, `tool_choice` and `parallel_tool_calls`; text completions take
+`response_format` too, as llama-server's do (tools are for chat). They become one grammar, and
+each choice decodes under it (common/constrain/: the grammar's mask first in its sampler). A
+schema llguidance refuses, or a field of the wrong shape, is a 400 whose `param` names the field.
+Chat messages go through app/structured's render_prompt, so assistant turns with `tool_calls` and
+`tool` results render whether or not the request has tools.
 
 Log-probabilities are the model's own: log-softmax of the logits, before logit_bias, penalties
 and temperature (what vLLM returns by default), so the greedy token is the most likely one
-unless a bias or penalty moved it. The answers' shapes are app/serve/replies.py's.
+unless a bias or penalty moved it; under a grammar, before its mask too. The answers' shapes are
+app/serve/replies.py's.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 
+from app.structured import Structured, StructuredError, render_prompt, structured
 from common.generate import ContextError, ParameterError, SamplingParams
 from common.tokenizer import TokenizerError
 
@@ -30,14 +40,17 @@ MAX_TOP_LOGPROBS = 20
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
                  "n", "user", "frequency_penalty", "presence_penalty", "logit_bias",
                  "top_k", "min_p", "repeat_penalty", "ignore_eos"}          # the last four: llama.cpp's
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "store"}
+STRUCTURED_FIELDS = {"response_format", "tools", "tool_choice", "parallel_tool_calls"}    # app/structured
+# completions: tools and the rest are taken in only to be refused with words that say why
+COMPLETION_FIELDS = COMMON_FIELDS | STRUCTURED_FIELDS | {"prompt", "echo", "logprobs", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | STRUCTURED_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                                   "store"}
 # OpenAI's fields this server does not do: refused by name unless given their neutral value
-UNSUPPORTED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None,
-               "parallel_tool_calls": None, "response_format": None, "audio": None, "modalities": None,
+UNSUPPORTED = {"functions": None, "function_call": None, "audio": None, "modalities": None,
                "prediction": None, "reasoning_effort": None, "web_search_options": None, "suffix": None,
                "metadata": None, "service_tier": None, "verbosity": None, "prompt_cache_key": None,
                "safety_identifier": None, "best_of": 1, "store": False}
+INSTEAD = {"functions": "tools", "function_call": "tool_choice"}     # the deprecated names' successors
 # SamplingParams' names for the API's
 API_NAMES = {"temp": "temperature", "n_predict": "max_tokens"}
 
@@ -63,8 +76,8 @@ def parse_json(body: bytes) -> dict:
 def check_fields(data: dict, allowed: set):
     for name in sorted(data):
         if name in UNSUPPORTED and data[name] is not None and data[name] != UNSUPPORTED[name]:
-            raise BadRequest(f"{name}: not supported by this server (it generates plain text; remove {name} "
-                             f"from the request)", name)
+            instead = f"; use {INSTEAD[name]}" if name in INSTEAD else ""
+            raise BadRequest(f"{name}: not supported by this server (remove {name} from the request{instead})", name)
     unknown = sorted(set(data) - allowed - set(UNSUPPORTED))
     if unknown:
         raise BadRequest(f"unrecognized request argument: {unknown[0]} (this server takes: "
@@ -131,36 +144,14 @@ def api_error(e: ParameterError, key: str | None = None) -> BadRequest:
     return BadRequest(api + message[m.end() - 3:], api if api in CHAT_FIELDS | COMPLETION_FIELDS else None)
 
 
-def chat_text(messages) -> list[dict]:
-    """OpenAI's messages -> [{role, content: str}]; content may be a string or text parts.
-    The developer role (OpenAI's newer name for system) is the system role."""
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-            raise BadRequest(f"messages[{i}] must be an object with role system, developer, user or assistant",
-                             "messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string", "messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content})
-    return out
-
-
-def prompt_ids(data: dict, tokenizer, chat: bool, n_vocab: int) -> list[int]:
-    """The prompt's token ids: chat's messages through the model's template; a completion's
-    text tokenized as `run -p` does, or its list of token ids as given."""
+def prompt_ids(data: dict, tokenizer, chat: bool, n_vocab: int, request: Structured) -> list[int]:
+    """The prompt's token ids: chat's messages through the model's template (render_prompt:
+    tool calls and results, and the request's tools where it has some); a completion's text
+    tokenized as `run -p` does, or its list of token ids as given."""
     param = "messages" if chat else "prompt"
     try:
         if chat:
-            text = tokenizer.apply_chat_template(chat_text(data.get("messages")), add_generation_prompt=True)
+            text = render_prompt(tokenizer, data.get("messages"), request)
             ids = tokenizer.encode(text, add_bos=None, parse_special=True)
         else:
             prompt = data.get("prompt")
@@ -175,6 +166,8 @@ def prompt_ids(data: dict, tokenizer, chat: bool, n_vocab: int) -> list[int]:
                 raise BadRequest("prompt must be a string (or a list of token ids); one prompt per request", "prompt")
     except TokenizerError as e:
         raise BadRequest(str(e), param) from None
+    except StructuredError as e:
+        raise BadRequest(str(e), e.param) from None
     if not ids:
         raise BadRequest("the prompt is empty (no tokens): give at least one token to continue from", param)
     return ids
@@ -185,9 +178,21 @@ def default_max_tokens(chat: bool, n_ctx: int, n_prompt: int) -> int:
     return max(1, n_ctx - n_prompt) if chat else COMPLETION_MAX_TOKENS
 
 
+def constraints(server, data: dict, chat: bool) -> Structured:
+    """The request's response_format and tools (app/structured: structured); without any, no
+    grammar, and llguidance's tokenizer is never built (server.ll)."""
+    if all(data.get(name) is None for name in STRUCTURED_FIELDS):
+        return Structured(form=server.tool_form)
+    try:
+        return structured(data, server.ll, server.tool_form, chat)
+    except StructuredError as e:
+        raise BadRequest(str(e), e.param) from None
+
+
 class Job:
     """A parsed request: prompt ids, max tokens, sampler, n choices, stop strings, stream or
-    not, and which log-probabilities to return (`logprobs`: alternatives per sampled token,
+    not, what constrains the reply (`structured`, its `grammar`), and which log-probabilities
+    to return (`logprobs`: alternatives per sampled token,
     None for none; `prompt_logprobs`: the same for the prompt, when echoed)."""
 
     def __init__(self, server, data: dict, chat: bool):
@@ -207,7 +212,9 @@ class Job:
         n_vocab = server.engine.config.n_vocab
         self.params = sampling_params(data, n_vocab)
         self._logprobs(data)
-        self.prompt = prompt_ids(data, server.tokenizer, chat, n_vocab)
+        self.structured = constraints(server, data, chat)
+        self.grammar = self.structured.grammar          # None: nothing constrains the reply
+        self.prompt = prompt_ids(data, server.tokenizer, chat, n_vocab, self.structured)
         default = default_max_tokens(chat, server.engine.n_ctx, len(self.prompt))
         key = "max_completion_tokens" if chat and data.get("max_completion_tokens") is not None else "max_tokens"
         self.max_tokens = data.get(key) if data.get(key) is not None else default

@@ -33,12 +33,12 @@ DRAIN_TIMEOUT_S = 30.0
 def build(stage: str, model, ctx_size=None, threads=None, max_batch=32, kv_pages=512, max_queue=64,
           prefill_chunk=64, progress=False, spec="off", draft_max=DRAFT_MAX, model_draft=None,
           **settings) -> Server:
-    """Load the stage and warm its kernels up (single and batched), in the calling thread:
-    the thread that must then run the engine loop (server.loop.run()). spec: speculative
-    decoding, "lookup", "draft" (with model_draft, a GGUF file of the same vocabulary, loaded
-    on the same stage) or "off" (app/serve/speculation.py), whose step times are measured
-    here. settings: the Server's (api_key, max_body_bytes, request_timeout, special,
-    cors_origins)."""
+    """Load the stage and warm its kernels up (single and batched), and hand the vocabulary to
+    llguidance (Server.ll), in the calling thread: the thread that must then run the engine
+    loop (server.loop.run()). spec: speculative decoding, "lookup", "draft" (with model_draft,
+    a GGUF file of the same vocabulary, loaded on the same stage) or "off"
+    (app/serve/speculation.py), whose step times are measured here. settings: the Server's
+    (api_key, max_body_bytes, request_timeout, special, cors_origins)."""
     from stages import load
     s = info(stage)
     if not s.kv_cache or s.gpu:
@@ -71,7 +71,9 @@ def build(stage: str, model, ctx_size=None, threads=None, max_batch=32, kv_pages
         speculation.draft_time.calibrate(draft.forward_batch, speculation.pool, max_batch)
     loop.reset_counters()
     model_id = engine.gguf.path.split("/")[-1].removesuffix(".gguf")
-    return Server(engine, stage, loop, model_id, **settings)
+    server = Server(engine, stage, loop, model_id, **settings)
+    server.ll                                           # llguidance's vocabulary, built and checked now:
+    return server                                       # a first request under a grammar would wait for it
 
 
 def serving_stage(name: str) -> str:
@@ -126,9 +128,8 @@ def cmd_serve(args):
     server = build(stage, args.model, ctx_size=args.ctx_size, threads=args.threads, max_batch=args.max_batch,
                    kv_pages=args.kv_pages, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
                    progress=True, spec=mode, draft_max=args.draft_max, model_draft=args.model_draft,
-                   api_key=args.api_key,
-                   max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout or None,
-                   special=args.special, cors_origins=origins)
+                   api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                   request_timeout=args.request_timeout or None, special=args.special, cors_origins=origins)
     pool = server.loop.pool
     spec = {"lookup": ", speculative: prompt lookup", "draft": f", speculative: draft model {args.model_draft}",
             "off": ""}[mode] + (f", up to {args.draft_max} guesses" if mode != "off" else "")
@@ -167,7 +168,9 @@ def add_commands(sub):
         description="Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions "
                     "(streamed or not), /v1/models, and llama-server's /tokenize, /detokenize; /health, "
                     "/metrics (Prometheus), and a page at / that chats and shows the engine live. Requests "
-                    "share forward steps (continuous batching) and a pool of KV pages."))
+                    "share forward steps (continuous batching) and a pool of KV pages. response_format "
+                    "(json_object, json_schema) and tools (tool_choice, parallel_tool_calls) constrain the "
+                    "reply with llguidance, each request its own grammar in the shared step."))
     add_model_args(p)
     p.set_defaults(model=str(DEFAULT_MODEL.path), stage="fastest", func=cmd_serve)
     for action in p._actions:

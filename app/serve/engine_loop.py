@@ -2,10 +2,16 @@
 sequences join and leave.
 
     step:  end the cancelled -> plan (app/serve/scheduler.py) -> build the batch
-           (common/batch.py) -> run it (`forward`) -> settle each sequence's logits:
-           score its prompt (echo), fork its choices, take its next tokens (one drawn, or
-           with speculative decoding the guesses kept and one more: app/serve/speculation.py)
+           (common/batch.py) -> run it (`forward`) -> the grammars' masks of the rows that
+           draw, all at once (`_fill_masks`) -> settle each sequence's logits: score its
+           prompt (echo), fork its choices, take its next tokens (one drawn, or with
+           speculative decoding the guesses kept and one more: app/serve/speculation.py)
            -> register the pages the step filled -> end the sequences that ended
+
+A sequence under a grammar carries its matcher in its sampler (common/constrain/: Constraint);
+the masks of a step's constrained rows are computed together, on llguidance's threads, before
+any row draws (with guesses, the mask of its first row: those after a kept guess follow as the
+rule walks them); a step without a constrained row does none of it.
 
 The loop owns what is shared between threads: its lock (a Condition), held whenever the
 scheduler's queues change, so another thread may submit, cancel and read the counters at any
@@ -33,6 +39,7 @@ import numpy as np
 from app.serve.scheduler import Scheduler
 from app.serve.sequence import Sequence
 from common.batch import Batch
+from common.constrain import fill_masks
 from common.paged_kv import PAGE_SIZE, PagePool
 
 POLL_S = 0.5          # run(): how often an idle loop asks keep_going()
@@ -187,6 +194,7 @@ class EngineLoop:
             self._publish()
             return 0
         guessed = self._guess_counts()
+        self._fill_masks(segments, plan.rows)
         ended, row = [], 0
         for seg, (seq, _) in zip(segments, plan.rows):
             n = len(seg.tokens) if seg.all_logits else int(seg.logits)
@@ -219,6 +227,15 @@ class EngineLoop:
         drafted, accepted = self._guess_counts()
         if self.observer is not None and drafted > before[0]:
             self.observer.guessed(drafted - before[0], accepted - before[1])
+
+    @staticmethod
+    def _fill_masks(segments, rows):
+        """The masks of the constrained sequences about to draw (their context complete), in one
+        call (fill_masks); nothing when none is constrained."""
+        constraints = [seq.sampler.constraint for seg, (seq, _) in zip(segments, rows)
+                       if seg.logits and seq.sampler.constraint is not None]
+        if constraints:
+            fill_masks(constraints)
 
     def _settle(self, seq: Sequence, logits: np.ndarray, start: int, complete: bool) -> list:
         """A step's logits for seq: rows for positions start.. (every row of a scored chunk or

@@ -8,6 +8,14 @@ chunks; the log-probabilities of each; OpenAI's error body; llama-server's token
     stream chunks    the same, ".chunk" objects for chat, one choice's piece each, as
                      "data: {...}" server-sent events; chat opens each choice with its role
 
+Tool calls (chat with tools, tool_choice not none): each choice's text goes through its
+request's parser (app/structured/calls.py). Whole, a reply with calls is a message with
+`content` null and `tool_calls` [{id, type: "function", function: {name, arguments}}], its
+finish_reason "tool_calls" (where it ended on its own; "length" where max_tokens cut it). Streamed,
+the parser's deltas are the chunks' deltas: text as `content`, a call opening with its index, id,
+type and name (arguments ""), then its arguments in pieces; a token's log-probability entries
+ride on the next chunk that goes out (text that could still begin a call is held back).
+
 Log-probabilities are the model's own (app/serve/api.py says which); a token is shown as its
 text, or 'bytes:\\xNN...' where its piece is not whole UTF-8, as OpenAI does.
 """
@@ -81,6 +89,9 @@ class Reply:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if self.chat else "text_completion"
+        self.tools = self.chat and job.structured.calls_allowed      # replies may be tool calls
+        self.calls = [job.structured.stream() for _ in range(job.n)] if self.tools else []
+        self.held = [[] for _ in range(job.n)]      # log-probability entries waiting for a chunk
 
     def logprobs(self, entries) -> dict | None:
         if self.job.logprobs is None:
@@ -95,12 +106,21 @@ class Reply:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def whole(self, texts, entries, finish, seqs) -> dict:
-        """The answer at once: each choice's text, log-probabilities and finish reason."""
+        """The answer at once: each choice's text (or tool calls), log-probabilities and finish
+        reason."""
         choices = []
         for i in range(self.job.n):
             choice = {"index": i, "logprobs": self.logprobs(entries[i]), "finish_reason": finish[i]}
-            choice.update({"message": {"role": "assistant", "content": texts[i], "refusal": None}} if self.chat
-                          else {"text": texts[i]})
+            if not self.chat:
+                choice["text"] = texts[i]
+            elif not self.tools:
+                choice["message"] = {"role": "assistant", "content": texts[i], "refusal": None}
+            else:
+                content, calls = self.job.structured.parse(texts[i])
+                choice["message"] = {"role": "assistant", "content": content, "refusal": None}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
+                    choice["finish_reason"] = called(finish[i])
             choices.append(choice)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model_id,
                 "choices": choices, "usage": self.usage(seqs)}
@@ -119,9 +139,34 @@ class Reply:
                              "finish_reason": None}]) for i in range(self.job.n)]
 
     def piece(self, i: int, text: str, entries, finish=None) -> str:
-        """Choice i's next text and its entries; with `finish`, its last chunk."""
+        """Choice i's next text and its entries; with `finish`, its last chunk. Tool calls:
+        the chunks the text makes, perhaps none (see the module docstring)."""
+        if self.tools:
+            return self.tool_pieces(i, text, entries, finish)
         lp = self.logprobs(entries) if entries or finish is None else None
         if self.chat:
             delta = {"content": text} if text or finish is None else {}
             return self.chunk([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}])
         return self.chunk([{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}])
+
+    def tool_pieces(self, i: int, text: str, entries, finish=None) -> str:
+        """Choice i's text through its call parser: a chunk per delta (the entries held so far
+        on the first), and with `finish` the rest and the last chunk ("" when nothing goes out)."""
+        parser = self.calls[i]
+        deltas = parser.push(text) + (parser.finish() if finish is not None else [])
+        self.held[i] += entries
+        out = []
+        for delta in deltas:
+            held, self.held[i] = self.held[i], []
+            out.append(self.chunk([{"index": i, "delta": delta, "logprobs": self.logprobs(held) if held else None,
+                                    "finish_reason": None}]))
+        if finish is not None:
+            held, self.held[i] = self.held[i], []
+            out.append(self.chunk([{"index": i, "delta": {}, "logprobs": self.logprobs(held) if held else None,
+                                    "finish_reason": called(finish) if parser.calls else finish}]))
+        return "".join(out)
+
+
+def called(finish: str) -> str:
+    """A reply with tool calls: finish_reason "tool_calls" where it ended on its own."""
+    return "tool_calls" if finish == "stop" else finish

@@ -13,14 +13,16 @@
 The same paths without /v1 too. The request fields (app/serve/api.py): OpenAI's max_tokens,
 temperature, top_p, seed, stop, stream, stream_options.include_usage, n, user,
 frequency_penalty, presence_penalty, logit_bias, logprobs (+ top_logprobs in chat), echo (with
-max_tokens 0: the prompt's log-probabilities alone), and llama.cpp's top_k, min_p,
-repeat_penalty, ignore_eos; the fields OpenAI has and this server does not do are a 400 that
-names them. Defaults are OpenAI's (temperature 1, top_p 1; completions: max_tokens 16; chat:
+max_tokens 0: the prompt's log-probabilities alone), response_format (json_object,
+json_schema; text completions too, as llama-server), tools, tool_choice, parallel_tool_calls
+(chat: message.tool_calls, finish_reason "tool_calls", streamed as tool-call deltas), and
+llama.cpp's top_k, min_p, repeat_penalty, ignore_eos; the fields OpenAI has and this server does
+not do are a 400 that names them. Defaults are OpenAI's (temperature 1, top_p 1; completions: max_tokens 16; chat:
 up to the context's end). usage.prompt_tokens_details.cached_tokens counts the prompt
 positions found in the shared prefix pages. The answers' shapes: app/serve/replies.py.
 
 A value out of range, malformed JSON, a field of the wrong type or an unknown one, a prompt
-that does not fit, an unknown model: 400 in OpenAI's error shape, `{"error": {"message",
+that does not fit, an unknown model, a schema llguidance refuses: 400 in OpenAI's error shape, `{"error": {"message",
 "type", "param", "code"}}`. A body over --max-body-bytes: 413 (the rest of the body, up to
 DISCARD_BYTES, is read and dropped first, so that a client still sending it reads the 413
 rather than a reset connection). Without the --api-key (as `Authorization: Bearer KEY`): 401;
@@ -266,7 +268,9 @@ class Routes:
                     for c in range(job.n):
                         yield reply.piece(c, text, entries)
                 elif kind == "text":
-                    yield reply.piece(i, text, entries)
+                    chunks = reply.piece(i, text, entries)
+                    if chunks:                      # (text that may begin a tool call is held back)
+                        yield chunks
                 else:
                     outcomes.append(text)
                     yield reply.piece(i, "", [], text)

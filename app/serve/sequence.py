@@ -77,11 +77,11 @@ class Sequence:
     were asked for, ("token", Sampled) for each sampled token, then once ("done", "stop" |
     "length" | "cancelled") or ("error", message)."""
 
-    def __init__(self, ask: Ask, on_event=None):
+    def __init__(self, ask: Ask, on_event=None, constraint=None):
         self.id = next(_ids)                    # arrival order: the older, the higher the priority
         self.ask, self.on_event = ask, on_event
         self.generated: list[int] = []
-        self.sampler = Sampler(ask.params, stream=ask.choice)
+        self.sampler = Sampler(ask.params, stream=ask.choice, constraint=constraint)
         self.prompt_scores: list = []
         self.table: PageTable | None = None
         self.leader: Sequence | None = None     # a choice waiting to fork its leader's prompt pages
@@ -162,16 +162,21 @@ class Sequence:
                 for i, t in enumerate(out)]
 
     def end_reason(self) -> str | None:
-        """'stop' after an end-of-generation token, 'length' at max_tokens, else None."""
-        if self.generated and self.generated[-1] in self.ask.stop_ids:
+        """'stop' after an end-of-generation token or once its grammar's text is over (even
+        with ignore_eos), 'length' at max_tokens, else None."""
+        if self.generated and self.generated[-1] in self.ask.stop_ids or self.sampler.ended:
             return "stop"
         return "length" if len(self.generated) >= self.ask.max_tokens else None
 
     def fork(self) -> list[Sequence]:
-        """Its prompt is in: the choices waiting for it take its pages (PageTable.fork) and
+        """Its prompt is in: the choices waiting for it take its pages (PageTable.fork) and its
+        constraint's state (Constraint.fork: each then follows the grammar on its own), and
         become sequences of their own. Returns them."""
         followers = [f for f in self.followers if not f.done]
         self.followers = []
+        constraint = self.sampler.constraint
         for f in followers:
             f.leader, f.table = None, self.table.fork()
+            if constraint is not None:
+                f.sampler.constraint = constraint.fork()
         return followers

@@ -8,6 +8,10 @@ thread through an asyncio queue (`submit`), and `updates` turns them into text: 
 decoding, stop strings, log-probability entries (app/serve/text.py). A stop string found, a
 client gone or a time limit passed cancels what is left, and the pages go back at the next
 step boundary.
+
+A request under a grammar (its response_format or tools: app/serve/api.py) gets a Constraint
+(common/constrain/) on its first choice's sampler; the other choices fork it when they fork
+that choice's prompt pages (Sequence.fork), so each follows the grammar on its own.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from app.serve.engine_loop import EngineLoop
 from app.serve.metrics import Metrics
 from app.serve.sequence import Ask, Sequence
 from app.serve.text import TextStream
+from app.structured import tool_form
+from common.constrain import Constraint, ll_tokenizer
 
 MAX_BODY_BYTES = 1 << 20
 REQUEST_TIMEOUT_S = 600.0
@@ -46,10 +52,20 @@ class Server:
         self.created = int(time.time())
         self.api_key, self.max_body_bytes, self.request_timeout = api_key, max_body_bytes, request_timeout
         self.special, self.cors_origins = special, list(cors_origins)
+        self.tool_form = tool_form(self.tokenizer)  # how this model's calls are written (app/structured/form.py)
+        self._ll = None
         self.metrics = Metrics(loop)
         loop.observer = self.metrics
         self.draining = False
         self.active = 0                             # responses still being written (the drain waits for them)
+
+    @property
+    def ll(self):
+        """llguidance's view of the vocabulary (common/constrain: ll_tokenizer), built and checked
+        token for token when a request first asks for a grammar."""
+        if self._ll is None:
+            self._ll = ll_tokenizer(self.tokenizer, self.engine.config.n_vocab)
+        return self._ll
 
     def submit(self, job: Job) -> tuple[list[Sequence], asyncio.Queue]:
         """Queue the job's n choices (QueueFull: the queue cannot take them); their events
@@ -66,7 +82,8 @@ class Server:
             return on_event
 
         seqs = [Sequence(Ask(job.prompt, job.max_tokens, job.params, job.stop_ids, job.logprobs,
-                             job.prompt_logprobs if i == 0 else None, choice=i), on_event=listener(i))
+                             job.prompt_logprobs if i == 0 else None, choice=i), on_event=listener(i),
+                         constraint=Constraint(job.grammar, self.ll) if job.grammar and i == 0 else None)
                 for i in range(job.n)]
         self.loop.submit(seqs[0], seqs[1:])
         self.metrics.prompt_tokens.inc(len(job.prompt))
@@ -90,7 +107,8 @@ class Server:
         ("text", choice, text, entries) as tokens arrive and ("done", choice, finish_reason,
         None) once per choice. Raises EngineError, RequestTimeout. Cancels what is left when
         the consumer stops early (a client gone)."""
-        streams = [TextStream(self.tokenizer, job.stops, self.special, end_ids=job.stop_ids) for _ in seqs]
+        ends = job.stop_ids | frozenset(self.tokenizer.eog_ids if job.grammar else ())   # a grammar ends on one
+        streams = [TextStream(self.tokenizer, job.stops, self.special, end_ids=ends) for _ in seqs]
         done = [False] * len(seqs)
         deadline = None if self.request_timeout is None else t0 + self.request_timeout
         try:

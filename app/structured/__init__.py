@@ -17,7 +17,9 @@ tools and the calls so far go into the prompt, and the generated text comes back
 The grammar, by tool_choice (calls in the form above; `answer` is text that does not begin like a
 call, or the response_format's JSON when there is one):
 
-    none       the response_format's grammar, or none at all
+    none       the response_format's grammar; else, where the request has tools, start: answer
+               (text that does not begin like a call: a small model copies the calls in its
+               history as text, and `none` promises a message); else none at all
     auto       start: answer | calls          the model chooses, and either way is constrained
     required   start: calls
     {"type": "function", "function": {"name": F}}    start: one call of F

@@ -207,10 +207,17 @@ def regex_literal(text: str) -> str:
     return "".join(c if c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
 
 
+def text_rules(form: ToolForm) -> list:
+    """`answer`: text that does not begin like a call."""
+    return ["answer: TEXT", f"TEXT: /(?s:.+)/ & ~/{regex_literal(form.first)}(?s:.*)/"]
+
+
 def grammar(s: Structured, ll) -> Grammar | None:
-    if not s.calls_allowed:
-        return None if s.response_schema is None else \
-            Grammar.json_schema(s.response_schema, "response_format").checked(ll)
+    if s.response_schema is not None and not s.calls_allowed:
+        return Grammar.json_schema(s.response_schema, "response_format").checked(ll)
+    if not s.calls_allowed:                      # tools given, tool_choice none: a message, not a call
+        return Grammar.lark("\n".join(["start: answer", *text_rules(s.form)]) + "\n", "tools").checked(ll) \
+            if s.tools else None
     tools = [t for t in s.tools if s.forced in (None, t["name"])]
     one = call_schema(tools[0]) if len(tools) == 1 else {"anyOf": [call_schema(t) for t in tools]}
     f = s.form
@@ -226,7 +233,7 @@ def grammar(s: Structured, ll) -> Grammar | None:
                                   "other than name and arguments (or additionalProperties false without a name "
                                   "property), or use tool_choice required or none", "response_format")
         if s.response_schema is None:
-            rules += ["answer: TEXT", f"TEXT: /(?s:.+)/ & ~/{regex_literal(f.first)}(?s:.*)/"]
+            rules += text_rules(f)
         else:
             rules += [f"answer: {inline(s.response_schema)}"]
         rules.insert(0, "start: answer | calls")

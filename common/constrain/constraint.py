@@ -3,7 +3,13 @@
     mask      int32 [ceil(n_vocab / 32)]   bit t of word t // 32 set: token t allowed
               (llguidance's layout, little-endian bits; 1,536 words for SmolLM2)
     allowed   bool [n_vocab]               the mask unpacked
-    apply     logits [n_vocab] -> a copy with every forbidden token at -inf
+    apply     logits [n_vocab] -> the logits with every forbidden token at -inf
+
+`apply` runs once per sampled token, so it is made cheap: each byte of the mask looks up its 8
+additive terms (0 where allowed, -inf where not) in a table of 256 rows (BYTE_TERMS), and the
+logits are added to them, in a buffer the constraint keeps: two passes over the row whatever
+the mask holds, no allocation. (np.where over the unpacked mask costs several times that and
+more where allowed and forbidden tokens alternate, as in the middle of a number.)
 
 A mask is computed once per position, when first asked for (or for a whole batch at once by
 `fill_masks`, llguidance's threads computing the rows side by side), and forgotten when the
@@ -21,6 +27,9 @@ import numpy as np
 from common.constrain.grammar import ConstraintError, Grammar, one_line
 
 NEG_INF = np.float32(-np.inf)
+# BYTE_TERMS[b, i]: 0 where bit i of byte b is set (little-endian bits, as the mask's), else -inf
+BYTE_TERMS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
+                      np.float32(0), NEG_INF).astype(np.float32)
 
 
 class Constraint:
@@ -39,6 +48,7 @@ class Constraint:
         self._over: list[bool] = []            # per token taken: the text was over after it
         self._kept: list[bool] = []            # per token taken: llguidance recorded it (below)
         self._mask = None
+        self._out = None                       # apply's buffer: float32 [32 * mask words]
         for t in tokens:
             self.consume(t)
 
@@ -56,8 +66,16 @@ class Constraint:
         return np.unpackbits(self.mask().view(np.uint8), count=self.n_vocab, bitorder="little").view(np.bool_)
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
-        """float32 [n_vocab] logits -> a copy with the forbidden tokens at -inf."""
-        return np.where(self.allowed(), logits, NEG_INF)
+        """float32 [n_vocab] logits -> the logits with the forbidden tokens at -inf, the
+        allowed ones as they were (the module docstring says how). The result lives in this
+        constraint's buffer: it holds until the next apply."""
+        words = self.mask()
+        if self._out is None:
+            self._out = np.empty(words.size * 32, dtype=np.float32)
+        np.take(BYTE_TERMS, words.view(np.uint8), axis=0, out=self._out.reshape(-1, 8))
+        out = self._out[:self.n_vocab]
+        np.add(out, logits, out=out)
+        return out
 
     # ---- moving along --------------------------------------------------------------------------
     def consume(self, token: int):
@@ -101,7 +119,7 @@ class Constraint:
         """An independent copy at the same place."""
         twin = object.__new__(Constraint)
         twin.__dict__.update(self.__dict__, matcher=self.matcher.deep_copy(), tokens=list(self.tokens),
-                             _over=list(self._over), _kept=list(self._kept))
+                             _over=list(self._over), _kept=list(self._kept), _out=None)
         return twin
 
     def _restart(self):

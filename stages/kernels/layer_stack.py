@@ -4,6 +4,9 @@
                                                           region: nt threads (one prange iteration
                                                           each) walk the same ops and meet at a
                                                           barrier between two that depend on each other
+    run_phases(..., span, *scratch_for(...))              the phases span.first..span.last-1 only,
+                                                          Wo and W_down adding into span.sums (the tp
+                                                          stage: it stops after each, to all-reduce)
     matmul_rows(x, blob, mat, f16, nt)                    one weight matrix (the output head)
 
 The ops of one layer are the table PHASES (OPS_PER_LAYER of them, a barrier after each; the
@@ -36,6 +39,10 @@ What it reads, as named records (numba compiles named tuples of arrays):
     Rows(positions, slots, seq)  int64 [M] each: a row's position, cache slot (-1: a padding row,
                                  not stored, not attended) and sequence (its row of tables)
     Dims(n_head, n_head_kv, n_ff, eps, scale, cos, sin)   the model's shape, RoPE's tables
+    Span(first, last, sums)      phases first..last-1, numbered il * OPS_PER_LAYER + i across the
+                                 layers, first a norm (the others read what the phase before left
+                                 in the call's scratch); sums [M, D]: where WO and DOWN add their
+                                 products (h itself, or a zeroed array that receives them)
 
 A matrix's `layout` says how its rows are stored: ROWS as the file stores them (the fused stage:
 stages/kernels/int_tiles.py), REPACKED in interleaved groups (the repack stage:
@@ -88,6 +95,7 @@ Weights = namedtuple("Weights", "blob mats norms")
 Cache = namedtuple("Cache", "k v tables page_size")
 Rows = namedtuple("Rows", "positions slots seq")
 Dims = namedtuple("Dims", "n_head n_head_kv n_ff eps scale cos sin")
+Span = namedtuple("Span", "first last sums")
 # A call's scratch arrays, and the same with the rounded activations (numba's parallel loop takes
 # no tuple inside a tuple, so the packs join inside each thread's call).
 Scratch = namedtuple("Scratch", "xin fbuf y part scores fs counters")
@@ -243,19 +251,19 @@ def _round_f(il, weights, s, ph, t, nt):
 
 
 @njit(cache=True)
-def _matmul_op(op, il, h, weights, cache, rows, dims, s, ph, t, nt):
+def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ph, t, nt):
     """One thread's share of a matmul phase of layer il: work items from counters[ph], each a chunk
     of weight rows times every activation row into s.y, then the phase's epilogue:
 
         QKV      Wq | Wk | Wv rows -> y[:, :nq + 2 nkv]; RoPE on q and k, k and v into the cache
-        WO_OP    Wo rows -> y, added into h
+        WO_OP    Wo rows -> y, added into sums [M, D] (h itself, or Span.sums)
         GATE_UP  W_gate and W_up rows r0..r1 -> y[:, r], y[:, n_ff + r]; fbuf = silu(gate) * up
-        DOWN_OP  W_down rows -> y, added into h
+        DOWN_OP  W_down rows -> y, added into sums
 
     One call per phase and thread, and one place that calls the matmul kernels: numba passes every
     array field by value to a function it does not inline, which costs about as much as a work
     item of decode if paid per item."""
-    M, D = h.shape
+    M, D = sums.shape
     kv_dim = cache.k.shape[2]
     hd = kv_dim // dims.n_head_kv
     nq, nkv, n_ff = dims.n_head * hd, kv_dim, dims.n_ff
@@ -307,7 +315,7 @@ def _matmul_op(op, il, h, weights, cache, rows, dims, s, ph, t, nt):
         else:
             for m in range(M):
                 for r in range(r0, r1):
-                    h[m, r] += y[m, r]
+                    sums[m, r] += y[m, r]
 
 
 @njit(cache=True)
@@ -359,37 +367,39 @@ def _work(s, p32, pk):
 
 
 @njit(cache=True)
-def _worker(t, nt, h, weights, cache, rows, dims, scratch, p32, pk, sync):
-    """Thread t of nt: every phase of every layer, its share of each, a barrier after each."""
+def _worker(t, nt, h, weights, cache, rows, dims, scratch, p32, pk, sync, span):
+    """Thread t of nt: every phase of the span, its share of each, a barrier between two."""
     s = _work(scratch, p32, pk)
-    n_layer = weights.norms.shape[0]
     bar = 0
-    for il in range(n_layer):
-        for i in range(OPS_PER_LAYER):
-            op = _PHASES[i]
-            ph = il * OPS_PER_LAYER + i                 # this phase's row of work counters
-            if op == NORM_ATTN or op == NORM_FFN:
-                _norm_rows(h, il, 0 if op == NORM_ATTN else 1, dims.eps, weights, s, ph, t, nt)
-            elif op == ATTEND:
-                _attend(il, cache, rows, dims, s, ph, t, nt)
-            elif op == MERGE:
-                _merge(il, weights, cache, rows, dims, s, ph, t, nt)
-            elif op == ROUND_F:
-                _round_f(il, weights, s, ph, t, nt)
-            else:
-                _matmul_op(op, il, h, weights, cache, rows, dims, s, ph, t, nt)
-            if il + 1 < n_layer or i + 1 < OPS_PER_LAYER:
-                bar += 1
-                if not barrier(sync, nt, bar):
-                    return
+    for ph in range(span.first, span.last):            # ph: also this phase's row of work counters
+        il, op = ph // OPS_PER_LAYER, _PHASES[ph % OPS_PER_LAYER]
+        if op == NORM_ATTN or op == NORM_FFN:
+            _norm_rows(h, il, 0 if op == NORM_ATTN else 1, dims.eps, weights, s, ph, t, nt)
+        elif op == ATTEND:
+            _attend(il, cache, rows, dims, s, ph, t, nt)
+        elif op == MERGE:
+            _merge(il, weights, cache, rows, dims, s, ph, t, nt)
+        elif op == ROUND_F:
+            _round_f(il, weights, s, ph, t, nt)
+        else:
+            _matmul_op(op, il, span.sums, weights, cache, rows, dims, s, ph, t, nt)
+        if ph + 1 < span.last:
+            bar += 1
+            if not barrier(sync, nt, bar):
+                return
 
 
-@njit(cache=True, parallel=True, nogil=True)
 def run_layers(h, weights, cache, rows, dims, sync, nt):
-    """Every layer on h [M, D] (changed in place): row m at rows.positions[m], its K and V written
-    into cache slot rows.slots[m]. One parallel region of nt iterations: nt must be numba's thread
-    count (numba.get_num_threads(), read by the caller: inside a cached kernel it cannot be).
-    sync: sync.new_sync(); sync[0] counts the barriers' arrivals, sync[1] is 1 if one gave up."""
+    """Every layer on h [M, D] (changed in place): run_phases over all of them, Wo and W_down
+    adding into h itself."""
+    work = scratch_for(h, weights, cache, rows, dims, nt)
+    return run_phases(h, weights, cache, rows, dims, sync, nt, Span(0, len(weights.norms) * OPS_PER_LAYER, h), *work)
+
+
+@njit(cache=True)
+def scratch_for(h, weights, cache, rows, dims, nt):
+    """The arrays a call of run_phases works in, for these rows (their positions: attention's
+    chunks): (Scratch, Q8Blocks, Q8KBlocks). Made once, they serve every call of a step."""
     M, D = h.shape
     kv_dim = cache.k.shape[2]
     hd = kv_dim // dims.n_head_kv
@@ -398,15 +408,27 @@ def run_layers(h, weights, cache, rows, dims, sync, nt):
         n_chunks = max(n_chunks, chunks_of(rows.positions[m]))
     H, n_ff, n_layer = dims.n_head, dims.n_ff, weights.norms.shape[0]
     K = max(D, n_ff, H * hd)
-    # made here, not by a function: numba's parallel loop must see where a named tuple comes from
     s = Scratch(np.zeros((M, max(D, H * hd)), np.float32), np.zeros((M, n_ff), np.float32),
                 np.zeros((M, max(H * hd + 2 * kv_dim, 2 * n_ff, D)), np.float32),
                 np.zeros((M, H, n_chunks, hd + 2), np.float32), np.zeros((nt, CHUNK), np.float32),
                 np.zeros((nt, 1, K), np.float32), np.zeros((n_layer * OPS_PER_LAYER, nt), np.int64))
     a = pack_arrays(M, K)
-    p32, pk = Q8Blocks(a[0], a[1], a[2], a[3]), Q8KBlocks(a[4], a[5], a[6], a[7])
-    for t in prange(nt):
-        _worker(t, nt, h, weights, cache, rows, dims, s, p32, pk, sync)
+    return s, Q8Blocks(a[0], a[1], a[2], a[3]), Q8KBlocks(a[4], a[5], a[6], a[7])
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def run_phases(h, weights, cache, rows, dims, sync, nt, span, scratch, p32, pk):
+    """The phases of span (Span) on h [M, D] (changed in place): row m at rows.positions[m], its K
+    and V written into cache slot rows.slots[m]; scratch, p32, pk: scratch_for's. One parallel region
+    of nt iterations: nt must be numba's thread count (numba.get_num_threads(), read by the caller:
+    inside a cached kernel it cannot be). sync: sync.new_sync(); sync[0] counts the barriers'
+    arrivals, sync[1] is 1 if one gave up."""
+    scratch.counters[span.first:span.last] = 0
+    if nt == 1:                 # one thread needs no region (its launch costs about as much as a norm)
+        _worker(0, 1, h, weights, cache, rows, dims, scratch, p32, pk, sync, span)
+    else:
+        for t in prange(nt):
+            _worker(t, nt, h, weights, cache, rows, dims, scratch, p32, pk, sync, span)
     return h
 
 
@@ -446,10 +468,10 @@ def matmul_rows(x, blob, mats, nt):
     return out
 
 
-__all__ = ["run_layers", "matmul_rows", "matrix_table", "Weights", "Cache", "Rows", "Dims", "MATRIX", "ROWS",
-           "REPACKED", "OPS_PER_LAYER", "PHASES", "CHUNK"]
+__all__ = ["run_layers", "run_phases", "scratch_for", "matmul_rows", "matrix_table", "Weights", "Cache", "Rows", "Dims",
+           "Span", "MATRIX", "ROWS", "REPACKED", "OPS_PER_LAYER", "PHASES", "CHUNK"]
 
-toolkit.guard_cache(__name__, [run_layers, matmul_rows, _worker, _head_worker, _matmul_op, _attend, _merge,
+toolkit.guard_cache(__name__, [run_phases, scratch_for, matmul_rows, _worker, _head_worker, _matmul_op, _attend, _merge,
                                _norm_rows, _round_f, _chunk_float, _chunk_tiles, _chunk_loops],
                     [int_tiles.__file__, int_dot.__file__, dequant_dot.__file__, sync.__file__, toolkit.__file__,
                      q8.__file__, layer_ops.__file__, repacked.__file__, vector_ir.__file__])
