@@ -259,7 +259,7 @@ def spec_mode(args) -> str:
     if mode == "draft" and not args.model_draft:
         raise ParameterError("--spec draft needs a draft model: give --model-draft FILE (a smaller model with "
                              "the same vocabulary; app/draft_model.py cuts one from the model's first layers)")
-    if mode != "off" and args.chat:
+    if mode != "off" and getattr(args, "chat", False):
         raise ParameterError("--spec runs with -p, not --chat: drop one of them")
     return mode
 
@@ -316,12 +316,8 @@ def cmd_run(args):
             jit_s += draft.warmup()
         spec.prepare(session)                   # the step costs, measured before the timed region
     with Counters() as counted:
-        if spec:
-            gen = speculative.generate(session, prompt, n_predict, Sampler(params, constraint=constraint), spec,
-                                       stop_ids=tok.eog_ids, on_token=on_token)
-        else:
-            gen = session.generate(prompt, n_predict, Sampler(params, constraint=constraint), stop_ids=tok.eog_ids,
-                                   on_token=on_token)
+        gen = session.generate(prompt, n_predict, Sampler(params, constraint=constraint), stop_ids=tok.eog_ids,
+                               on_token=on_token, ignore_eos=args.ignore_eos, step=spec)
     if profiler:
         profiler.stop()
     if echo:
@@ -395,6 +391,9 @@ def add_commands(sub):
                    help=f"tokens to generate (default, by stage: {run_tokens})")
     p.add_argument("--chat", action="store_true",
                    help="interactive chat with the model's template (stages with a KV cache); /reset, Ctrl-D")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate exactly -n tokens: an end-of-generation token does not end the text (llama.cpp's "
+                        "flag; a benchmark on a prompt the model would answer in a word needs it)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     p.add_argument("--profile", action="store_true",
                    help="time every op (matmul by weight, attention, norms, ...) and print an nvprof-style table")

@@ -273,8 +273,22 @@ class Generation:
         return 1000.0 / self.decode_ms_median if self.decode_ms else float("nan")
 
 
+class PlainStep:
+    """The plain decode step, one token each: the step strategy Session.generate takes by
+    default. A strategy's `step(session, sampler, room)` appends 1..room tokens to the session
+    and returns (those tokens, guesses made, guesses kept); speculative decoding's Speculator
+    (common/speculative.py) is the other one."""
+    name = "plain"
+
+    def prepare(self, session: Session):
+        """Called once before the prompt is fed (a strategy that measures the engine does it here)."""
+
+    def step(self, session: Session, sampler: Sampler, room: int) -> tuple[list, int, int]:
+        return [session.next_token(sampler)], 0, 0
+
+
 class Session:
-    """A sequence of tokens and how much of it the engine's KV cache already holds."""
+    """A sequence of tokens and how much of it the engine's KV cache already holds (n_cached)."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -296,25 +310,49 @@ class Session:
         del self.tokens[n:]
         self.n_cached = min(self.n_cached, max(n - 1, 0))
 
-    def _next(self, sampler: Sampler) -> int:
+    def _feed(self) -> tuple[list, int]:
+        """(tokens to run, their first position): what the cache lacks, or the whole text for a
+        stage without a cache."""
+        if self.engine.uses_kv_cache:
+            return self.tokens[self.n_cached:], self.n_cached
+        return self.tokens, 0
+
+    def next_token(self, sampler: Sampler) -> int:
+        """Run what the cache lacks, draw the next token and append it."""
         e = self.engine
-        if e.uses_kv_cache:
-            feed, start = self.tokens[self.n_cached:], self.n_cached
-        else:
-            feed, start = self.tokens, 0
+        feed, start = self._feed()
         if sampler.params.greedy and not sampler.params.penalized and sampler.constraint is None:
             tok = e.greedy_next(feed, start)        # argmax where the logits live
         else:
             tok = sampler(e.forward(feed, start, all_logits=False)[0], self.tokens)
         self.n_cached = len(self.tokens)
+        self.tokens.append(tok)
         return tok
 
+    def verify(self, guesses: list, rule) -> tuple[int, int]:
+        """One pass over what the cache lacks and `guesses` after it; rule(rows) decides from
+        the last len(guesses) + 1 rows' logits [k+1, n_vocab] (the model's distribution after
+        the newest token, after each guess) -> (guesses kept, the model's next token). The text
+        gains the kept guesses and that token; the cache then holds all but that token."""
+        feed, start = self._feed()
+        rows = self.engine.forward(feed + list(guesses), start, all_logits=True)[-(len(guesses) + 1):]
+        kept, tok = rule(rows)
+        self.tokens += list(guesses[:kept])
+        self.n_cached = len(self.tokens)
+        self.tokens.append(tok)
+        return kept, tok
+
     def generate(self, new_tokens, n_predict: int, sampler: Sampler | None = None, stop_ids=(),
-                 on_token=None, ignore_eos: bool = False) -> Generation:
+                 on_token=None, ignore_eos: bool = False, step=None) -> Generation:
         """Append new_tokens, then sample up to n_predict tokens (stopping at a stop id unless
         ignore_eos, and where the sampler's constraint ends the text, whatever ignore_eos says).
-        on_token(id) is called as each token arrives."""
+        on_token(id) is called as each token arrives. `step`: how each decode step makes its
+        tokens (PlainStep, the default, one; common/speculative.py's Speculator 1..k+1). The
+        first token (the prompt's pass) is always a plain step: its time is TTFT. A step that
+        makes several tokens has its time shared among them in decode_ms, so their mean is
+        the time per token (the median of a mix of steps is no rate)."""
         sampler = sampler or Sampler()
+        step = step or PlainStep()
         new_tokens = list(new_tokens)
         if not new_tokens and not self.tokens:
             raise ParameterError("the prompt is empty (no tokens): give at least one token to continue from")
@@ -324,25 +362,51 @@ class Session:
         gen = Generation(prompt_tokens=list(self.tokens) + new_tokens)
         self.tokens += new_tokens
         stop_ids = set() if ignore_eos else set(stop_ids)
+        step.prepare(self)                             # before the timed region
         t_prev = time.perf_counter()
-        for i in range(n_predict):
-            tok = self._next(sampler)
+        pending, drafted, kept = [self.next_token(sampler)], 0, 0
+        while True:
+            pending = self._cut(pending, stop_ids, sampler)
             now = time.perf_counter()
-            if i == 0:
-                gen.ttft_ms = (now - t_prev) * 1e3
+            if gen.tokens:
+                gen.decode_ms += [(now - t_prev) * 1e3 / len(pending)] * len(pending)
             else:
-                gen.decode_ms.append((now - t_prev) * 1e3)
+                gen.ttft_ms = (now - t_prev) * 1e3
             t_prev = now
-            gen.tokens.append(tok)
-            self.tokens.append(tok)
-            if on_token:
-                on_token(tok)
-            if tok in stop_ids or sampler.ended:
+            gen.drafted += drafted
+            gen.accepted += min(kept, len(pending))
+            for tok in pending:
+                gen.tokens.append(tok)
+                if on_token:
+                    on_token(tok)
+            if pending[-1] in stop_ids or sampler.ended:
                 gen.stop_reason = "eog"
-                break
-        else:
-            gen.stop_reason = "length"
-        return gen
+                return gen
+            if len(gen.tokens) >= n_predict:
+                gen.stop_reason = "length"
+                return gen
+            pending, drafted, kept = step.step(self, sampler, n_predict - len(gen.tokens))
+
+    def _cut(self, pending: list, stop_ids, sampler: Sampler) -> list:
+        """A step's tokens up to the first that ends the text (`standing`); the text forgets
+        the rest."""
+        kept = standing(pending, stop_ids, sampler)
+        self.truncate(len(self.tokens) - (len(pending) - len(kept)))
+        return kept
+
+
+def standing(tokens: list, stop_ids, sampler: Sampler) -> list:
+    """A step's new tokens (all taken by `sampler`) up to the first that ends the text: a stop
+    id, or the token that completed the sampler's constraint. Speculative decoding may keep
+    guesses past it; they are not emitted, and the constraint takes them back, as if never
+    drawn. (The caller forgets them too: the session's text, the sequence's pages.)"""
+    stop = next((i for i, t in enumerate(tokens) if t in stop_ids), len(tokens) - 1)
+    over = sampler.constraint.ended_at(len(tokens)) if sampler.constraint is not None else None
+    stop = stop if over is None else min(stop, over)
+    dropped = len(tokens) - stop - 1
+    if dropped and sampler.constraint is not None:
+        sampler.constraint.rollback(dropped)
+    return list(tokens[:stop + 1])
 
 
 def generate(engine, prompt_tokens, n_predict: int, sampler: Sampler | None = None, **kw) -> Generation:

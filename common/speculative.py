@@ -23,7 +23,8 @@ The rule, `accept`:
   plain greedy decoding writes, token for token, where the stage's k+1-row pass gives its
   one-row step's numbers; a stage whose multi-row kernels sum in another order (the 8-bit
   stages' integer tiles, whose activations are rounded again at every layer) may let a
-  near-tie fall the other way (tests/test_speculative.py measures both).
+  near-tie fall the other way (tests/test_speculative.py measures both). A server's batched
+  step has no such gap: every row of it takes the same path (common/batch.py, row_block).
 * sampling (Leviathan et al. 2023, Chen et al. 2023): d_i, drawn from the draft's distribution
   q, is kept with probability min(1, p(d_i) / q(d_i)); on rejection the token is drawn from
   norm(max(0, p - q)). Every emitted token then has exactly the distribution p of the plain
@@ -36,32 +37,33 @@ The rule, `accept`:
   masked where the guesses kept before it leave the grammar, since each kept guess moves the
   matcher on (Sampler.took): a guess the grammar forbids is rejected like any other. Tokens
   kept past the grammar's end are not emitted, and the matcher takes them back
-  (Constraint.rollback), as the cache does.
+  (common/generate.py: standing), as the cache does.
 
 The guesses:
 
 * PromptLookup: the longest n-gram at the end of the text (n from n_max down to n_min) that
   occurred earlier in it, at its most recent occurrence; the guess is what followed it there.
   No model: text that copies itself (editing code, reciting a list from the prompt) is full of
-  such matches, free text has few and short ones.
+  such matches, free text has few and short ones. NgramIndex keeps the search up to date as
+  the text grows, a few dictionary lookups per step instead of a scan of the text.
 * DraftModel: a smaller model with the same vocabulary (check_vocabulary) drafts k tokens one
   row at a time, its own KV cache rolled back like the target's.
 
-How many, `DraftLength`: a guess costs a row of the verify pass and a wrong one costs it for
-nothing, so k is chosen by what was measured. If a guess is kept with probability a, k guesses
-yield E(k) = 1 + a + ... + a^k tokens for a step that costs c(k+1) one-row steps (StepCost: the
-pass of k+1 rows timed on this engine before the first step, then followed as the steps run);
-the k with the most tokens per cost wins, and k = 0 is a plain step. a is counted per kind of
-guess (per matched n-gram length: long matches guess better) and drawn from what the counts
-allow, so a kind that keeps failing stops guessing (free text is not slowed down), one that
-keeps matching guesses long, and one seldom tried is still tried now and then.
+How many, `allot`: a guess costs a row of the verify pass and a wrong one costs it for nothing,
+so k follows what was measured. If a guess is kept with probability a, guess j is worth a^j
+tokens (it counts only if the j-1 before it were kept), so k guesses yield E(k) = 1 + a + ... +
+a^k tokens for a step that costs c(k+1) one-row steps (StepCost: the pass of k+1 rows timed on
+this engine before the first step, then followed as the steps run); the k with the most tokens
+per cost wins, and k = 0 is a plain step. In a server's step, every sequence's guesses compete
+for rows of one pass: the most valuable guess rows are added while tokens per unit of step
+time rise (app/serve/speculation.py). a is counted per kind of guess (per matched n-gram
+length: long matches guess better) and drawn from what the counts allow (AcceptCounts), so a
+kind that keeps failing stops guessing (free text is not slowed down), one that keeps matching
+guesses long, and one seldom tried is still tried now and then.
 
-Where it runs: `generate` (one sequence over the stage's arena: `python -m app run --spec`),
-and for a server, one sequence of a batch over the paged pool: `verify_segment` is its part of
-the step ([x_n, d_1 .. d_k], every row's logits: common/batch.py), `settle` applies the rule to
-its k+1 rows of the step's logits and drops the rejected positions (PageTable.truncate) before
-`Batch.finish` registers the full pages; admission must reserve draft_max more positions than
-it generates (tests/test_speculative.py runs exactly that against plain paged decoding).
+Where it runs: `Speculator` is Session.generate's step strategy for one sequence over the
+stage's arena (`python -m app run --spec`); `Guesser` is one sequence's part in a server's
+batched step over the paged pool (`python -m app serve --spec`: app/serve/speculation.py).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.generate import Generation, ParameterError, Sampler, Session, check_fits, check_n_predict
+from common.generate import ParameterError, Sampler, Session
 
 DRAFT_MAX = 16            # --draft-max: guesses per step at most (the verify pass has one row more)
 LOOKUP_NGRAM = (1, 4)     # n-gram lengths prompt lookup matches, shortest and longest
@@ -110,10 +112,41 @@ def check_vocabulary(target, draft):
 @dataclass
 class Draft:
     """k guessed tokens, the distribution each was drawn from (a [n_vocab] float64 array; None
-    for a deterministic guess: q one-hot), and the kind of guess they were (DraftLength's key)."""
+    for a deterministic guess: q one-hot), and the kind of guess they were (AcceptCounts' key)."""
     tokens: list
     q: list | None = None
     key: object = None
+
+
+class NgramIndex:
+    """A text and, for every n-gram in it (n = 1..n_max) that has a token after it, the
+    position of that token at its most recent occurrence. `extend` adds tokens (n_max entries
+    each); `find` looks the text's ending up, longest first: PromptLookup's search in a few
+    dictionary lookups, where a scan of the text would grow with it."""
+
+    def __init__(self, n_max: int = LOOKUP_NGRAM[1], tokens=()):
+        self.n_max = n_max
+        self.tokens: list[int] = []
+        self.after: dict[tuple, int] = {}        # n-gram -> the position after its latest occurrence
+        self.extend(tokens)
+
+    def extend(self, tokens):
+        for t in tokens:
+            at = len(self.tokens)                # t's position: the n-grams ending just before it
+            for n in range(1, min(self.n_max, at) + 1):
+                self.after[tuple(self.tokens[at - n:at])] = at
+            self.tokens.append(int(t))
+
+    def find(self, k: int, n_min: int = 1) -> tuple[int, list]:
+        """(n, up to k tokens that followed the most recent earlier occurrence of the text's last
+        n tokens), for the longest n that occurred; (0, []) if none did. (The ending itself is
+        not indexed yet: no token follows it.)"""
+        L = len(self.tokens)
+        for n in range(min(self.n_max, L - 1), n_min - 1, -1):
+            at = self.after.get(tuple(self.tokens[L - n:]))
+            if at is not None:
+                return n, self.tokens[at:at + k]
+        return 0, []
 
 
 class PromptLookup:
@@ -124,20 +157,18 @@ class PromptLookup:
         if not 1 <= n_min <= n_max:
             raise ValueError(f"n-gram lengths {n_min}..{n_max}: need 1 <= n_min <= n_max")
         self.n_min, self.n_max = n_min, n_max
+        self.index = NgramIndex(n_max)
 
     def find(self, tokens, k: int) -> tuple[int, list]:
         """(n, up to k tokens that followed the most recent earlier occurrence of the text's last
-        n tokens), for the longest n that occurred; (0, []) if none did."""
-        t = np.asarray(tokens, dtype=np.int64)
-        L = len(t)
-        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            # windows starting at 0 .. L-n-1: each ends before the text does, so a token follows it
-            windows = np.lib.stride_tricks.sliding_window_view(t[:L - 1], n)          # [L-n, n]
-            hits = np.flatnonzero((windows == t[L - n:]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return n, t[start:start + k].tolist()
-        return 0, []
+        n tokens), for the longest n that occurred; (0, []) if none did. The index follows the
+        text: extended while the text only grew, built again when it changed."""
+        tokens = list(tokens)
+        have = self.index.tokens
+        if len(tokens) < len(have) or tokens[:len(have)] != have:
+            self.index = NgramIndex(self.n_max)
+        self.index.extend(tokens[len(self.index.tokens):])
+        return self.index.find(k, self.n_min)
 
     def draft(self, tokens, k_max: int, length: DraftLength, sampler: Sampler) -> Draft | None:
         n, follow = self.find(tokens, k_max)
@@ -181,19 +212,17 @@ class DraftModel:
         s.tokens += list(tokens[same:])
         drafting = self._sampler_like(sampler)
         t0 = time.perf_counter()
-        out, q = [], []
+        q = []
         for _ in range(k):
             drafting.last = None
-            tok = s._next(drafting)
-            s.tokens.append(tok)
-            out.append(tok)
+            s.next_token(drafting)
             q.append(drafting.last)                # None: a greedy pick, which needs no q
         length.drafted_in((time.perf_counter() - t0) * 1e3 / k)
         dense = None
         if not sampler.params.greedy:
             n_vocab = self.engine.config.n_vocab
-            dense = [_dense(ids, probs, n_vocab) for ids, probs in q]
-        return Draft(out, dense, "model")
+            dense = [dense_distribution(ids, probs, n_vocab) for ids, probs in q]
+        return Draft(s.tokens[-k:], dense, "model")
 
     def close(self):
         self.session.reset()
@@ -215,7 +244,8 @@ class _Recording(Sampler):
         return tok
 
 
-def _dense(ids, probs, n_vocab: int) -> np.ndarray:
+def dense_distribution(ids, probs, n_vocab: int) -> np.ndarray:
+    """A sampler's distribution (the ids it keeps, their probabilities) over the whole vocabulary."""
     p = np.zeros(n_vocab)
     p[ids] = probs
     return p
@@ -296,31 +326,83 @@ class StepCost:
                 (1 - self.SMOOTH) * self.ratios[rows] + self.SMOOTH * seen
 
 
-class DraftLength:
-    """k per step (the module docstring): the accept rate of each kind of guess, and the cost of
-    a step with k guesses: a verify pass of k+1 rows (StepCost) plus the drafting, in one-row
-    steps (per_guess: a draft model's step over the target's; prompt lookup costs nothing).
-
-    The accept rate is not known, only counted, so it is drawn from what the counts allow (a
-    Beta distribution over kept and rejected guesses: Thompson sampling) before k is chosen: a
-    kind of guess seldom tried still drafts now and then, and one that keeps failing almost
-    never does. The draw changes how many guesses are made, never which tokens come out."""
+class AcceptCounts:
+    """Guesses kept and rejected, by kind of guess, older evidence fading (DECAY), so that a
+    text that changes character is followed. A step's guesses are tried in order until the
+    first rejection, so a step adds its kept guesses and at most one rejection: the counts of
+    a geometric trial, whose rate is kept / (kept + rejected). `drafted` and `accepted` count
+    every guess made and every one emitted, never decayed (what /metrics reports)."""
 
     PRIOR = (1.0, 2.0)        # Beta(1, 2) before any evidence: a guess is more likely wrong than right
-    DECAY = 0.95              # older evidence fades, so a text that changes character is followed
+    DECAY = 0.95
+
+    def __init__(self):
+        self.kept: dict = {}          # key -> (kept, rejected), decayed
+        self.drafted = self.accepted = 0
+
+    def rate(self, key) -> float:
+        """The mean accept rate the counts give (PRIOR before any guess)."""
+        kept, rejected = self.kept.get(key, (0.0, 0.0))
+        return (kept + self.PRIOR[0]) / (kept + rejected + sum(self.PRIOR))
+
+    def draw(self, key, rng, prior=PRIOR) -> float:
+        """An accept rate drawn from what the counts allow (Beta(prior + kept, prior + rejected)):
+        Thompson sampling, so a kind of guess seldom tried is still tried now and then."""
+        kept, rejected = self.kept.get(key, (0.0, 0.0))
+        return float(rng.beta(kept + prior[0], rejected + prior[1]))
+
+    def observe(self, key, drafted: int, kept: int, emitted: int | None = None):
+        """A step's guesses of one kind: made, kept by the rule (those after the first rejection
+        were not tried), and emitted (kept and before the end of the text; default: kept)."""
+        if drafted:
+            k, r = self.kept.get(key, (0.0, 0.0))
+            self.kept[key] = (self.DECAY * k + kept, self.DECAY * r + (kept < drafted))
+            self.drafted += drafted
+            self.accepted += kept if emitted is None else emitted
+
+
+def allot(offers, rows: float, cost) -> list[int]:
+    """How many guesses each sequence of a step makes (the module docstring's rule).
+
+    offers: [(a, n)] per sequence: its accept rate and the guesses it has; rows: the step's
+    worth without guesses (one per row: a decoding row makes its token, a prompt row does its
+    share of the prompt); cost(extra): the step's time with `extra` guess rows. Guess j of a
+    sequence is worth a^j. For each K the K most valuable guess rows are the best K to add;
+    the K with the most worth per unit of time wins (0: nobody guesses). Where the step is
+    compute-bound, a row costs what the step's rows cost on average, each worth 1, so a guess
+    (worth a^j < 1) never pays: the rule guesses nothing there. Where rows are nearly free
+    (memory-bound), a likely guess pays."""
+    gains = sorted(((a ** j, i) for i, (a, n) in enumerate(offers) for j in range(1, n + 1)), reverse=True)
+    best_k, best, worth = 0, rows / cost(0), float(rows)
+    for k, (gain, _) in enumerate(gains, 1):
+        worth += gain
+        if worth / cost(k) > best:
+            best_k, best = k, worth / cost(k)
+    ks = [0] * len(offers)
+    for _, i in gains[:best_k]:
+        ks[i] += 1
+    return ks
+
+
+class DraftLength:
+    """k per step for one sequence (the module docstring): the accept rate of each kind of
+    guess, and the cost of a step with k guesses: a verify pass of k+1 rows (StepCost) plus the
+    drafting, in one-row steps (per_guess: a draft model's step over the target's; prompt
+    lookup costs nothing). The accept rate is drawn from the counts (AcceptCounts.draw) before
+    k is chosen; the draw changes how many guesses are made, never which tokens come out."""
+
+    PRIOR = AcceptCounts.PRIOR
     SEED = 0                  # the draws are reproducible: the same run makes the same steps
 
     def __init__(self, k_max: int = DRAFT_MAX, cost: StepCost | None = None):
         self.k_max = k_max
         self.cost = cost or StepCost()
         self.per_guess = 0.0
-        self.kept = {}            # key -> (kept, rejected), decayed
+        self.counts = AcceptCounts()
         self.rng = np.random.default_rng(self.SEED)
 
     def rate(self, key) -> float:
-        """The mean accept rate the counts give (PRIOR before any guess)."""
-        kept, rejected = self.kept.get(key, (0.0, 0.0))
-        return (kept + self.PRIOR[0]) / (kept + rejected + sum(self.PRIOR))
+        return self.counts.rate(key)
 
     @staticmethod
     def expected(k: int, a: float) -> float:
@@ -335,9 +417,7 @@ class DraftLength:
         available = min(available, self.k_max)
         if available <= 0:
             return 0
-        kept, rejected = self.kept.get(key, (0.0, 0.0))
-        a = self.rng.beta(kept + self.PRIOR[0], rejected + self.PRIOR[1])
-        return max(range(available + 1), key=lambda k: self.expected(k, a) / self.step_cost(k))
+        return allot([(self.counts.draw(key, self.rng), available)], 1, self.step_cost)[0]
 
     def drafted_in(self, ms_per_guess: float):
         """A draft model's time per guess, as a share of the target's one-row step."""
@@ -347,9 +427,7 @@ class DraftLength:
 
     def observe(self, key, drafted: int, kept: int):
         """A step's guesses: made and kept (those after the first rejection were not tried)."""
-        if drafted:
-            k, r = self.kept.get(key, (0.0, 0.0))
-            self.kept[key] = (self.DECAY * k + kept, self.DECAY * r + (kept < drafted))
+        self.counts.observe(key, drafted, kept)
 
 
 # ---- the rule ---------------------------------------------------------------------------------
@@ -371,8 +449,8 @@ def accept(logits: np.ndarray, draft: Draft, sampler: Sampler, history) -> tuple
             if int(ids[0]) != d:
                 return settled(i, int(ids[0]))
         else:
-            p = _dense(ids, probs, logits.shape[1])
-            q = draft.q[i] if draft.q is not None else _dense([d], [1.0], logits.shape[1])
+            p = dense_distribution(ids, probs, logits.shape[1])
+            q = draft.q[i] if draft.q is not None else dense_distribution([d], [1.0], logits.shape[1])
             if not rng.random() < min(1.0, p[d] / q[d]):
                 residual = np.maximum(p - q, 0.0)
                 nz = np.flatnonzero(residual)
@@ -385,15 +463,18 @@ def accept(logits: np.ndarray, draft: Draft, sampler: Sampler, history) -> tuple
     return settled(k, int(ids[0]) if sampler.params.greedy else int(ids[rng.choice(len(ids), p=probs)]))
 
 
-# ---- one sequence ----------------------------------------------------------------------------
+
+# ---- one sequence over the arena: Session.generate's step ----------------------------------------
 
 @dataclass
 class Speculator:
-    """Guesses, how many, and the rule: `step` appends 1..k+1 tokens to a Session."""
+    """Guesses, how many, and the rule: Session.generate's step strategy (common/generate.py:
+    PlainStep is the other), appending 1..k+1 tokens per step."""
     drafter: object
     draft_max: int = DRAFT_MAX
     rule: object = accept                 # tests plant wrong rules here
     length: DraftLength = field(default=None)
+    name = "speculative"
 
     def __post_init__(self):
         if self.length is None:
@@ -407,45 +488,21 @@ class Speculator:
 
     def step(self, session: Session, sampler: Sampler, room: int) -> tuple[list, int, int]:
         """One decode step: (the tokens appended, at most `room`; guesses made; guesses kept)."""
-        e = session.engine
-        cap = min(self.draft_max, room - 1, e.n_ctx - len(session.tokens))
+        cap = min(self.draft_max, room - 1, session.engine.n_ctx - len(session.tokens))
         draft = self.drafter.draft(session.tokens, cap, self.length, sampler) if cap > 0 else None
         t0 = time.perf_counter()
         if not draft:
-            tok = session._next(sampler)
-            session.tokens.append(tok)
+            tok = session.next_token(sampler)
             self.length.cost.observe(1, (time.perf_counter() - t0) * 1e3)
             return [tok], 0, 0
-        k, n = len(draft.tokens), len(session.tokens)
-        start = session.n_cached if e.uses_kv_cache else 0
-        rows = e.forward(session.tokens[start:] + draft.tokens, start, all_logits=True)[-(k + 1):]   # [k+1, V]
+        k = len(draft.tokens)
+        kept, tok = session.verify(draft.tokens, lambda rows: self.rule(rows, draft, sampler, session.tokens))
         self.length.cost.observe(k + 1, (time.perf_counter() - t0) * 1e3)
-        kept, tok = self.rule(rows, draft, sampler, session.tokens)
-        out = draft.tokens[:kept] + [tok]
-        session.tokens += out
-        session.n_cached = n + kept           # the cache holds x_1..x_n, d_1..d_kept; tok is not in it
         self.length.observe(draft.key, k, kept)
-        return out, k, kept
+        return draft.tokens[:kept] + [tok], k, kept
 
     def close(self):
         self.drafter.close()
-
-
-# ---- one sequence of a batch, over the paged pool (what a server's scheduler calls) --------------
-
-def verify_segment(table, last: int, draft: Draft):
-    """The step's Segment for one sequence: its newest token and the guesses, every row's logits."""
-    from common.batch import Segment
-    return Segment(table, [last] + list(draft.tokens), all_logits=True)
-
-
-def settle(table, logits: np.ndarray, draft: Draft, sampler: Sampler, history) -> list:
-    """After the batched step, before Batch.finish: the rule on this sequence's k+1 rows of logits
-    [k+1, n_vocab], its rejected positions given back (PageTable.truncate). Returns the tokens it
-    gained, kept guesses then the model's own; the last of them is not in its pages yet."""
-    kept, tok = accept(logits, draft, sampler, history)
-    table.truncate(len(table) - (len(draft.tokens) - kept))
-    return list(draft.tokens[:kept]) + [tok]
 
 
 def from_flags(mode: str, draft_max: int = DRAFT_MAX, draft_engine=None, target=None) -> Speculator | None:
@@ -462,53 +519,56 @@ def from_flags(mode: str, draft_max: int = DRAFT_MAX, draft_engine=None, target=
     raise ParameterError(f"--spec {mode!r}: must be lookup, draft or off")
 
 
-def generate(session: Session, new_tokens, n_predict: int, sampler: Sampler | None = None,
-             spec: Speculator | None = None, stop_ids=(), on_token=None, ignore_eos: bool = False) -> Generation:
-    """Session.generate with speculative steps: the same arguments and Generation (drafted and
-    accepted counted). A step that emits several tokens has its time shared among them in
-    decode_ms, so their mean is the time per token (the median of a mix of steps is no rate)."""
-    sampler = sampler or Sampler()
-    spec = spec or Speculator(PromptLookup())
-    new_tokens = list(new_tokens)
-    if not new_tokens and not session.tokens:
-        raise ParameterError("the prompt is empty (no tokens): give at least one token to continue from")
-    n_predict = check_n_predict(n_predict)
-    check_fits(len(session.tokens) + len(new_tokens), n_predict, session.engine.n_ctx,
-               session.engine.config.n_ctx_train)
-    gen = Generation(prompt_tokens=list(session.tokens) + new_tokens)
-    session.tokens += new_tokens
-    stop_ids = set() if ignore_eos else set(stop_ids)
-    spec.prepare(session)                          # measured once, before the timed region
-    t_prev = time.perf_counter()
-    first = session._next(sampler)                 # the prompt's pass and the first token: TTFT
-    session.tokens.append(first)
-    gen.ttft_ms = (time.perf_counter() - t_prev) * 1e3
-    t_prev = time.perf_counter()
-    pending = [first]
-    while True:
-        for tok in pending:
-            gen.tokens.append(tok)
-            if on_token:
-                on_token(tok)
-        if pending[-1] in stop_ids or sampler.ended:
-            gen.stop_reason = "eog"
-            break
-        if len(gen.tokens) >= n_predict:
-            gen.stop_reason = "length"
-            break
-        pending, drafted, kept = spec.step(session, sampler, n_predict - len(gen.tokens))
-        stop = next((i for i, t in enumerate(pending) if t in stop_ids), len(pending) - 1)
-        over = sampler.constraint.ended_at(len(pending)) if sampler.constraint is not None else None
-        stop = stop if over is None else min(stop, over)       # where the grammar's text ended
-        if stop + 1 < len(pending):                # a guess kept past a stop token: not emitted
-            dropped = len(pending) - stop - 1
-            session.truncate(len(session.tokens) - dropped)
-            if sampler.constraint is not None:     # the grammar took them too: taken back
-                sampler.constraint.rollback(dropped)
-            pending = pending[:stop + 1]
-        now = time.perf_counter()
-        gen.decode_ms += [(now - t_prev) * 1e3 / len(pending)] * len(pending)
-        t_prev = now
-        gen.drafted += drafted
-        gen.accepted += min(kept, len(pending))
-    return gen
+# ---- one sequence of a server's batch, over the paged pool ---------------------------------------
+
+class Guesser:
+    """One sequence's prompt lookup in a server's batched step (app/serve/speculation.py plans
+    the step; app/serve/sequence.py runs its part):
+
+        offer     what it could guess now (`found`: the lookup over its own context, prompt and
+                  output so far) and an accept rate drawn from its own counts for that kind
+        verify    the rule on its k+1 rows of the step's logits [k+1, n_vocab] -> the kept
+                  guesses and the model's own token (the caller cuts them where the text ends
+                  and gives the rest of the positions back: PageTable.truncate)
+
+    Its counts start from the server's (`pooled`: every sequence's guesses), worth PRIOR_WEIGHT
+    guesses of evidence, so a new sequence starts from what this server has seen and then
+    follows its own text. `q`: the distributions the guesses were drawn from (a draft model's;
+    None for lookup's deterministic guesses)."""
+
+    PRIOR_WEIGHT = 3.0        # Beta(1, 2)'s weight: the pooled rate counts as 3 guesses
+
+    def __init__(self, pooled: AcceptCounts, n_max: int = LOOKUP_NGRAM[1], rule=accept):
+        self.pooled, self.rule = pooled, rule
+        self.index = NgramIndex(n_max)
+        self.counts = AcceptCounts()
+        self.key = None
+        self.found: list = []
+        self.q = None
+
+    def offer(self, context, k_max: int, rng) -> tuple[int, float]:
+        """(how many guesses it has, up to k_max; their drawn accept rate); (0, 0) when the
+        lookup finds nothing. The context only ever grows, so the index takes its new tokens."""
+        self.index.extend(context[len(self.index.tokens):])
+        n, self.found = self.index.find(k_max)
+        if not self.found:
+            return 0, 0.0
+        self.key = ("ngram", n)
+        return len(self.found), self.draw(rng)
+
+    def draw(self, rng) -> float:
+        """An accept rate for this kind of guess, from its own counts and the server's."""
+        r = self.pooled.rate(self.key)
+        return self.counts.draw(self.key, rng, (self.PRIOR_WEIGHT * r, self.PRIOR_WEIGHT * (1 - r)))
+
+    def verify(self, rows: np.ndarray, guesses: list, sampler: Sampler, history) -> tuple[int, int]:
+        """(guesses kept, the model's own token) by the rule; every token kept taken by the sampler."""
+        q = self.q[:len(guesses)] if self.q is not None else None
+        return self.rule(rows, Draft(list(guesses), q, self.key), sampler, history)
+
+    def observe(self, drafted: int, kept: int, emitted: int):
+        for counts in (self.counts, self.pooled):
+            counts.observe(self.key, drafted, kept, emitted)
+
+    def release(self):
+        """The sequence ended or was preempted: what it holds besides its text goes back."""

@@ -27,6 +27,18 @@ Writes profiles/bench/batching.json (the record: every level, settings, machine,
 draws profiles/batching.png and profiles/bench/batching.md from it. A benchmark, not a test:
 minutes, on a quiet machine.
 
+    python scripts/loadtest.py --spec --clients 1,4,8,16   # `serve` against `serve --spec lookup`
+    python scripts/loadtest.py --spec --chart-only          # redraw its table from its record
+
+--spec: our server plain and with speculative decoding (prompt lookup, --draft-max), both up
+at once, in alternating rounds, on two sets of prompts (--sets): copy-heavy (app/measure/
+speculative_prompts.json: code and prose edited, a template filled in, a list recited) and the
+free text above; per level each server's tokens/s, the rounds' ratios and the guesses kept. Then
+what a verify pass of k+1 rows costs in the server's step against one step, for each of
+--verify-models (TinyLlama's geometry among them: synthetic), in this process. Writes
+profiles/bench/speculative_serve.json and draws profiles/bench/speculative_serve.md
+(app/measure/spec_serve.py).
+
 llama-server: `--llama-server auto` builds it once with cmake from the llama.cpp sources that
 llama-cpp-python's source distribution carries (the same release `make llama-cpp` installs),
 into models/llama-server/ (several minutes on 2 cores); optional, like `make baseline`.
@@ -37,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -55,30 +68,37 @@ app.configure_numba()
 from app.measure import (
     llama_tools,  # noqa: E402
     roofline,  # noqa: E402
+    spec_serve,  # noqa: E402
 )
 from app.measure.bench import BENCH_TEXT, add_context  # noqa: E402
 from app.measure.local_server import LocalServer  # noqa: E402
+from app.measure.speculative import prompt_sets  # noqa: E402
 from app.models import DEFAULT_MODEL, resolve  # noqa: E402
 from app.serve.command import serving_stage  # noqa: E402
 from common.cpu import physical_cores  # noqa: E402
 from common.gguf import GGUFFile  # noqa: E402
 from common.model import LlamaConfig, flops_per_token  # noqa: E402
+from common.speculative import DRAFT_MAX  # noqa: E402
 
 RECORD = ROOT / "profiles" / "bench" / "batching.json"
 CHART = ROOT / "profiles" / "batching.png"
 TABLE = ROOT / "profiles" / "bench" / "batching.md"
+SPEC_RECORD = ROOT / "profiles" / "bench" / "speculative_serve.json"
 OURS, LLAMA = "ours", "llama-server"
+OURS_LOOKUP = spec_serve.LOOKUP
 
 
 # ---- the servers ---------------------------------------------------------------------------------
 
 def start(kind: str, args, clients: int, log_dir: Path) -> LocalServer:
     """A server process for one level: ours or llama-server, C sequences at a time."""
-    ctx = args.prompt_tokens + args.max_tokens + 64
-    if kind == OURS:
+    ctx = longest_prompt(args) + args.max_tokens + 64
+    if kind in (OURS, OURS_LOOKUP):
         pages = args.kv_pages or clients * -(-ctx // 16) + 16
         cmd = [sys.executable, "-m", "app", "serve", "-m", args.model, "--stage", args.stage,
                "--max-batch", clients, "--kv-pages", pages, "--max-queue", clients, "--threads", args.threads]
+        if kind == OURS_LOOKUP:
+            cmd += ["--spec", "lookup", "--draft-max", args.draft_max]
         if args.np:                                    # tp: --threads for each rank
             cmd = [Path(sys.executable).parent / "mpiexec", "-n", args.np, *cmd]
     else:
@@ -89,12 +109,23 @@ def start(kind: str, args, clients: int, log_dir: Path) -> LocalServer:
 
 # ---- one level: C clients ------------------------------------------------------------------------
 
-def prompts(n: int, words: int, first: int = 0) -> list[str]:
-    """n different prompts of about `words` words: a numbered request (first, first + 1, ...),
-    then the bench text. Numbered from `first`, each round's differ from every earlier round's
-    at their first tokens, so neither server finds them in its prompt cache."""
+def prompts(n: int, words: int, first: int = 0, set_name: str = "free") -> list[str]:
+    """n different prompts: a numbered request (first, first + 1, ...), then about `words`
+    words of the bench text (free), or one of the copy-heavy prompts in turn (copy).
+    Numbered from `first`, each round's differ from every earlier round's at their first
+    tokens, so neither server finds them in its prompt cache."""
+    if set_name == "copy":
+        copy = prompt_sets()["copy"]
+        return [f"Request {i}: " + copy[i % len(copy)] for i in range(first, first + n)]
     text = (BENCH_TEXT * 4).split()
     return [f"Request {i}: " + " ".join(text[i % 40:i % 40 + words]) for i in range(first, first + n)]
+
+
+def longest_prompt(args) -> int:
+    """Tokens of the longest prompt the sets hold (a generous count: 2 per word), for the context."""
+    sets = getattr(args, "sets", ["free"])
+    longest = max(len(t.split()) for t in prompt_sets()["copy"]) * 2 + 8 if "copy" in sets else 0
+    return max(args.prompt_tokens, longest)
 
 
 def percentile(xs, q):
@@ -123,7 +154,7 @@ class PagesSampler(threading.Thread):
                 self.stop.wait(0.05)
 
 
-async def run_level(url: str, clients: int, args, round_: int = 0, counters=None) -> dict:
+async def run_level(url: str, clients: int, args, round_: int = 0, counters=None, set_name: str = "free") -> dict:
     """One round: a warm-up request, then the clients. `counters()` (our server's step
     counters) is read after the warm-up and at the end, so the engine's figures cover exactly
     the timed requests."""
@@ -135,14 +166,14 @@ async def run_level(url: str, clients: int, args, round_: int = 0, counters=None
                            default_headers={"Connection": "close"})
     model = (await c.models.list()).data[0].id
     n = clients * args.requests + 1
-    texts = prompts(n, args.prompt_tokens * 3 // 4, first=round_ * n)
+    texts = prompts(n, args.prompt_tokens * 3 // 4, first=round_ * n, set_name=set_name)
     kw = dict(model=model, max_tokens=args.max_tokens, temperature=0, stream=True,
               stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    ttft, itl, tokens = [], [], []
+    ttft, itl, tokens, decode = [], [], [], []
 
     async def request(text):
         t0 = time.perf_counter()
-        last, n, usage = None, 0, None
+        first, last, n, usage = None, None, 0, None
         async for ch in await c.completions.create(prompt=text, **kw):
             if ch.usage is not None:
                 usage = ch.usage.completion_tokens
@@ -150,17 +181,20 @@ async def run_level(url: str, clients: int, args, round_: int = 0, counters=None
                 now = time.perf_counter()
                 if last is None:
                     ttft.append(now - t0)
+                    first = now
                 else:
                     itl.append(now - last)
                 last, n = now, n + 1
         tokens.append(usage if usage is not None else n)
+        if last is not None and last > first:                 # the tokens after the first, over their time
+            decode.append((tokens[-1] - 1) / (last - first))
 
     async def client(i):
         for r in range(args.requests):
             await request(texts[1 + i * args.requests + r])
 
     await request(texts[0])                          # warm: the first request pays for nothing later
-    ttft.clear(), itl.clear(), tokens.clear()
+    ttft.clear(), itl.clear(), tokens.clear(), decode.clear()
     before = counters() if counters else None
     t0 = time.perf_counter()
     await asyncio.gather(*[client(i) for i in range(clients)])
@@ -172,33 +206,36 @@ async def run_level(url: str, clients: int, args, round_: int = 0, counters=None
            "tokens_per_s": sum(tokens) / wall,
            "ttft_ms_p50": percentile(ms[0], 50), "ttft_ms_p99": percentile(ms[0], 99),
            "itl_ms_p50": percentile(ms[1], 50), "itl_ms_p99": percentile(ms[1], 99),
-           "itl_ms_mean": statistics.fmean(ms[1]) if ms[1] else float("nan")}
+           "itl_ms_mean": statistics.fmean(ms[1]) if ms[1] else float("nan"),
+           "decode_tokens_per_s_p50": statistics.median(decode) if decode else float("nan")}
     if counters:
         steps, rows = after["steps"] - before["steps"], after["rows"] - before["rows"]
         busy = after["step_seconds"] - before["step_seconds"]
         row.update(engine_steps=steps, engine_rows_per_step=rows / max(1, steps),
                    engine_step_ms_mean=1e3 * busy / max(1, steps), engine_busy=busy / wall,
-                   engine_preemptions=after["preemptions"] - before["preemptions"])
+                   engine_preemptions=after["preemptions"] - before["preemptions"],
+                   drafted=after["drafted"] - before["drafted"], accepted=after["accepted"] - before["accepted"])
     return row
 
 
 def engine_counters(url: str) -> dict:
-    """Our /health's step counters: steps, rows, seconds inside forward steps, preemptions."""
+    """Our /health's step counters: steps, rows, seconds inside forward steps, preemptions,
+    guesses made and emitted (speculative decoding)."""
     import httpx
     h = httpx.get(url + "/health", timeout=5).json()
-    return {k: h[k] for k in ("steps", "rows", "step_seconds", "preemptions")}
+    return {k: h[k] for k in ("steps", "rows", "step_seconds", "preemptions", "drafted", "accepted")}
 
 
-def run_round(server: LocalServer, clients: int, args, round_: int) -> dict:
+def run_round(server: LocalServer, clients: int, args, round_: int, set_name: str = "free") -> dict:
     """One round of one level against one server; for ours also the KV pages in use and how
     busy the engine was (run_level: time inside forward steps / wall time; the rest is HTTP,
     sampling and waiting for the clients, which share the machine's cores)."""
-    sampler = PagesSampler(server.url) if server.name == OURS else None
+    sampler = PagesSampler(server.url) if server.name in (OURS, OURS_LOOKUP) else None
     counters = (lambda: engine_counters(server.url)) if sampler else None
     try:
         if sampler:
             sampler.start()
-        row = asyncio.run(run_level(server.url, clients, args, round_, counters))
+        row = asyncio.run(run_level(server.url, clients, args, round_, counters, set_name))
     finally:
         if sampler:
             sampler.stop.set()
@@ -296,6 +333,79 @@ def measure(args, log_dir: Path) -> tuple[dict[str, list[dict]], dict | None]:
                   f"{row['ttft_ms_p50']:.0f} ms, between tokens p50 {row['itl_ms_p50']:.1f} ms (medians of "
                   f"{len(runs[k])} rounds)", file=sys.stderr)
     return out, alone
+
+
+def measure_spec(args, log_dir: Path) -> list[dict]:
+    """--spec: at every level both of our servers (plain, lookup) are up, idle while the other
+    runs; each round runs every set on both, in an order that alternates from round to round."""
+    levels = []
+    for clients in args.clients:
+        servers = {}
+        try:
+            for k in (OURS, OURS_LOOKUP):
+                servers[k] = start(k, args, clients, log_dir)
+            rows = {name: [] for name in args.sets}
+            for r in range(args.rounds):
+                for set_name in args.sets:
+                    order = (OURS, OURS_LOOKUP) if (r + args.sets.index(set_name)) % 2 == 0 else (OURS_LOOKUP, OURS)
+                    rows[set_name].append({k: run_round(servers[k], clients, args, r, set_name) for k in order})
+        finally:
+            for server in servers.values():
+                server.close()
+        for set_name in args.sets:
+            row = {"set": set_name, "clients": clients, "rounds": rows[set_name]}
+            levels.append(row)
+            each = spec_serve.round_ratios(row)
+            decode = [spec_serve.median_of(row, k, "decode_tokens_per_s_p50") for k in (OURS, OURS_LOOKUP)]
+            print(f"{set_name:>5} {clients:>3} clients: a client decodes {decode[0]:.1f} tokens/s plain, "
+                  f"{decode[1]:.1f} with lookup: {statistics.median(each):.2f}x ({', '.join(f'{x:.2f}' for x in each)}"
+                  f"); whole requests {statistics.median(spec_serve.round_ratios(row, 'tokens_per_s')):.2f}x; "
+                  f"{100 * spec_serve.accept_rate(row):.0f}% of guesses kept", file=sys.stderr)
+    return levels
+
+
+def measure_verify(args) -> list[dict]:
+    """--spec: the server step's verify pass of k+1 rows over one step, for each --verify-models
+    (spec_serve.batch_verify_times), in this process, on our stage and threads."""
+    from stages import load
+    out = []
+    for name in args.verify_models:
+        engine = load(args.stage, resolve(name), threads=args.threads)
+        engine.warmup()
+        context = engine.tokenizer.encode(BENCH_TEXT * 4)[:args.prompt_tokens + args.max_tokens // 2]
+        v = spec_serve.verify_record(engine, engine.gguf.path.split("/")[-1], context, args.verify_k,
+                                     2 * args.rounds + 1)
+        print(f"{v['model']}: a pass of k+1 rows over one step ({v['step_ms']:.2f} ms): "
+              + ", ".join(f"{k + 1}: {r:.2f}x" for k, r in zip(v["k"], v["ratio"])), file=sys.stderr)
+        out.append(v)
+        del engine
+    return out
+
+
+def spec_main(args, log_dir: Path) -> int:
+    """--spec: measure, write the record, draw its table."""
+    start_load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    levels = measure_spec(args, log_dir)
+    verify = measure_verify(args)
+    rec = {"kind": "speculative_serve", "levels": levels, "verify": verify,
+           "load_average": {"start": start_load, "end": " ".join(f"{x:.2f}" for x in os.getloadavg())}}
+    add_context(rec, {"model": args.model.name, "stage": args.stage, "clients": args.clients, "sets": args.sets,
+                      "requests": args.requests, "rounds": args.rounds, "max_tokens": args.max_tokens,
+                      "prompt_tokens": args.prompt_tokens, "threads": args.threads, "draft_max": args.draft_max,
+                      "sampling": "greedy", "ignore_eos": True, "kv_pages": args.kv_pages,
+                      "verify_models": args.verify_models, "verify_k": args.verify_k})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rec, indent=1, default=float))
+    table = draw_spec(rec, args.out)
+    print(f"wrote {args.out} and {table}", file=sys.stderr)
+    return 0
+
+
+def draw_spec(rec: dict, record: Path) -> Path:
+    table = record.with_suffix(".md")
+    shown = record.relative_to(ROOT).as_posix() if record.resolve().is_relative_to(ROOT) else str(record)
+    table.write_text(spec_serve.page(rec, shown))
+    return table
 
 
 # ---- the record, its chart and table -------------------------------------------------------------
@@ -434,10 +544,30 @@ def main(argv=None) -> int:
     p.add_argument("--llama-server", default=None,
                    help="'auto' (build it from the llama-cpp-python sdist once) or a llama-server binary")
     p.add_argument("--chart-only", action="store_true", help="redraw the chart and table from the record")
-    p.add_argument("--out", type=Path, default=RECORD, help="the record (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"the record (default: {RECORD.relative_to(ROOT)}; with --spec "
+                        f"{SPEC_RECORD.relative_to(ROOT)})")
+    g = p.add_argument_group("--spec: our server plain against `serve --spec lookup` (the module docstring)")
+    g.add_argument("--spec", action="store_true", help="measure speculative decoding in the server, on and off")
+    g.add_argument("--sets", default=None, help="prompt sets: copy, free (default: free; with --spec copy,free)")
+    g.add_argument("--draft-max", type=int, default=DRAFT_MAX, help="the lookup server's --draft-max "
+                                                                     "(default: %(default)s)")
+    g.add_argument("--verify-models", default="smollm2,tinyllama-synthetic",
+                   help="models whose verify pass is timed in this process (default: %(default)s)")
+    g.add_argument("--verify-k", type=int, default=8, help="guesses at most in the timed passes (default: %(default)s)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: give at least 1")
+    args.out = args.out or (SPEC_RECORD if args.spec else RECORD)
+    args.sets = (args.sets or ("copy,free" if args.spec else "free")).split(",")
+    if set(args.sets) - {"copy", "free"}:
+        p.error(f"--sets {','.join(args.sets)}: the sets are copy and free")
+    if args.spec and args.llama_server:
+        p.error("--spec compares our server with itself; measure llama-server without --spec")
+    args.verify_models = [m for m in args.verify_models.split(",") if m]
+    if args.spec and args.chart_only:
+        print(f"drew {draw_spec(json.loads(args.out.read_text()), args.out)}", file=sys.stderr)
+        return 0
     # elsewhere than the default record (a trial run), the chart and table go beside it
     chart, table = (CHART, TABLE) if args.out == RECORD else (args.out.with_suffix(".png"), args.out.with_suffix(".md"))
     if args.chart_only:
@@ -457,6 +587,8 @@ def main(argv=None) -> int:
             p.error(f"no llama-server at {args.llama_server}")
     else:
         missing = "not measured (--llama-server auto builds it)"
+    if args.spec:
+        return spec_main(args, Path(tempfile.mkdtemp(prefix="loadtest-")))
 
     with GGUFFile(args.model) as g:
         cfg = LlamaConfig.from_gguf(g)

@@ -29,24 +29,30 @@ class StubEngine:
     """forward_batch(batch) over a PagePool of n_layer 1, kv_dim 4 (EngineLoop makes it).
     Next tokens are drawn from low..high-1 (ordinary tokens of a real vocabulary, or a tiny
     vocabulary of its own); `fail_on`, a token id that makes a step raise (a planted bug);
-    `delay`, seconds each step sleeps; `eos` at `eos_at` tokens (see the module docstring)."""
+    `delay`, seconds each step sleeps; `eos` at `eos_at` tokens (see the module docstring);
+    `copies`: text that repeats itself (next_token)."""
 
     def __init__(self, n_vocab: int = 50, low: int = 0, high: int = 49, n_ctx: int = 4096,
-                 fail_on: int | None = None, delay: float = 0.0, eos: int | None = None, eos_at: int = 0):
+                 fail_on: int | None = None, delay: float = 0.0, eos: int | None = None, eos_at: int = 0,
+                 copies: int = 0):
         self.config = type("config", (), dict(n_layer=1, kv_dim=4, n_ctx_train=n_ctx, n_vocab=n_vocab))()
         self.backend = type("backend", (), dict(row_block=1, kv_dtype=np.float32))()
         self.n_ctx, self.low, self.high, self.fail_on, self.delay = n_ctx, low, high, fail_on, delay
-        self.eos, self.eos_at = eos, eos_at
+        self.eos, self.eos_at, self.copies = eos, eos_at, copies
         self.threads = []
         self.steps = []                       # rows of each step: [(segment index, position, token)]
 
     def next_token(self, tokens) -> int:
-        """The token after `tokens` (what greedy picks)."""
+        """The token after `tokens` (what greedy picks). With `copies` (a period P): where the
+        hash of the tokens is not a multiple of 4, the token P back, so the text repeats itself
+        in runs that prompt lookup can guess, and still depends on every token before it."""
         if self.eos is not None and len(tokens) >= self.eos_at:
             return self.eos
         h = 7
         for i, t in enumerate(tokens):
             h = (h * 31 + (i + 1) * (int(t) + 3)) % 1_000_003
+        if self.copies and len(tokens) >= self.copies and h % 4:
+            return int(tokens[-self.copies])
         return self.low + h % (self.high - self.low)
 
     def reference(self, prompt, n: int, stop=()) -> list[int]:
@@ -100,20 +106,21 @@ def free_port() -> int:
 class StubServer:
     """`with StubServer(model_path, **settings) as srv:` the server at srv.url, its engine
     (StubEngine: next tokens among ids low..high-1 of the real vocabulary, by default ordinary
-    ones), engine loop and Server; the engine loop and uvicorn each in a thread of their own."""
+    ones), engine loop (with `speculation`, app/serve/speculation.py, if given) and Server; the
+    engine loop and uvicorn each in a thread of their own."""
 
     def __init__(self, model_path, n_ctx: int = 512, kv_pages: int = 64, max_batch: int = 8, max_queue: int = 8,
                  prefill_chunk: int = 64, fail_on: int | None = None, delay: float = 0.0, eos: int | None = None,
-                 eos_at: int = 0, low: int = 300, high: int = 3000, **settings):
+                 eos_at: int = 0, low: int = 300, high: int = 3000, copies: int = 0, speculation=None, **settings):
         from app.serve.engine_loop import EngineLoop
         from app.serve.server import Server
         tok = tokenizer(str(model_path))
         self.engine = StubEngine(n_vocab=tok.n_vocab, low=low, high=high, n_ctx=n_ctx, fail_on=fail_on,
-                                 delay=delay, eos=eos, eos_at=eos_at)
+                                 delay=delay, eos=eos, eos_at=eos_at, copies=copies)
         self.engine.tokenizer = tok
         self.engine.gguf = type("gguf", (), {"path": str(model_path)})()
         self.loop = EngineLoop(self.engine, kv_pages=kv_pages, max_batch=max_batch, max_queue=max_queue,
-                               prefill_chunk=prefill_chunk)
+                               prefill_chunk=prefill_chunk, speculation=speculation)
         self.server = Server(self.engine, "stub", self.loop, "stub-model", **settings)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -69,6 +69,22 @@ def test_an_end_of_generation_token_is_not_text_unless_asked_for(default_model_p
     assert streamed.stdout.startswith("Say OK.") and rec["text"].strip() in streamed.stdout
 
 
+def test_ignore_eos_generates_every_token_asked_for(default_model_path, capsys):
+    """A prompt whose reply ends soon (the one above: it ends in <|im_end|>) measures a few
+    tokens; with --ignore-eos (llama.cpp's flag) it makes all -n, and times them."""
+    from app.cli import main
+    args = ["run", "--stage", "kv_cache", "-m", str(default_model_path), "-p", "Say OK.", "-n", "16", "--json"]
+    recs = []
+    for extra in ([], ["--ignore-eos"]):
+        assert main(args + extra) == 0
+        recs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    ended, ignored = recs
+    assert ended["stop_reason"] == "eog" and ended["n_generated"] < 16       # the twin: the end does end it
+    assert ignored["stop_reason"] == "length" and ignored["n_generated"] == 16
+    assert ignored["tokens"][:ended["n_generated"]] == ended["tokens"]       # the same text, then on past the end
+    assert ignored["decode_ms"] > 0 and ignored["tokens_per_s"] > 0          # measured (NaN fails both)
+
+
 @pytest.mark.parametrize("args, message", [
     (("--stage", "warp"), "the stages are: naive"),
     (("-m", "no/such/model.gguf"), "no model file"),

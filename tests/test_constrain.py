@@ -34,7 +34,6 @@ import jsonschema
 import numpy as np
 import pytest
 
-from common import speculative as sp
 from common.constrain import (
     Constraint,
     ConstraintError,
@@ -498,8 +497,8 @@ def test_guesses_right_wrong_and_past_the_end_give_plain_constrained_text(tok, l
     for wrong, ignore_eos in ((None, True), (3, False)):       # ignore_eos: the grammar's end alone ends it
         constraint = Counted(grammar, ll)
         session = Session(engine)
-        gen = sp.generate(session, prompt, 40, Sampler(constraint=constraint),
-                          always_guessing(Scripted(script, wrong=wrong)), stop_ids=tok.eog_ids, ignore_eos=ignore_eos)
+        gen = session.generate(prompt, 40, Sampler(constraint=constraint), stop_ids=tok.eog_ids,
+                               ignore_eos=ignore_eos, step=always_guessing(Scripted(script, wrong=wrong)))
         assert gen.tokens == plain.tokens and gen.stop_reason == "eog", (wrong, ignore_eos)
         assert constraint.tokens == plain.tokens and session.tokens == prompt + plain.tokens
         assert gen.accepted > 0 and (wrong is None or gen.drafted > gen.accepted)
@@ -522,8 +521,8 @@ def test_constrained_requests_in_one_batch_through_preemption(tok, ll, engine):
             ("The date the Berlin Wall fell:", Grammar.lark(date)), ("Another person, as JSON:",       # one grows,
                                                                      Grammar.json_schema(PERSON))]   # newer ones yield
 
-    def run(pages, which):
-        loop = EngineLoop(engine, kv_pages=pages, max_batch=len(which), prefill_chunk=16)
+    def run(pages, which, speculation=None):
+        loop = EngineLoop(engine, kv_pages=pages, max_batch=len(which), prefill_chunk=16, speculation=speculation)
         seqs = []
         for text, grammar in which:
             seq = Sequence(Ask(prompt=ids(tok, text), max_tokens=n, stop_ids=frozenset(tok.eog_ids)))
@@ -532,11 +531,18 @@ def test_constrained_requests_in_one_batch_through_preemption(tok, ll, engine):
             seqs.append(seq)
         while not loop.scheduler.idle:
             loop.step()
-        return loop, [s.generated for s in seqs], [s.preemptions for s in seqs]
+        return loop, [s.generated for s in seqs], [s.preemptions for s in seqs], seqs
     alone = max(PageTable.pages_for(len(ids(tok, text)) + n) for text, _ in asks)
-    _, roomy, _ = run(64, asks)
-    _, crowded, preempted = run(alone + 1, asks)      # room for one request's worst case and a page
+    _, roomy, _, _ = run(64, asks)
+    _, crowded, preempted, _ = run(alone + 1, asks)   # room for one request's worst case and a page
     assert crowded == roomy and any(preempted[1:]), preempted                  # a constrained one was preempted
+    # with speculative decoding (every guess lookup finds, a step's rows costing nothing more):
+    # guesses the grammar forbids refused, the kept ones moving each matcher on, the same texts
+    from app.serve.speculation import Speculation, StepTime
+    loop, guessed, _, seqs = run(64, asks, Speculation(engine.n_ctx, 8, StepTime({1: 1.0, 1 << 16: 1.0})))
+    assert guessed == roomy and all(s.guesser.counts.drafted for s in seqs[1:3]), \
+        [s.guesser.counts.drafted for s in seqs]
+    assert all(s.sampler.constraint.tokens == out for s, out in zip(seqs[1:], guessed[1:]))
     for (text, grammar), out in zip(asks, roomy):
         body = tok.decode([t for t in out if t not in tok.eog_ids])
         if grammar is None:

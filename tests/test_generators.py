@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from app.measure import compare, kernel_bench
+from app.measure import compare, kernel_bench, spec_serve
 from scripts import loadtest
 
 PROVENANCE = {"commit": "abcdef0123456789", "code_hash": "c0de", "dirty": False}
@@ -143,3 +143,45 @@ def test_the_load_test_names_a_server_slower_than_run():
     assert loadtest.serving_gaps(rec([10.0, 10.0, 10.0], [10 * floor] * 3)) == []
     gaps = loadtest.serving_gaps(rec([50.0, 40.0, 10.0], [10.0, 10.0, 10.0]))       # 0.2, 0.25, 1.0: median 0.25
     assert len(gaps) == 1 and "0.25x" in gaps[0] and "fused" in gaps[0]
+
+
+# ---- scripts/loadtest.py --spec: speculation in the server (app/measure/spec_serve.py) -------------
+
+def spec_round(plain_tps, lookup_tps, drafted=0, accepted=0):
+    """A round: decode rates as given, whole-request rates half of them."""
+    return {spec_serve.PLAIN: {"decode_tokens_per_s_p50": plain_tps, "tokens_per_s": plain_tps / 2},
+            spec_serve.LOOKUP: {"decode_tokens_per_s_p50": lookup_tps, "tokens_per_s": lookup_tps / 2,
+                                "drafted": drafted, "accepted": accepted}}
+
+
+def spec_record() -> dict:
+    """copy at 1 client: ratios 2.0, 1.5, 1.9 (median 1.9), 30 of 40 guesses kept; free at 8
+    clients: 0.9, 1.0, 0.95 (median 0.95). One verify curve: c(1..3) = 1, 1.1, 1.5."""
+    return {"kind": "speculative_serve", "levels": [
+        {"set": "copy", "clients": 1, "rounds": [spec_round(10, 20, 10, 8), spec_round(20, 30, 20, 14),
+                                                 spec_round(10, 19, 10, 8)]},
+        {"set": "free", "clients": 8, "rounds": [spec_round(100, 90, 4, 1), spec_round(100, 100, 0, 0),
+                                                 spec_round(100, 95, 2, 0)]}],
+        "verify": [{"model": "tiny.gguf", "context": 64, "k": [0, 1, 2], "ms": [[2.0, 2.2, 3.0]],
+                    "ratio": [1.0, 1.1, 1.5], "step_ms": 2.0}],
+        "settings": {"model": "m.gguf", "stage": "repack", "threads": 2, "rounds": 3, "requests": 4,
+                     "max_tokens": 64, "draft_max": 16},
+        "machine": {"cpu": "a CPU"}, "provenance": PROVENANCE, "load_average": {"start": "0.1", "end": "0.2"}}
+
+
+def test_the_spec_load_tests_table_is_worked_out_from_its_rounds():
+    rec = spec_record()
+    copy1, free8 = rec["levels"]
+    assert spec_serve.round_ratios(copy1) == [2.0, 1.5, 1.9] and spec_serve.accept_rate(copy1) == 0.75
+    assert spec_serve.round_ratios(free8) == [0.9, 1.0, 0.95] and spec_serve.accept_rate(free8) == pytest.approx(1 / 6)
+    # the speedup at a = 0.75: k = 1 gives 1.75 / 1.1 = 1.59; k = 2 gives 2.3125 / 1.5 = 1.54
+    gain, k = spec_serve.speedup([1.0, 1.1, 1.5], 0.75)
+    assert (k, gain) == (1, pytest.approx(1.75 / 1.1))
+    text = spec_serve.page(rec, "r.json")
+    assert spec_serve.round_ratios(copy1, "tokens_per_s") == [2.0, 1.5, 1.9]
+    assert "| copy | 1 | 10.0 / 20.0 | 1.90x | 2.00, 1.50, 1.90 | 5.0 / 10.0 | 1.90x | 75% |" in text
+    assert "| free | 8 | 100.0 / 95.0 | 0.95x | 0.90, 1.00, 0.95 | 50.0 / 47.5 | 0.95x | 17% |" in text
+    assert "| c(k+1) | 1.00x | 1.10x | 1.50x |" in text and "(75%): 1.59x tokens per unit of time, with k = 1" in text
+    assert "| copy, 1 client(s): lookup / plain, decode | 1.90x | >= 1.80x | yes |" in text
+    assert "| free, 8 client(s): lookup / plain, decode | 0.95x | >= 0.97x | no |" in text
+    assert "copy, 4 client(s)" not in text                   # a level not measured is not a row

@@ -73,6 +73,19 @@ def test_the_load_test_table_is_drawn_from_its_record(tmp_path, name):
         f"redraw with `python scripts/loadtest.py --chart-only --out profiles/bench/{name}.json`"
 
 
+def test_the_spec_load_test_table_is_drawn_from_its_record(tmp_path):
+    """`scripts/loadtest.py --spec` records (profiles/bench/speculative_serve*.json), each beside
+    its table (until one is committed from a quiet machine there is none to check)."""
+    from scripts.loadtest import draw_spec
+    for record in sorted(BENCH.glob("speculative_serve*.json")):
+        copy = tmp_path / record.name
+        copy.write_text(record.read_text())
+        drawn = draw_spec(json.loads(record.read_text()), copy).read_text()
+        shown = drawn.replace(str(copy), record.relative_to(ROOT).as_posix())
+        assert shown == record.with_suffix(".md").read_text(), \
+            f"redraw with `python scripts/loadtest.py --spec --chart-only --out {record.relative_to(ROOT)}`"
+
+
 def test_ops_table_is_drawn_from_the_records():
     block = dict(_tables())["README.md"]
     res = charts.load_results(ROOT / RECORDS_NAMED.search(block).group(1), expected=STAGES)

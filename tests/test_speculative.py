@@ -1,6 +1,8 @@
 """Speculative decoding (common/speculative.py): the guesses, how many, the rule, the rollback.
 
-* Prompt lookup on crafted sequences: the longest n-gram, its most recent occurrence.
+* Prompt lookup on crafted sequences: the longest n-gram, its most recent occurrence; the
+  index that keeps the search up to date gives what a scan of the text gives (a planted index
+  that keeps first occurrences is caught).
 * How many guesses: a kind that keeps failing stops guessing, one that keeps matching guesses
   long (and a policy that ignored the outcomes, planted, is caught by the same check).
 * The rule keeps the model's distribution: many seeded draws of the next two tokens on a tiny
@@ -12,7 +14,7 @@
   rule that keeps every guess, planted, must change the text.
 * The rollback: the arena (Session.truncate), the paged pool (PageTable.truncate: pages and
   reservation given back, no registered page left holding rejected tokens; a planted truncate
-  that forgets is caught) and speculative decoding over forward_batch, bit for bit plain's.
+  that forgets is caught). Speculation in the server's batched step: tests/test_spec_serve.py.
 * The draft model: vocabulary checks, and its greedy text.
 * The command line: --spec, --draft-max, --model-draft and the --json fields.
 """
@@ -25,7 +27,6 @@ import numpy as np
 import pytest
 
 from common import speculative as sp
-from common.batch import Batch, Segment
 from common.generate import ParameterError, Sampler, SamplingParams, Session, generate
 from common.gguf import GGUFFile, GGUFWriter, ValueType
 from common.paged_kv import PagePool, PageTable
@@ -95,6 +96,56 @@ def test_lookup_proposes_what_followed_the_longest_recent_match():
     assert sp.PromptLookup(2, 3).find([5, 1, 2, 1], 3) == (0, [])     # n_min = 2: a single 1 does not count
     with pytest.raises(ValueError, match="n_min <= n_max"):
         sp.PromptLookup(3, 2)
+
+
+def scanned(tokens, k: int, n_min: int, n_max: int) -> tuple[int, list]:
+    """The search NgramIndex keeps up to date, done the slow way: a scan of the whole text."""
+    t = np.asarray(tokens, dtype=np.int64)
+    L = len(t)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(t[:L - 1], n)     # each ends before the text does
+        hits = np.flatnonzero((windows == t[L - n:]).all(axis=1))
+        if len(hits):
+            return n, t[int(hits[-1]) + n:int(hits[-1]) + n + k].tolist()
+    return 0, []
+
+
+class KeepsTheFirst(sp.NgramIndex):
+    """A WRONG index, planted: an n-gram seen again keeps its first occurrence, not its latest."""
+
+    def extend(self, tokens):
+        for t in tokens:
+            at = len(self.tokens)
+            for n in range(1, min(self.n_max, at) + 1):
+                self.after.setdefault(tuple(self.tokens[at - n:at]), at)
+            self.tokens.append(int(t))
+
+
+def index_mismatches(index_class) -> int:
+    """Texts of a few symbols (many matches, of every length), grown a token at a time, cut
+    short (the index is built again) and grown again: how often the index and the scan differ."""
+    rng = np.random.default_rng(0)
+    look = sp.PromptLookup(1, 4)
+    look.index = index_class(4)
+    wrong = 0
+    for _ in range(20):
+        text = rng.integers(0, 4, 60).tolist()
+        for L in list(range(1, 61)) + list(range(30, 45)):
+            if len(look.index.tokens) > L:                     # what PromptLookup.find does, with this class
+                look.index = index_class(4)
+            look.index.extend(text[len(look.index.tokens):L])
+            wrong += look.index.find(5) != scanned(text[:L], 5, 1, 4)
+    return wrong
+
+
+def test_the_index_finds_what_a_scan_of_the_text_finds():
+    assert index_mismatches(sp.NgramIndex) == 0
+    assert index_mismatches(KeepsTheFirst) > 0                   # the planted index is caught
+    look = sp.PromptLookup(1, 4)
+    assert [look.find(t, 3) for t in ([1, 2, 3, 1, 2], [1, 2, 3, 1, 2, 3], [5, 2, 5])] == \
+        [(2, [3, 1, 2]), (3, [1, 2, 3]), (1, [2, 5])]          # grown, then another text: built again
+    index = sp.NgramIndex(3, [1, 2, 3, 1, 2])
+    assert index.find(4) == (2, [3, 1, 2]) and index.find(4, n_min=3) == (0, [])
 
 
 def test_lookup_drafts_through_the_length_policy():
@@ -271,8 +322,8 @@ def resample_from_p(logits, draft, sampler, history):
     history = list(history)
     for i, d in enumerate(draft.tokens):
         ids, probs = sampler.distribution(logits[i], history)
-        p = sp._dense(ids, probs, logits.shape[1])
-        q = draft.q[i] if draft.q is not None else sp._dense([d], [1.0], logits.shape[1])
+        p = sp.dense_distribution(ids, probs, logits.shape[1])
+        q = draft.q[i] if draft.q is not None else sp.dense_distribution([d], [1.0], logits.shape[1])
         if not sampler.rng.random() < min(1.0, p[d] / q[d]):
             return i, int(ids[sampler.rng.choice(len(ids), p=probs)])
         history.append(d)
@@ -369,7 +420,7 @@ def plain_and_logits(engine, prompt, n):
 
 
 def spec_tokens(engine, prompt, n, spec):
-    gen = sp.generate(Session(engine), prompt, n, Sampler(), spec, ignore_eos=True)
+    gen = Session(engine).generate(prompt, n, Sampler(), ignore_eos=True, step=spec)
     assert len(gen.tokens) == n and len(gen.decode_ms) == n - 1
     return gen
 
@@ -462,8 +513,7 @@ def test_a_stop_token_among_kept_guesses_ends_the_text_there(float_engine):
     stop = plain[10]
     want = plain[:plain.index(stop) + 1]
     session = Session(e)
-    gen = sp.generate(session, prompt, N_GEN, Sampler(), always_guessing(Scripted(prompt + plain)),
-                      stop_ids={stop})
+    gen = session.generate(prompt, N_GEN, Sampler(), stop_ids={stop}, step=always_guessing(Scripted(prompt + plain)))
     assert gen.tokens == want and gen.stop_reason == "eog"
     assert session.tokens == prompt + want and session.n_cached <= len(session.tokens)
     assert gen.accepted <= gen.drafted and len(gen.decode_ms) == len(want) - 1
@@ -552,45 +602,6 @@ def test_a_shared_page_is_left_to_its_sharer_and_copied_before_writing():
     assert pool._node_of_page.get(shared) is not None and shared in a.pages   # still a's, still registered
     b.append_slots([70])
     assert b.pages[1] != shared and pool.copies == 1             # copied, a's page untouched
-
-
-def test_speculative_decoding_over_the_paged_pool_is_plain_paged_decoding(float_engine):
-    """verify_segment, forward_batch, settle, finish: the steps a scheduler takes per sequence.
-    Every row of a batch takes the same kernel path (row_block), so the logits are plain paged
-    decoding's bit for bit; the pool ends as it began."""
-    e = float_engine
-    prompt = e.tokenizer.encode(COPY_PROMPT)
-    cfg = e.config
-    pool = PagePool(cfg.n_layer, cfg.kv_dim, n_pages=16)
-
-    def run(spec: bool):
-        """(tokens, guesses made, {position: its logits row})."""
-        table = PageTable(pool)
-        cached = table.admit(prompt, len(prompt) + N_GEN + sp.DRAFT_MAX)    # the second run finds pages
-        batch = Batch(pool, [Segment(table, prompt[cached:])], e.backend.row_block)
-        tokens = [int(np.argmax(e.forward_batch(batch)[0]))]
-        batch.finish()
-        look, by_position, drafted = sp.PromptLookup(), {}, 0
-        while len(tokens) < N_GEN:
-            _, guess = look.find(prompt + tokens, min(8, N_GEN - len(tokens) - 1)) if spec else (0, [])
-            draft, start = sp.Draft(guess), len(table)
-            batch = Batch(pool, [sp.verify_segment(table, tokens[-1], draft)], e.backend.row_block)
-            logits = e.forward_batch(batch)
-            gained = sp.settle(table, logits, draft, Sampler(), prompt + tokens)
-            batch.finish()
-            tokens += gained
-            assert len(table) == len(prompt) + len(tokens) - 1
-            by_position.update({start + i: logits[i] for i in range(len(gained))})
-            drafted += len(guess)
-        table.release()
-        return tokens, drafted, by_position
-
-    plain, _, plain_rows = run(False)
-    spec, drafted, spec_rows = run(True)
-    assert spec == plain and drafted > 0
-    assert plain_rows.keys() == spec_rows.keys()
-    assert all(np.array_equal(plain_rows[i], spec_rows[i]) for i in plain_rows), "logits differ from plain paged"
-    assert pool.n_free == pool.n_pages and pool.reserved == 0
 
 
 # ---- the draft model -----------------------------------------------------------------------------

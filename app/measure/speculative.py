@@ -25,7 +25,7 @@ import numpy as np
 from app.measure import roofline
 from app.measure.machine import machine_id
 from common import speculative as sp
-from common.generate import Sampler, Session, generate
+from common.generate import Sampler, generate
 from common.model import flops_per_token
 
 PROMPTS_FILE = Path(__file__).with_name("speculative_prompts.json")
@@ -124,10 +124,7 @@ def roofline_prediction(engine, context_len: int, k_max: int, ceil: dict) -> dic
 
 def run_ours(engine, ids, n: int, spec: sp.Speculator | None = None) -> dict:
     """Greedy, exactly n tokens; decode = the tokens after the first, and their time."""
-    if spec is None:
-        gen = generate(engine, ids, n, Sampler(), ignore_eos=True)
-    else:
-        gen = sp.generate(Session(engine), ids, n, Sampler(), spec, ignore_eos=True)
+    gen = generate(engine, ids, n, Sampler(), ignore_eos=True, step=spec)
     seconds = sum(gen.decode_ms) / 1e3
     return {"tokens": gen.tokens, "decode_s": seconds, "tokens_per_s": (len(gen.tokens) - 1) / seconds,
             "drafted": gen.drafted if spec else 0, "accepted": gen.accepted if spec else 0}

@@ -21,29 +21,54 @@ from app.models import DEFAULT_MODEL, resolve
 from app.serve.engine_loop import EngineLoop
 from app.serve.sequence import Ask, Sequence
 from app.serve.server import MAX_BODY_BYTES, REQUEST_TIMEOUT_S, Server
+from app.serve.speculation import DraftSpeculation, Speculation, StepTime
+from common.gguf import GGUFFile
+from common.paged_kv import PageTable
+from common.speculative import DRAFT_MAX, check_vocabulary
 from stages import StageError, info
 
 DRAIN_TIMEOUT_S = 30.0
 
 
 def build(stage: str, model, ctx_size=None, threads=None, max_batch=32, kv_pages=512, max_queue=64,
-          prefill_chunk=64, progress=False, **settings) -> Server:
+          prefill_chunk=64, progress=False, spec="off", draft_max=DRAFT_MAX, model_draft=None,
+          **settings) -> Server:
     """Load the stage and warm its kernels up (single and batched), and hand the vocabulary to
     llguidance (Server.ll), in the calling thread: the thread that must then run the engine
-    loop (server.loop.run()). settings: the
-    Server's (api_key, max_body_bytes, request_timeout, special, cors_origins)."""
+    loop (server.loop.run()). spec: speculative decoding, "lookup", "draft" (with model_draft,
+    a GGUF file of the same vocabulary, loaded on the same stage) or "off"
+    (app/serve/speculation.py), whose step times are measured here. settings: the Server's
+    (api_key, max_body_bytes, request_timeout, special, cors_origins)."""
     from stages import load
     s = info(stage)
     if not s.kv_cache or s.gpu:
         raise StageError(f"stage '{stage}' cannot serve a batch: serving needs a CPU stage with a KV cache "
                          f"(kv_cache, quantized, threads, int8, ...)")
-    engine = load(stage, resolve(model), n_ctx=ctx_size, threads=threads, progress=progress)
+    target = GGUFFile(resolve(model))
+    draft = None
+    if spec == "draft":                                  # its vocabulary checked before any weights load
+        draft = GGUFFile(resolve(model_draft))
+        check_vocabulary(target, draft)
+    engine = load(stage, target, n_ctx=ctx_size, threads=threads, progress=progress)
     engine.warmup()
+    speculation = None
+    if spec == "lookup":
+        speculation = Speculation(engine.n_ctx, draft_max, StepTime(row_block=engine.backend.row_block))
+    elif spec == "draft":
+        draft = load(stage, draft, n_ctx=engine.n_ctx, threads=threads, progress=progress)
+        draft.warmup()
+        pages = kv_pages + max_batch * PageTable.pages_for(draft_max + 1)        # each one's context and guesses
+        speculation = DraftSpeculation(engine.n_ctx, draft, pages, draft_max,
+                                       StepTime(row_block=engine.backend.row_block))
     loop = EngineLoop(engine, kv_pages=kv_pages, max_batch=max_batch, max_queue=max_queue,
-                      prefill_chunk=prefill_chunk)
+                      prefill_chunk=prefill_chunk, speculation=speculation)
     loop.submit(Sequence(Ask([0, 1], max_tokens=2)))     # compile the batched kernels before serving
     while loop.step() or loop.scheduler.running:
         pass
+    if speculation is not None:                          # what a step of M rows costs on this engine
+        speculation.time.calibrate(loop.forward, loop.pool, max_batch * (1 + draft_max) + prefill_chunk)
+    if draft is not None:                                # and on the draft model
+        speculation.draft_time.calibrate(draft.forward_batch, speculation.pool, max_batch)
     loop.reset_counters()
     model_id = engine.gguf.path.split("/")[-1].removesuffix(".gguf")
     server = Server(engine, stage, loop, model_id, **settings)
@@ -95,21 +120,26 @@ class Drain:
 def cmd_serve(args):
     import uvicorn
 
+    from app.run import spec_mode
     from app.serve import ranks
     from app.serve.routes import create_app
+    mode = spec_mode(args)                          # contradictions refused before anything loads
     stage = serving_stage(args.stage)
     if ranks.follows(stage):                       # tp's ranks > 0: rank 0's steps, no HTTP
         return ranks.follow(stage, args)
     origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else []
     server = build(stage, args.model, ctx_size=args.ctx_size, threads=args.threads, max_batch=args.max_batch,
                    kv_pages=args.kv_pages, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                   progress=True, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                   progress=True, spec=mode, draft_max=args.draft_max, model_draft=args.model_draft,
+                   api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                    request_timeout=args.request_timeout or None, special=args.special, cors_origins=origins)
     lead = ranks.Lead(server)                      # over N ranks: each step to every rank
     pool = server.loop.pool
+    spec = {"lookup": ", speculative: prompt lookup", "draft": f", speculative: draft model {args.model_draft}",
+            "off": ""}[mode] + (f", up to {args.draft_max} guesses" if mode != "off" else "")
     print(f"serving {server.model_id} with stage {stage} on http://{args.host}:{args.port}  "
           f"(max batch {args.max_batch}, {pool.n_pages} KV pages of {pool.page_size} positions = "
-          f"{pool.nbytes / 2**20:.0f} MiB, queue {args.max_queue}, context {server.engine.n_ctx}"
+          f"{pool.nbytes / 2**20:.0f} MiB, queue {args.max_queue}, context {server.engine.n_ctx}{spec}"
           f"{', API key required' if args.api_key else ''})", file=sys.stderr)
     http = uvicorn.Server(uvicorn.Config(create_app(server), host=args.host, port=args.port,
                                          log_level=args.log_level, timeout_graceful_shutdown=5))
@@ -137,7 +167,7 @@ def cmd_serve(args):
 
 
 def add_commands(sub):
-    from app.run import add_model_args, one_line_errors
+    from app.run import add_model_args, add_spec_args, one_line_errors
     p = one_line_errors(sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (continuous batching, paged KV cache)",
         description="Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions "
@@ -153,6 +183,7 @@ def add_commands(sub):
             action.help = "a CPU stage with a KV cache (default: fastest, the stage `make run` picks: " \
                           "the best decode recorded on this machine, else the last CPU stage)"
     engine_args(p.add_argument_group("the engine"))
+    add_spec_args(p)
     operator_args(p.add_argument_group("the operator's"))
 
 

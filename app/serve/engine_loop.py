@@ -4,11 +4,14 @@ sequences join and leave.
     step:  end the cancelled -> plan (app/serve/scheduler.py) -> build the batch
            (common/batch.py) -> run it (`forward`) -> the grammars' masks of the rows that
            draw, all at once (`_fill_masks`) -> settle each sequence's logits: score its
-           prompt (echo), fork its choices, draw its next token, end it
+           prompt (echo), fork its choices, take its next tokens (one drawn, or with
+           speculative decoding the guesses kept and one more: app/serve/speculation.py)
+           -> register the pages the step filled -> end the sequences that ended
 
 A sequence under a grammar carries its matcher in its sampler (common/constrain/: Constraint);
 the masks of a step's constrained rows are computed together, on llguidance's threads, before
-any row draws; a step without a constrained row does none of it.
+any row draws (with guesses, the mask of its first row: those after a kept guess follow as the
+rule walks them); a step without a constrained row does none of it.
 
 The loop owns what is shared between threads: its lock (a Condition), held whenever the
 scheduler's queues change, so another thread may submit, cancel and read the counters at any
@@ -49,10 +52,10 @@ class EngineLoop:
     docstring). `observer`, if given, is told of every step (`step(rows)`) and preemption
     (`preempted()`), from the engine thread. `scheduler`: the Scheduler class (tests plant
     bugs in a subclass). `forward`: what runs a Batch and returns its logits rows (default:
-    engine.forward_batch)."""
+    engine.forward_batch). `speculation`: app/serve/speculation.py's Speculation, or None (off)."""
 
     def __init__(self, engine, kv_pages: int, max_batch: int = 32, max_queue: int = 64, prefill_chunk: int = 64,
-                 page_size: int = PAGE_SIZE, observer=None, scheduler=Scheduler, forward=None):
+                 page_size: int = PAGE_SIZE, observer=None, scheduler=Scheduler, forward=None, speculation=None):
         cfg = engine.config
         self.engine = engine
         self.pool = PagePool(cfg.n_layer, engine.backend.kv_width(cfg), kv_pages, page_size, engine.backend.kv_dtype)
@@ -60,6 +63,7 @@ class EngineLoop:
                                    max_queue=max_queue, prefill_chunk=prefill_chunk)
         self.forward = forward or engine.forward_batch
         self.observer = observer
+        self.speculation = self.scheduler.speculation = speculation
         self.lock = threading.Condition()
         self._stop = False
         self.recent_rows: deque[int] = deque(maxlen=RECENT_STEPS)
@@ -72,6 +76,9 @@ class EngineLoop:
         (Scheduler.check), QueueFull."""
         ask = seq.ask
         self.scheduler.check(len(ask.prompt), ask.max_tokens, score_only=ask.prompt_logprobs is not None)
+        if self.speculation is not None:
+            for s in (seq, *followers):
+                s.guesser = self.speculation.guesser()
         with self.lock:
             self._end_cancelled_waiting()
             self.scheduler.add(seq, followers)
@@ -115,6 +122,8 @@ class EngineLoop:
         self.finished = {"stop": 0, "length": 0, "cancelled": 0, "error": 0}
         self.step_seconds = 0.0
         self.recent_rows.clear()
+        if self.speculation is not None:
+            self.speculation.pooled.drafted = self.speculation.pooled.accepted = 0
         if publish:
             self._publish()
 
@@ -157,6 +166,7 @@ class EngineLoop:
 
     def step(self) -> int:
         """End the cancelled, plan, run the batch, hand out the tokens. Returns the rows computed."""
+        t_step = time.perf_counter()
         with self.lock:
             self._end_cancelled_waiting()
             for seq in [s for s in self.scheduler.running if s.cancelled or (s.leader and s.leader.cancelled)]:
@@ -174,8 +184,7 @@ class EngineLoop:
             t0 = time.perf_counter()
             batch = Batch(self.pool, segments, self.engine.backend.row_block)
             logits = self.forward(batch)
-            batch.finish()
-            self.step_seconds += time.perf_counter() - t0
+            forward_s = time.perf_counter() - t0
         except Exception:                                  # a bug, not a user error: contain it
             self.failures += 1
             message = traceback.format_exc(limit=3).splitlines()[-1]
@@ -184,20 +193,40 @@ class EngineLoop:
             traceback.print_exc()
             self._publish()
             return 0
+        guessed = self._guess_counts()
         self._fill_masks(segments, plan.rows)
-        row = 0
+        ended, row = [], 0
         for seg, (seq, _) in zip(segments, plan.rows):
             n = len(seg.tokens) if seg.all_logits else int(seg.logits)
             if n:
-                self._settle(seq, logits[row:row + n], len(seg.table) - len(seg.tokens), seg.logits)
+                ended += self._settle(seq, logits[row:row + n], len(seg.table) - len(seg.tokens), seg.logits)
             row += n
+        batch.finish()              # after the refused guesses left the pages: none of them is registered
+        for seq, reason in ended:
+            self._finish(seq, "done", reason)
+        self.step_seconds += forward_s
         self.steps += 1
         self.rows += batch.n_rows
         self.recent_rows.append(batch.n_rows)
         if self.observer is not None:
             self.observer.step(batch.n_rows)
+        self._observe_guesses(guessed, batch.n_rows, forward_s, time.perf_counter() - t_step)
         self._publish()
         return batch.n_rows
+
+    def _guess_counts(self) -> tuple[int, int]:
+        """Guesses made and emitted so far (speculative decoding's counters; (0, 0) when off)."""
+        pooled = self.speculation.pooled if self.speculation is not None else None
+        return (pooled.drafted, pooled.accepted) if pooled is not None else (0, 0)
+
+    def _observe_guesses(self, before: tuple[int, int], rows: int, forward_s: float, step_s: float):
+        """Speculative decoding's part of a step: its time (StepTime) and its guesses, to /metrics."""
+        if self.speculation is None:
+            return
+        self.speculation.time.observe(rows, forward_s * 1e3, step_s * 1e3)
+        drafted, accepted = self._guess_counts()
+        if self.observer is not None and drafted > before[0]:
+            self.observer.guessed(drafted - before[0], accepted - before[1])
 
     @staticmethod
     def _fill_masks(segments, rows):
@@ -208,24 +237,27 @@ class EngineLoop:
         if constraints:
             fill_masks(constraints)
 
-    def _settle(self, seq: Sequence, logits: np.ndarray, start: int, complete: bool):
-        """A step's logits for seq: rows for positions start.. (every row of a scored chunk,
-        else the last). Scores the prompt (echo), sent once every position is; once the
-        context is complete (`complete`: the last row is its end), its waiting choices fork it
-        and each draws its next token from the last row."""
+    def _settle(self, seq: Sequence, logits: np.ndarray, start: int, complete: bool) -> list:
+        """A step's logits for seq: rows for positions start.. (every row of a scored chunk or
+        of guesses, else the last). Scores the prompt (echo), sent once every position is; once
+        the context is complete (`complete`: the last row is its end), its waiting choices fork
+        it and each takes its next tokens (Sequence.take). Returns [(sequence, reason)] for
+        those that ended (ended by the caller once the step's pages are registered)."""
         if seq.scoring and seq.score(logits, start):
             seq.emit("prompt", seq.prompt_scores)
             if seq.ask.max_tokens == 0:                  # the prompt's scores were all it asked for
-                self._finish(seq, "done", "length")
-                return
+                return [(seq, "length")]
         if not complete:
-            return
+            return []
+        ended = []
         for s in (seq, *seq.fork()):
-            s.emit("token", s.draw(logits[-1]))
-            self.generated_tokens += 1
+            for sampled in s.take(logits):
+                s.emit("token", sampled)
+                self.generated_tokens += 1
             reason = s.end_reason()
             if reason is not None:
-                self._finish(s, "done", reason)
+                ended.append((s, reason))
+        return ended
 
     def _end_cancelled_waiting(self):
         for seq in self.scheduler.drop_cancelled():
@@ -264,6 +296,8 @@ class EngineLoop:
                 "running": len(running), "max_batch": self.scheduler.max_batch, "steps": self.steps,
                 "rows": self.rows, "failures": self.failures, "preemptions": self.preemptions,
                 "generated_tokens": self.generated_tokens, "finished": dict(self.finished),
+                "spec": self.speculation is not None, "drafted": self._guess_counts()[0],
+                "accepted": self._guess_counts()[1],
                 "step_seconds": round(self.step_seconds, 6),
                 "recent_rows": list(self.recent_rows), "page_owner": owner.tolist(),
                 "page_shared": np.flatnonzero(p.refs > 1).tolist(),

@@ -8,6 +8,8 @@
     llm_time_between_tokens_seconds         histogram: one token of a choice -> its next
     llm_batch_rows                          histogram: rows in each engine step
     llm_preemptions_total                   sequences preempted for pages (app/serve/scheduler.py)
+    llm_spec_draft_tokens_total             speculative decoding: tokens guessed (app/serve/speculation.py)
+    llm_spec_accepted_tokens_total          and the guesses the model agreed with, emitted
     llm_requests_running, llm_requests_waiting, llm_kv_pages_used, llm_kv_pages_free   gauges
 
 One registry per server (not prometheus-client's global one), so that several servers in one
@@ -42,6 +44,10 @@ class Metrics:
                               buckets=ROW_BUCKETS, registry=r)
         self.preemptions = Counter("llm_preemptions", "Sequences preempted because the KV pages ran out",
                                    registry=r)
+        self.drafted = Counter("llm_spec_draft_tokens", "Speculative decoding: tokens guessed and verified",
+                               registry=r)
+        self.accepted = Counter("llm_spec_accepted_tokens",
+                                "Speculative decoding: guessed tokens the model agreed with, emitted", registry=r)
         gauges = {"llm_requests_running": ("Sequences in the running batch", lambda s: s["running"]),
                   "llm_requests_waiting": ("Sequences in the wait queue", lambda s: s["waiting"]),
                   "llm_kv_pages_used": ("KV pages held by sequences",
@@ -56,6 +62,10 @@ class Metrics:
 
     def preempted(self):
         self.preemptions.inc()
+
+    def guessed(self, drafted: int, accepted: int):
+        self.drafted.inc(drafted)
+        self.accepted.inc(accepted)
 
     def outcome(self, name: str):
         self.requests.labels(name).inc()

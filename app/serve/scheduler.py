@@ -7,7 +7,10 @@
 
 `schedule()` plans one step: a row for every decoding sequence and, within `prefill_chunk`
 rows, the next chunk of the prompts being prefilled, so a long prompt never stalls the
-sequences already decoding. It runs nothing: the engine loop (app/serve/engine_loop.py) runs
+sequences already decoding. With speculative decoding (`speculation`, app/serve/speculation.py)
+a decoding sequence may add rows of guesses, as many as the measured step times say pay;
+guesses never take a page another sequence needs (without their pages they are dropped, never
+a reason to preempt). It runs nothing: the engine loop (app/serve/engine_loop.py) runs
 the plan, hands out the tokens, and calls `release` for the sequences that end. Nothing here
 knows of threads, locks or HTTP; the engine loop holds its lock while it calls in.
 
@@ -64,6 +67,7 @@ class Scheduler:
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.waiting: deque[Sequence] = deque()      # leaders; their followers ride with them
         self.running: list[Sequence] = []            # by arrival, oldest first
+        self.speculation = None                      # app/serve/speculation.py: who guesses what, if on
 
     @property
     def idle(self) -> bool:
@@ -115,10 +119,12 @@ class Scheduler:
         return dropped
 
     def release(self, seq: Sequence):
-        """seq has ended: its pages go back, it leaves the running set."""
+        """seq has ended: its pages go back (a draft model's too), it leaves the running set."""
         if seq.table is not None:
             seq.table.release()
             seq.table = None
+        if seq.guesser is not None:
+            seq.guesser.release()
         if seq in self.running:
             self.running.remove(seq)
 
@@ -145,12 +151,14 @@ class Scheduler:
                 continue
             pending = len(seq.context) - len(seq.table)
             if pending == 1 and not seq.scoring:
-                decoding.append((seq, seq.decode_rows()))
+                decoding.append(seq)
             elif pending > 0 and budget > 0:
                 n = min(pending, budget)
                 budget -= n
                 chunks.append((seq, n))
-        return decoding + chunks, budget
+        if self.speculation is not None and decoding:
+            self.speculation.plan(decoding, len(decoding) + sum(n for _, n in chunks))
+        return [(seq, seq.decode_rows()) for seq in decoding] + chunks, budget
 
     def _reserve(self, rows, may_preempt: bool) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
         """Each sequence's pages for its rows, oldest first; where the pool cannot promise
@@ -158,6 +166,8 @@ class Scheduler:
         preempted for it) and try again. The rows that got their pages, and the preempted."""
         out, preempted = [], []
         for seq, n in sorted(rows, key=lambda rn: rn[0].id):
+            if seq.guesses and seq.table is not None and not seq.table.reserve_for(n):
+                seq.guesses, n = [], 1                   # guesses never cost another sequence its pages
             while seq.table is not None and not seq.table.reserve_for(n) and may_preempt:
                 newest = max((s for s in self.running if s.table is not None), key=lambda s: s.id)
                 self._preempt(newest)
@@ -195,7 +205,9 @@ class Scheduler:
         """Free seq's pages and put it (with the choices still waiting to fork it) back in the
         queue, before every newer one; it keeps its tokens and its sampler."""
         seq.table.release()
-        seq.table = None
+        seq.table, seq.guesses = None, []
+        if seq.guesser is not None:
+            seq.guesser.release()
         for s in (seq, *seq.followers):
             self.running.remove(s)
         seq.preemptions += 1

@@ -17,12 +17,15 @@ The engine loop (app/serve/engine_loop.py) moves it along; the scheduler
 A few small methods make one step of a sequence; they are where a per-sequence policy plugs in:
 
     decode_rows   how many rows a decoding sequence feeds in a step (1: its newest token;
-                  speculative decoding: its newest token and k guesses)
+                  with speculative decoding, its newest token and the `guesses` the step's plan
+                  gave it: app/serve/speculation.py)
     segment       the tokens of those rows and which logits come back (all of them to verify
-                  guesses; the engine loop then settles the rows, and PageTable.truncate gives
-                  back the pages of the guesses refused)
+                  guesses)
     draw          its next token from its row's logits, by its `sampler` (a constrained
                   sequence's sampler carries the grammar's token mask, first in its chain)
+    take          its new tokens from its rows: a draw, or the guesses the rule keeps and the
+                  model's own token, cut where its text ends; the positions of the rest leave its
+                  pages (PageTable.truncate) and its grammar (the sampler's constraint)
     fork          a choice takes its leader's prompt pages (and whatever else a choice copies
                   from its leader, such as a fork of its constraint's state)
 
@@ -38,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.batch import Segment
-from common.generate import Sampler, SamplingParams, token_logprobs
+from common.generate import Sampler, SamplingParams, standing, token_logprobs
 from common.paged_kv import PageTable
 
 _ids = itertools.count(1)
@@ -86,6 +89,8 @@ class Sequence:
         self.cancelled = self.done = False
         self.cached_tokens: int | None = None   # prompt positions found in the prefix cache, first admission
         self.preemptions = 0
+        self.guesser = None                     # its speculative decoding (common/speculative.py: Guesser), if on
+        self.guesses: list[int] = []            # the next step's guesses (the scheduler's plan)
 
     @property
     def context(self) -> list:
@@ -103,15 +108,18 @@ class Sequence:
 
     # ---- one step ----------------------------------------------------------------------------
     def decode_rows(self) -> int:
-        """Rows it feeds in a step once decoding: its newest token."""
-        return 1
+        """Rows it feeds in a step once decoding: its newest token and its guesses."""
+        return 1 + len(self.guesses)
 
     def segment(self, n: int) -> Segment:
-        """Its part of a step: the next n tokens of its context that its pages do not hold yet;
-        the logits of the last row once the context is complete, of every row while scoring."""
+        """Its part of a step: the next n tokens of its context that its pages do not hold yet,
+        then its guesses; the logits of the last row once the context is complete, of every row
+        while scoring or guessing."""
         start = len(self.table)
-        return Segment(self.table, self.context[start:start + n], logits=start + n == len(self.context),
-                       all_logits=self.scoring)
+        del self.guesses[max(0, start + n - len(self.context)):]      # rows the step could not take
+        tokens = (self.context[start:] + self.guesses)[:n]
+        return Segment(self.table, tokens, logits=start + n >= len(self.context),
+                       all_logits=self.scoring or bool(self.guesses))
 
     def score(self, logits: np.ndarray, start: int) -> bool:
         """Record its prompt's log-probabilities from the rows for positions start.. (entry j
@@ -133,6 +141,25 @@ class Sequence:
         lp = token_logprobs(logits, tok, k) if k is not None else (None, [])
         self.generated.append(tok)
         return Sampled(tok, *lp)
+
+    def take(self, logits: np.ndarray) -> list[Sampled]:
+        """Its new tokens from its rows of a step: a draw from the last row, or, with guesses
+        (rows [k+1, n_vocab]: after its newest token, after each guess), the ones the rule keeps
+        and the model's own token (common/speculative.py), cut at the first that ends its text
+        (a stop id, its grammar's end). Its pages then hold its context but the newest token,
+        as after a plain step; the rows' logits give each token's log-probabilities."""
+        if not self.guesses:
+            return [self.draw(logits[-1])]
+        guesses, self.guesses = self.guesses, []
+        before = len(self.context)
+        kept, tok = self.guesser.verify(logits, guesses, self.sampler, self.context)
+        out = standing(guesses[:kept] + [tok], self.ask.stop_ids, self.sampler)
+        self.guesser.observe(len(guesses), kept, min(kept, len(out)))
+        self.table.truncate(before - 1 + len(out))
+        self.generated += out
+        k = self.ask.logprobs
+        return [Sampled(t, *(token_logprobs(logits[i], t, k) if k is not None else (None, [])))
+                for i, t in enumerate(out)]
 
     def end_reason(self) -> str | None:
         """'stop' after an end-of-generation token or once its grammar's text is over (even

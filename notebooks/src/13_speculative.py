@@ -80,9 +80,13 @@ findings["the ridge"] = (f"at {roof['ridge_rows']:.1f} rows here: reading the we
 # The cheapest guess needs no model: find the longest n-gram at the end of the text that occurred
 # earlier in it, and propose what followed it there. Text that copies itself (code being edited,
 # a list recited, a passage quoted) is full of such matches; free text has few.
+#
+# A scan of the whole text at every step would grow with the text; `NgramIndex` keeps, for every
+# n-gram seen, the position after its latest occurrence, so a step looks its ending up in a few
+# dictionary lookups.
 
 # %%
-nb.show_source(sp.PromptLookup.find)
+nb.show_source(sp.NgramIndex)
 look = sp.PromptLookup()
 text = [5, 1, 2, 3, 9, 8, 1, 2, 3, 7, 1, 2]
 n, guess = look.find(text, 4)
@@ -119,8 +123,8 @@ sampler = Sampler(SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.0))
 engine.reset()
 draft.reset()
 V = engine.config.n_vocab
-p = sp._dense(*sampler.distribution(engine.forward(prompt, 0, all_logits=False)[0], prompt), V)
-q = sp._dense(*sampler.distribution(draft.forward(prompt, 0, all_logits=False)[0], prompt), V)
+p = sp.dense_distribution(*sampler.distribution(engine.forward(prompt, 0, all_logits=False)[0], prompt), V)
+q = sp.dense_distribution(*sampler.distribution(draft.forward(prompt, 0, all_logits=False)[0], prompt), V)
 engine.reset()
 draft.reset()
 kept = np.minimum(p, q)

@@ -126,7 +126,7 @@ function colour(id) {                 // a stable colour per sequence id
   return `hsl(${(id * 137.508) % 360} 65% 55%)`;
 }
 
-let last = null;                      // the previous poll: {t, generated}
+let last = null;                      // the previous poll: {t, generated, drafted, accepted}
 function draw(view) {
   $("model").textContent = view.model;
   $("stage").textContent = `stage ${view.stage}${view.draining ? " (draining)" : ""}`;
@@ -135,7 +135,8 @@ function draw(view) {
     const rate = Math.max(0, view.generated_tokens - last.generated) / ((now - last.t) / 1000);
     $("tps").textContent = rate.toFixed(rate < 10 ? 1 : 0);
   }
-  last = { t: now, generated: view.generated_tokens };
+  drawAcceptRate(view, last);
+  last = { t: now, generated: view.generated_tokens, drafted: view.drafted, accepted: view.accepted };
   $("running").textContent = view.running;
   $("waiting").textContent = view.waiting;
   $("preemptions").textContent = view.preemptions;
@@ -178,6 +179,16 @@ function draw(view) {
     for (const v of [s.id, s.tokens, s.pages, s.preemptions]) tr.insertCell().textContent = v;
     tr.cells[0].style.color = colour(s.id);
   }
+}
+
+// speculative decoding (serve --spec): the share of guesses kept since the last poll, else overall
+function drawAcceptRate(view, before) {
+  $("spec").hidden = !view.spec;
+  if (!view.spec) return;
+  const drafted = view.drafted - (before ? before.drafted : 0), accepted = view.accepted - (before ? before.accepted : 0);
+  const [made, kept] = drafted > 0 ? [drafted, accepted] : [view.drafted, view.accepted];
+  $("accept").textContent = made > 0 ? `${Math.round((100 * kept) / made)}%` : "-";
+  $("spec").title = `${view.accepted} of ${view.drafted} guessed tokens kept since the server started`;
 }
 
 async function poll() {
