@@ -141,6 +141,11 @@ def cmd_serve(args):
           f"(max batch {args.max_batch}, {pool.n_pages} KV pages of {pool.page_size} positions = "
           f"{pool.nbytes / 2**20:.0f} MiB, queue {args.max_queue}, context {server.engine.n_ctx}{spec}"
           f"{', API key required' if args.api_key else ''})", file=sys.stderr)
+    if (block := server.engine.backend.row_block) > 1:     # fused: a lone decode row padded to 8
+        print(f"note: the {stage} stage pads every step to a multiple of {block} rows (its multi-row kernels "
+              f"give a row the same bits whatever rows come with it), so a step of one or two sequences costs "
+              f"{block} rows' work; `--stage repack` computes a row alike in any batch without padding",
+              file=sys.stderr)
     http = uvicorn.Server(uvicorn.Config(create_app(server), host=args.host, port=args.port,
                                          log_level=args.log_level, timeout_graceful_shutdown=5))
     web = threading.Thread(target=http.run, name="http", daemon=True)
