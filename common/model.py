@@ -418,3 +418,11 @@ def flops_per_token(cfg: LlamaConfig, context: int) -> float:
     attn = cfg.n_layer * cfg.n_head * cfg.head_dim * context * 2
     return 2.0 * (matmul + attn)
 
+
+
+def prompt_matmul_ops(cfg: LlamaConfig, n_prompt: int) -> float:
+    """Operations (2 per multiply-add) of a prompt's matmuls: every layer matrix on every prompt
+    row, the output matrix on the last row only (the next token's logits). Integer operations in
+    the stages that round activations to int8: what the roofline's integer peak bounds."""
+    layer_matrices = n_params(cfg) - cfg.n_vocab * cfg.n_embd - cfg.n_embd * (2 * cfg.n_layer + 1)
+    return 2.0 * (layer_matrices * n_prompt + cfg.n_vocab * cfg.n_embd)

@@ -54,7 +54,7 @@ from stages.kernels.layer_stack import (
     matrix_table,
     run_layers,
 )
-from stages.kernels.sync import new_sync
+from stages.kernels.sync import CLOCK, new_sync
 from stages.quantized import QuantMatrix
 
 __all__ = ["FusedBackend", "LOGIT_TOLERANCE", "OPS_PER_LAYER", "BARRIER_LAYERS"]
@@ -130,6 +130,7 @@ class FusedBackend(Int8Backend):
         self._heads = {}                # id(weight) -> (its blocks as a blob, its one MATRIX record)
         self.kernel_seconds = 0.0       # time inside the compiled calls, for Python's share
         self.barriers = 0               # barriers crossed in the last call (counted by the threads)
+        self.phase_seconds = np.zeros(OPS_PER_LAYER)    # time in each phase (layer_stack.PHASES), summed
 
     def layout_of(self, w) -> int:
         """How a matrix's rows are stored (layer_stack.MATRIX.layout): as the file stores them."""
@@ -152,15 +153,24 @@ class FusedBackend(Int8Backend):
             self._plan = _Plan(model, self.layout_of)
         h = self.embed(model.token_embd, tokens)
         nt = self._threads()
-        sync = new_sync()
+        sync = new_sync(phases=OPS_PER_LAYER)
         t0 = time.perf_counter()
-        run_layers(h, self._plan.weights, cache, rows, self._dims(model), sync, nt)
-        self.kernel_seconds += time.perf_counter() - t0
+        run_layers(h, self._plan.weights, cache, rows, self._dims(model), sync, nt, self._prefill(model, rows, cache))
+        seconds = time.perf_counter() - t0
+        self.kernel_seconds += seconds
+        clock = sync[CLOCK:].astype(np.float64)
+        if clock.sum() > 0:             # the call's time shared out as the time-stamp counter saw it
+            self.phase_seconds += clock / clock.sum() * seconds
         self.barriers = int(sync[0]) // nt
         if sync[1]:
             raise RuntimeError(f"the {self.name} stage's {nt} threads did not all run (a barrier gave up): "
                                "numba's threading layer must give each parallel iteration its own thread")
         return h
+
+    def _prefill(self, model, rows: Rows, cache: Cache):
+        """The prefill stage's choices and arrays for a call (layer_stack.Prefill); None: this
+        stage's kernels."""
+        return None
 
     def forward_layers(self, model, tokens, start_pos: int):
         """One sequence: its arena is one page of n_ctx positions, row m at start_pos + m."""

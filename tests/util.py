@@ -83,6 +83,16 @@ def host_features() -> frozenset:
     return frozenset(name for name, on in llvm.get_host_cpu_features().items() if on)
 
 
+def target_features() -> frozenset | None:
+    """LLVM's names of the features numba compiles for: NUMBA_CPU_FEATURES's '+name's where it is
+    set (None where it names none), the host's otherwise (numba passes them on with NUMBA_CPU_NAME)."""
+    from numba import config
+    if config.CPU_FEATURES is None:
+        return host_features()
+    named = frozenset(f[1:] for f in config.CPU_FEATURES.split(",") if f.startswith("+"))
+    return named or None
+
+
 def numba_target_reason() -> str | None:
     """Why numba does not compile for this CPU (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES set), or None."""
     from numba import config
@@ -119,9 +129,11 @@ def expected_isa(have=None) -> str | None:
     rule, from LLVM's features): 'vnni' (vpdpbusd on 256-bit registers: AVX-VNNI, or AVX512-VNNI
     with AVX512VL), 'avx2', or None (no AVX2 + F16C, or numba's target set)."""
     if have is None:
-        if not_x86_reason() or numba_target_reason():
+        if not_x86_reason():
             return None
-        have = host_features()
+        have = target_features()
+        if have is None:
+            return None
     if not {"avx2", "f16c"} <= have:
         return None
     return "vnni" if "avxvnni" in have or {"avx512vnni", "avx512vl"} <= have else "avx2"

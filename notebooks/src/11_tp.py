@@ -205,7 +205,7 @@ if across:
 
 # %% [markdown]
 # What limits it, then: the round trips per token, which batching many users' tokens into one
-# step amortizes (chapter 12) and which pipeline parallelism (layers on different machines,
+# step amortizes (chapter 13) and which pipeline parallelism (layers on different machines,
 # one hand-off per machine instead of two per layer) avoids; the Python between the ops here,
 # which the fused stage had removed; and the part of every process that does not split (the
 # interpreter, numba, the header and vocabulary), which the memory table shows beside the

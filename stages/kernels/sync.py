@@ -15,7 +15,10 @@ every iteration of the region on its own thread, which numba's workqueue and Ope
 with one iteration per thread (TBB may run two on one thread: stages/fused.py chooses the layer).
 If the others never come (sync[2] yields: GIVE_UP unless a test asks for less), it raises the
 abort flag sync[1] and every thread leaves at its next barrier: the caller reports the error
-instead of hanging. `new_sync()` makes the array.
+instead of hanging. `new_sync()` makes the array; with `phases`, it also holds a clock per
+phase (sync[CLOCK + i]: the cycles thread 0 saw phase i take, up to the barrier after it, added
+over the layers: where a call's time went, at the cost of one read of the time-stamp counter per
+phase).
 
 The atomics are LLVM's (atomicrmw add, load/store with acquire/release ordering): numba has none
 for the CPU.
@@ -29,13 +32,14 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+CLOCK = 3               # sync[CLOCK + i]: phase i's cycles
 SPINS = 1000            # pause-reads (tens of microseconds) before a waiting thread yields its core
 GIVE_UP = 20_000_000    # yields (seconds at the least) before a barrier gives up: the abort flag
 
 
-def new_sync(give_up: int = GIVE_UP) -> np.ndarray:
-    """[arrivals, abort flag, yields before giving up], int64."""
-    return np.array([0, 0, give_up], dtype=np.int64)
+def new_sync(give_up: int = GIVE_UP, phases: int = 0) -> np.ndarray:
+    """[arrivals, abort flag, yields before giving up, cycles of each of `phases` phases], int64."""
+    return np.array([0, 0, give_up] + [0] * phases, dtype=np.int64)
 
 
 def _slot(context, builder, arrty, arr, idx, idxty):
@@ -92,6 +96,16 @@ def cpu_relax(typingctx):
         builder.call(fn, [])
         return context.get_dummy_value()
     return types.none(), codegen
+
+
+@intrinsic
+def cycles(typingctx):
+    """The time-stamp counter (rdtsc through llvm.readcyclecounter): a clock at a constant rate."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "llvm.readcyclecounter")
+        return builder.call(fn, [])
+    return types.int64(), codegen
 
 
 @intrinsic
