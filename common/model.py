@@ -128,9 +128,11 @@ class LlamaConfig:
 
 
 def context_size(cfg: LlamaConfig, requested: int | None = None) -> int:
-    """Positions the KV cache and RoPE tables hold: as asked, else min(trained, 2048);
-    never more than the model was trained on."""
-    return min(requested or min(cfg.n_ctx_train, 2048), cfg.n_ctx_train)
+    """Positions the KV cache and RoPE tables hold: as asked, else min(trained, 2048). Asked for
+    more than the model was trained on, it gets it, as llama.cpp gives it (with a warning there):
+    positions past the trained ones are ones the model never saw, so its text may degrade; a
+    benchmark of long prompts on a model's geometry needs them."""
+    return requested or min(cfg.n_ctx_train, 2048)
 
 
 # The per-layer tensors the graph reads (blk.N.<name>.weight).

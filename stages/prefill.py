@@ -85,19 +85,20 @@ def tile_rows_for(n_head: int, n_head_kv: int, head_dim: int, l2: int) -> int:
     return int(max(1, min(MAX_TILE_ROWS, l2 // 4 // (3 * G * head_dim * 4))))
 
 
-def scratch_bytes(cfg, rows: int, threads: int, n_ctx: int, tile_rows: int) -> int:
-    """Bytes one call of the layer stack allocates for `rows` rows (layer_stack.run_layers'
-    scratch and packs, and this stage's Prefill arrays): what a prompt needs besides the weights and
-    the KV cache, per piece."""
+def scratch_bytes(cfg, rows: int, threads: int, n_ctx: int, tile_rows: int, alone: int = 1) -> int:
+    """Bytes one call of the layer stack allocates for `rows` rows, `alone` of them attended alone
+    (decode rows; a prompt's rows are in tiles): layer_stack.run_layers' scratch and 8-bit packs,
+    and this stage's Prefill arrays. What a prompt needs besides the weights and the KV cache, per
+    piece."""
     D, q, kv, ff = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.kv_dim, cfg.n_ff
     K = max(D, ff, q)
-    floats = rows * (max(D, q) + ff + max(q + 2 * kv, 2 * ff, D))           # xin, fbuf, y
-    packs = 2 * (rows * K + 4 * rows * (K // 32) + rows * (K // 16 + 1) * 2)   # both 8-bit packs
-    pairs = 2 * ((rows + 1) // 2) * (2 * K + 4 * 2 * (K // 32) * 3 + 4 * 2 * (K // 16))
+    floats = rows * (max(D, q) + ff + max(q + 2 * kv, 2 * ff, D))              # xin, fbuf, y
+    packs = 2 * rows * (K + 3 * 4 * (K // 32) + 2 * (K // 16 + 1))           # both 8-bit packs
+    pairs = 2 * (rows + 1) // 2 * 2 * (K + 3 * 4 * (K // 32) + 4 * (K // 16))   # and their pair copies
     groups = -(-tile_rows * (cfg.n_head // cfg.n_head_kv) // LANES)
     work = threads * 4 * (groups * LANES * (3 * cfg.head_dim + 5) + 2 * tiled_attention.BK * cfg.head_dim
-                          + tiled_attention.BK * LANES + threads * K)
-    decode = rows * cfg.n_head_kv * chunks_of(n_ctx - 1) * -(-cfg.n_head // cfg.n_head_kv // LANES) * LANES \
+                          + tiled_attention.BK * LANES + K)
+    decode = alone * cfg.n_head_kv * chunks_of(n_ctx - 1) * -(-cfg.n_head // cfg.n_head_kv // LANES) * LANES \
         * (cfg.head_dim + 2) * 4
     return int(4 * floats + packs + pairs + work + decode)
 

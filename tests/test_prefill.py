@@ -208,3 +208,53 @@ def test_query_tiles_follow_the_sequences():
     seq = np.array([0, 0, 0, 0, 0, 1, 2, 2, -1, -1], np.int64)
     tiles, alone = query_tiles(positions, slots, seq, 3)
     assert tiles.tolist() == [[0, 3], [3, 2], [6, 2]] and alone.tolist() == [5]
+
+
+# ---- a long prompt's memory ------------------------------------------------------------------------
+
+_PEAK = """
+import sys, numpy as np
+from pathlib import Path
+import app; app.configure_numba()
+from stages import load
+e = load("prefill", sys.argv[1], n_ctx=int(sys.argv[2]))
+if sys.argv[3] == "whole":
+    e.backend.max_batch = None
+e.warmup()
+lines = lambda: Path("/proc/self/status").read_text().splitlines()
+status = lambda key: int(next(line for line in lines() if line.startswith(key)).split()[1])
+Path("/proc/self/clear_refs").write_text("5")           # the peak (VmHWM) starts again from now
+before = status("VmRSS:")
+e.forward(list(np.arange(int(sys.argv[2])) % 60 + 1), 0, all_logits=False)
+print((status("VmHWM:") - before) * 1024)
+"""
+
+
+def _peak_growth(path, n, pieces) -> int:
+    """Bytes the peak resident memory grew by during one prompt of n tokens (a fresh process)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, "-c", _PEAK, str(path), str(n), pieces], cwd=root,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return int(p.stdout.split()[-1])
+
+
+@needs_isa
+def test_a_long_prompt_needs_one_pieces_scratch(tmp_path):
+    """A 4000-token prompt on a made-up model grows the process's peak memory by at most what one
+    piece of the stage's PIECE_ROWS rows allocates (scratch_bytes, plus its embedding rows and a few
+    MiB of the allocator's and numpy's own), the KV cache being made at load; the whole prompt in
+    one call (planted: no pieces) allocates the scratch of every row, which the same bound catches."""
+    from common.cpu import cache_sizes, physical_cores
+    from common.model import LlamaConfig
+    from stages.prefill import PIECE_ROWS, scratch_bytes, tile_rows_for
+    n = 4000
+    path = write_tiny_llama(tmp_path / "long.gguf", {**MIXED_TYPES, "ffn_down": GGMLType.Q6_K}, context=n)
+    cfg = LlamaConfig.from_gguf(GGUFFile(path))
+    tile = tile_rows_for(cfg.n_head, cfg.n_head_kv, cfg.head_dim, cache_sizes()["L2"])
+    bound = scratch_bytes(cfg, PIECE_ROWS, physical_cores(), n, tile) + PIECE_ROWS * cfg.n_embd * 4 + (8 << 20)
+    assert _peak_growth(path, n, "stage") <= bound
+    assert _peak_growth(path, n, "whole") > bound

@@ -144,16 +144,17 @@ def fresh_asm(dispatcher, *args) -> str:
 
 # ---- whole models ---------------------------------------------------------------------------------
 
-def write_tiny_llama(path, types: dict, seed: int = 0):
+def write_tiny_llama(path, types: dict, seed: int = 0, context: int = 64):
     """A 2-layer llama with 256-wide embeddings whose matrices use the given ggml types
-    (tensor role -> type), random weights; no tokenizer (the tests feed token ids)."""
+    (tensor role -> type), random weights, trained on `context` positions; no tokenizer (the
+    tests feed token ids)."""
     rng = np.random.default_rng(seed)
     n_embd, n_ff, n_head, n_head_kv, n_vocab, n_layer = 256, 512, 4, 2, 64, 2
     kv = n_embd // n_head * n_head_kv
     w = GGUFWriter(path)
     U32, F32 = ValueType.UINT32, ValueType.FLOAT32
     w.add("general.architecture", "llama")
-    for key, value in [("context_length", 64), ("embedding_length", n_embd), ("block_count", n_layer),
+    for key, value in [("context_length", context), ("embedding_length", n_embd), ("block_count", n_layer),
                        ("feed_forward_length", n_ff), ("attention.head_count", n_head),
                        ("attention.head_count_kv", n_head_kv), ("vocab_size", n_vocab)]:
         w.add(f"llama.{key}", value, U32)

@@ -114,7 +114,7 @@ else:
 # %%
 from stages.kernels import pair_gemm, vector_ir
 
-rows_lanes = [f"r{r}" for r in pair_gemm._SWAPPED]
+rows_lanes = [f"r{r}" for r in pair_gemm.LANE_ROWS]
 acts_lanes = ["x" if lane % 2 == 0 else "y" for lane in range(16)]
 nb.show_table(["lane"] + list(range(16)), [("weight row", *rows_lanes), ("prompt row", *acts_lanes)])
 if vector_ir.ZMM:

@@ -1,10 +1,10 @@
 """The layer stack in one compiled call (stages/fused.py tells the story; stages/repack.py reuses it).
 
-    run_layers(h, weights, cache, rows, dims, sync, nt)   every op of every layer, in ONE parallel
-                                                          region: nt threads (one prange iteration
-                                                          each) walk the same ops and meet at a
-                                                          barrier between two that depend on each other
-    matmul_rows(x, blob, mat, f16, nt)                    one weight matrix (the output head)
+    run_layers(h, weights, cache, rows, dims, sync, nt, pre)   every op of every layer, in ONE
+                                                          parallel region: nt threads (one prange
+                                                          iteration each) walk the same ops and meet at
+                                                          a barrier between two that depend on each other
+    matmul_rows(x, blob, mats, nt)                        one weight matrix (the output head)
 
 The ops of one layer are the table PHASES (OPS_PER_LAYER of them, a barrier after each; the
 region's fork and join once per call). Each is split into work items that the threads take from
@@ -36,6 +36,15 @@ What it reads, as named records (numba compiles named tuples of arrays):
     Rows(positions, slots, seq)  int64 [M] each: a row's position, cache slot (-1: a padding row,
                                  not stored, not attended) and sequence (its row of tables)
     Dims(n_head, n_head_kv, n_ff, eps, scale, cos, sin)   the model's shape, RoPE's tables
+
+    Prefill(...)                 None, or the prefill stage's choices and arrays (stages/prefill.py):
+                                 then the matmuls take blocks of rows that fit L2 and run two rows to a
+                                 512-bit register where they can (pair_gemm.py), and ATTEND / MERGE are
+                                 the tiled attention's (tiled_attention.py: query tiles, decode rows'
+                                 chunks); None compiles none of it (numba prunes `pre is None` branches)
+
+sync may carry a clock per phase (sync.new_sync(phases=OPS_PER_LAYER)): thread 0's time-stamp
+counter at each barrier, summed per phase over the layers (where a call's time went).
 
 A matrix's `layout` says how its rows are stored: ROWS as the file stores them (the fused stage:
 stages/kernels/int_tiles.py), REPACKED in interleaved groups (the repack stage:

@@ -104,12 +104,12 @@ def pairs_take(kind):
 
 # ---- the kernel (LLVM IR through stages/kernels/vector_ir.py) ------------------------------------
 
-_SWAPPED = [0, 1, 2, 3, 4, 5, 6, 7, 1, 0, 3, 2, 5, 4, 7, 6]
+LANE_ROWS = [0, 1, 2, 3, 4, 5, 6, 7, 1, 0, 3, 2, 5, 4, 7, 6]        # the weight row of each lane
 
 
 def pair_lanes(g, v):
     """8 lanes (one per row of the group) -> 16: rows 0..7, then rows 1 0 3 2 5 4 7 6."""
-    return g.shuffle(v, v, _SWAPPED)
+    return g.shuffle(v, v, LANE_ROWS)
 
 
 def _piece(g, gb, off):

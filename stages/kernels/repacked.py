@@ -258,28 +258,31 @@ def _block_k4(g, kind, gb, blk, acts, accs):
     lay = GROUP_AT[kind]
     k = b.mul(blk, g.const(256))
     isum = [ir.Constant(D8, None)] * C
+    most = 31 if kind == Q5_K else 15
     for ch in range(4):
-        lo_acc = [ir.Constant(D8, None)] * C
-        hi_acc = [ir.Constant(D8, None)] * C
+        lo, hi = [], []
         for j in range(8):
             w = g.load(gb, g.const(lay["qs"] + (ch * 8 + j) * 32), B32)
-            lo, hi = g.nibbles(w, False), g.nibbles(w, True)
+            lo.append(g.nibbles(w, False))
+            hi.append(g.nibbles(w, True))
             if kind == Q5_K:                                    # bit 2ch (+1) of qh: the fifth bits
                 qh = g.load(gb, g.const(lay["qh"] + j * 32), B32)
                 one = g.splat_const(B32, 1)
-                lo = b.or_(lo, b.shl(b.and_(b.lshr(qh, g.splat_const(B32, 2 * ch)), one), g.splat_const(B32, 4)))
-                hi = b.or_(hi, b.shl(b.and_(b.lshr(qh, g.splat_const(B32, 2 * ch + 1)), one), g.splat_const(B32, 4)))
-            for c in range(C):
-                lo_acc[c] = g.dpbusd(lo_acc[c], lo, _splat_q(g, acts, c, b.add(k, g.const(64 * ch + 4 * j))))
-                hi_acc[c] = g.dpbusd(hi_acc[c], hi, _splat_q(g, acts, c, b.add(k, g.const(64 * ch + 32 + 4 * j))))
+                lo[j] = b.or_(lo[j], b.shl(b.and_(b.lshr(qh, g.splat_const(B32, 2 * ch)), one), g.splat_const(B32, 4)))
+                hi[j] = b.or_(hi[j], b.shl(b.and_(b.lshr(qh, g.splat_const(B32, 2 * ch + 1)), one),
+                                           g.splat_const(B32, 4)))
         for c in range(C):
-            isum[c] = b.add(isum[c], b.add(b.mul(lo_acc[c], sc[2 * ch]), b.mul(hi_acc[c], sc[2 * ch + 1])))
+            a_lo = [_splat_q(g, acts, c, b.add(k, g.const(64 * ch + 4 * j))) for j in range(8)]
+            a_hi = [_splat_q(g, acts, c, b.add(k, g.const(64 * ch + 32 + 4 * j))) for j in range(8)]
+            isum[c] = g.scaled_dots(isum[c], lo, a_lo, sc[2 * ch], most)
+            isum[c] = g.scaled_dots(isum[c], hi, a_hi, sc[2 * ch + 1], most)
     dw, dmin = g.halves(gb, g.const(lay["d"])), b.fneg(g.halves(gb, g.const(lay["dmin"])))
+    mins = [b.or_(mn[2 * u], b.shl(mn[2 * u + 1], g.splat_const(D8, 16))) for u in range(4)]   # int16 pairs
     for c in range(C):
         msum = ir.Constant(D8, None)
-        for s in range(8):
-            b32 = b.sext(g.load(acts.b32[c], b.mul(b.add(b.mul(blk, g.const(8)), g.const(s)), g.const(2)), I16), I32)
-            msum = b.add(msum, b.mul(mn[s], g.splat(D8, b32)))
+        for u in range(4):                  # sub-blocks 2u, 2u + 1: their b32 side by side, one dpwssd
+            b32 = g.splat_i32(acts.b32[c], b.mul(b.add(b.mul(blk, g.const(4)), g.const(u)), g.const(4)))
+            msum = g.dpwssd(msum, mins[u], b32)
         da = _splat_f32(g, acts.d[c], blk)
         acc = g.fma(b.fmul(g.to_float(isum[c]), da), dw, b.load(accs[c]))
         b.store(g.fma(b.fmul(g.to_float(msum), da), dmin, acc), accs[c])
@@ -294,7 +297,7 @@ def _block_q6(g, gb, blk, acts, accs):
     isum = [ir.Constant(D8, None)] * C
     for h in range(2):
         for jh in range(2):                                     # positions l < 16, then l >= 16
-            sub = [[ir.Constant(D8, None)] * 4 for _ in range(C)]
+            vals = [[], [], [], []]                             # vals[i][jj]: values 128 h + 32 i + 4 j ..
             for jj in range(4):
                 j = 4 * jh + jj
                 qla = g.load(gb, g.const(lay["ql"] + (h * 16 + j) * 32), B32)
@@ -302,18 +305,17 @@ def _block_q6(g, gb, blk, acts, accs):
                 top = q6_top_bits(g, g.load(gb, g.const(lay["qh"] + (h * 8 + j) * 32), B32))
                 low = [g.nibbles(qla, False), g.nibbles(qlb, False), g.nibbles(qla, True), g.nibbles(qlb, True)]
                 for i in range(4):
-                    v = b.or_(low[i], top[i])
-                    at = b.add(k, g.const(128 * h + 32 * i + 4 * j))
-                    for c in range(C):
-                        sub[c][i] = g.dpbusd(sub[c][i], v, _splat_q(g, acts, c, at))
+                    vals[i].append(b.or_(low[i], top[i]))
             for i in range(4):
                 s = 8 * h + 2 * i + jh
                 scale = g.widen_s8(gb, g.const(lay["scales"] + GROUP * s))
                 for c in range(C):
+                    acts_q = [_splat_q(g, acts, c, b.add(k, g.const(128 * h + 32 * i + 4 * (4 * jh + jj))))
+                              for jj in range(4)]
                     b16 = b.sext(g.load(acts.b16[c], b.mul(b.add(b.mul(blk, g.const(16)), g.const(s)), g.const(2)),
                                         I16), I32)
                     offset = g.splat(D8, b.shl(b16, ir.Constant(I32, 5)))
-                    isum[c] = b.add(isum[c], b.mul(b.sub(sub[c][i], offset), scale))
+                    isum[c] = b.sub(g.scaled_dots(isum[c], vals[i], acts_q, scale, 63), b.mul(offset, scale))
     dw = g.halves(gb, g.const(lay["d"]))
     for c in range(C):
         da = _splat_f32(g, acts.d[c], blk)
@@ -350,15 +352,18 @@ def _block_32(g, kind, gb, blk, acts, accs):
             for c in range(C):
                 isum[c] = g.dpbusd_bytes(isum[c], w, _splat_q(g, acts, c, b.add(k, g.const(4 * j))))
     else:
+        values, at = [], []                         # the 4 pieces' low nibbles (values 4j..), then high (16 + 4j..)
         for j in range(4):
             w = g.load(gb, g.const(qs + 32 * j), B32)
             lo, hi = g.nibbles(w, False), g.nibbles(w, True)
             if qh_at:
                 lo = b.or_(lo, _fifth_bits(g, gb, qh_at + 8 * j))
                 hi = b.or_(hi, _fifth_bits(g, gb, qh_at + 8 * j + 4))
-            for c in range(C):
-                isum[c] = g.dpbusd(isum[c], lo, _splat_q(g, acts, c, b.add(k, g.const(4 * j))))
-                isum[c] = g.dpbusd(isum[c], hi, _splat_q(g, acts, c, b.add(k, g.const(16 + 4 * j))))
+            values += [lo, hi]
+            at += [4 * j, 16 + 4 * j]
+        for c in range(C):
+            isum[c] = g.scaled_dots(isum[c], values, [_splat_q(g, acts, c, b.add(k, g.const(o))) for o in at],
+                                    most=31 if qh_at else 15)
     dw = g.halves(gb, g.const(lay["d"]))
     mw = g.halves(gb, g.const(lay["m"])) if with_m else None
     for c in range(C):

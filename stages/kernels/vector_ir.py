@@ -13,6 +13,10 @@ it with, tests/test_vector_ir.py) and the instructions it becomes:
                                                                  with ones, vpaddd (AVX2)
     dpwssd(acc, a, b)  acc[i] + a[2i] b[2i] + a[2i+1] b[2i+1]    vpdpwssd (VNNI); else vpmaddwd,
                        (int16 pairs)                             vpaddd
+    scaled_dots(acc, us, ss, scale, most)                        VNNI: a vpdpbusd chain, one vpmulld;
+                       acc[i] + scale[i] sum_j dpbusd(us[j], ss[j])[i]   AVX2: vpmaddubsw summed in int16
+                       (us[j] unsigned up to most)               while none can overflow, one vpmaddwd
+                                                                 with the scale per run (no vpmulld)
     dpbusd_bytes       the same for u up to 255                  vpdpbusd; AVX2: u in nibbles
     pairs(u, s)        u[2i] s[2i] + u[2i+1] s[2i+1] (int16)     vpmaddubsw
     madd(a, b)         a[2i] b[2i] + a[2i+1] b[2i+1] (int32)     vpmaddwd
@@ -309,6 +313,33 @@ class Emit:
         hi = self.dpbusd(ir.Constant(D8, None), self.nibbles(u, True), s)
         lo = self.dpbusd(acc, self.nibbles(u, False), s)
         return self.b.add(lo, self.b.shl(hi, self.splat_const(D8, 4)))
+
+    def scaled_dots(self, acc, us, ss, scale=None, most=15):
+        """acc + scale x (the byte dot products of us[j] and ss[j], summed over j), per int32 lane
+        (scale: int32 lanes in int16's range, None for 1; us unsigned up to `most`, ss signed bytes
+        up to 127 in size). The same integers either way. VNNI: vpdpbusd into one sum, one vpmulld.
+        AVX2: vpmaddubsw's int16 pair sums (at most 2 most 127 each) added in int16 as many at a
+        time as cannot overflow, then vpmaddwd with the scale in both halves of each lane, which
+        widens, adds the pairs and multiplies by the scale in one instruction."""
+        b, n = self.b, acc.type.count
+        if self.isa == "vnni":
+            d = ir.Constant(acc.type, None)
+            for u, s in zip(us, ss):
+                d = self.dpbusd(d, u, s)
+            return b.add(acc, d if scale is None else b.mul(d, scale))
+        w16 = ir.VectorType(I16, 2 * n)
+        if scale is None:
+            both = self.splat_const(w16, 1)
+        else:
+            low = b.and_(scale, self.splat_const(acc.type, 0xFFFF))
+            both = b.bitcast(b.or_(low, b.shl(scale, self.splat_const(acc.type, 16))), w16)
+        per_run = max(1, 32767 // (2 * most * 127))
+        for i in range(0, len(us), per_run):
+            run = self.pairs(us[i], ss[i])
+            for j in range(i + 1, min(i + per_run, len(us))):
+                run = b.add(run, self.pairs(us[j], ss[j]))
+            acc = b.add(acc, self.madd(run, both))
+        return acc
 
     def isum(self, v):
         """The 8 int32 lanes added (llvm.vector.reduce.add: vphaddd or shuffles and vpaddd)."""
