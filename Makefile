@@ -20,7 +20,8 @@ name   ?= smollm2
 args   ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup model vocab test test-all run bench report lessons baseline llama-cpp notebooks setup-cuda clean
+
+.PHONY: help setup model vocab test test-all test-avx2 run bench report lessons baseline llama-cpp notebooks setup-cuda clean
 
 help:  ## list the targets and the stages
 	@echo "usage: make TARGET [stage=NAME prompt=TEXT n=N model=PATH name=MODEL]"
@@ -49,20 +50,44 @@ model: $(STAMP)  ## fetch a model: name=smollm2 (default) | tinyllama-synthetic 
 
 vocab: $(VOCAB_STAMP)  ## fetch llama.cpp's vocab-only GGUF files (tokenizer tests)
 
-test: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## lint, then the test suite (fast tests; GPU tests skip, saying why)
+test: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## lint, the test suite (fast tests; GPU tests skip, saying why), then test-avx2
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -rfEsx tests $(args)
+	@$(MAKE) --no-print-directory test-avx2
+
+# The vector kernels choose their instructions by CPU feature (stages/kernels/vector_ir.py): this runs
+# their checks (marker isa_paths) compiled for an AVX2-only CPU, the path a CPU without AVX-512 or VNNI
+# takes, whatever CPU runs the tests. An empty NUMBA_CPU_FEATURES: that CPU's features, not this one's.
+AVX2_CPU ?= haswell
+test-avx2: $(STAMP) $(MODEL_FILE)  ## the vector kernels' checks again, compiled for an AVX2-only CPU (haswell)
+	NUMBA_CPU_NAME=$(AVX2_CPU) NUMBA_CPU_FEATURES= $(PY) -m pytest -q -rfEsx -m isa_paths tests
 
 test-all: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## the test suite including the slow tests
 	$(VENV)/bin/ruff check .
 	LLM_SLOW_TESTS=1 $(PY) -m pytest -q -rfEsx tests $(args)
 
 # np=N: N MPI ranks (the tp stage), hosts=FILE: spread over the machines an MPICH host file lists
+# (a host file `make netns` writes starts with the command that reaches its hosts: mpiexec then runs through it)
 np     ?=
 hosts  ?=
+MPIEXEC = $(or $(if $(hosts),$(shell sed -n '1s/^# mpiexec: //p' $(hosts))),$(VENV)/bin/mpiexec)
 
 run: $(STAMP) $(MODEL_FILE)  ## run one stage: make stage=tiling run [prompt=... n=... model=...] (tp: np=2 [hosts=FILE])
-	$(if $(np),$(VENV)/bin/mpiexec -n $(np) $(if $(hosts),-f $(hosts)) )$(PY) -m app run --stage $(stage) -m $(model) -p "$(prompt)" $(if $(n),-n $(n)) $(args)
+	$(if $(np),$(MPIEXEC) -n $(np) $(if $(hosts),-f $(hosts)) )$(PY) -m app run --stage $(stage) -m $(model) -p "$(prompt)" $(if $(n),-n $(n)) $(args)
+
+# Two hosts on one machine (app/netns.py): network namespaces joined by a veth pair, for tp across a network
+.PHONY: netns netns-down iproute2
+NETNS := build/netns
+
+netns: $(STAMP) iproute2  ## (root) two network namespaces joined by a veth pair: make stage=tp run np=2 hosts=build/netns/hosts
+	$(SUDO) $(PY) -m app.netns up $(NETNS)
+
+netns-down:  ## remove the two network namespaces of `make netns`
+	$(SUDO) $(PY) -m app.netns down $(NETNS)
+
+iproute2:  ## install the `ip` command (Debian's iproute2), for the test of tp across two network namespaces
+	@command -v ip >/dev/null || { \
+		$(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends iproute2; }
 
 bench: $(STAMP) $(MODEL_FILE)  ## measure one stage into profiles/: make stage=simd bench
 	$(PY) -m app bench --stage $(stage) -m $(model) $(args)

@@ -30,10 +30,19 @@ THREADING_LAYERS = ("omp", "workqueue", "tbb")
 def configure_numba():
     """numba's on-disk cache in .numba_cache/ (so only the first run of a stage compiles) and
     the threading layers above, unless the environment already says otherwise. Works before
-    numba is imported (through its environment variables) and after (through its config)."""
+    numba is imported (through its environment variables) and after (through its config).
+
+    A CPU named for numba to compile for (NUMBA_CPU_NAME=haswell: the AVX2-only path on any x86
+    machine) means that CPU's features: numba would otherwise add this machine's own (AVX-512,
+    VNNI) to the name, so an empty NUMBA_CPU_FEATURES is set unless one is given."""
     os.environ.setdefault("NUMBA_CACHE_DIR", str(ROOT / ".numba_cache"))
     os.environ.setdefault("NUMBA_THREADING_LAYER_PRIORITY", " ".join(THREADING_LAYERS))
+    if os.environ.get("NUMBA_CPU_NAME"):
+        os.environ.setdefault("NUMBA_CPU_FEATURES", "")
     if "numba" in sys.modules:
         import numba
         numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
         numba.config.THREADING_LAYER_PRIORITY = os.environ["NUMBA_THREADING_LAYER_PRIORITY"].split()
+        if os.environ.get("NUMBA_CPU_NAME"):
+            numba.config.CPU_NAME = os.environ["NUMBA_CPU_NAME"]
+            numba.config.CPU_FEATURES = os.environ["NUMBA_CPU_FEATURES"]

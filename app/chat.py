@@ -30,10 +30,11 @@ def rewind(session: Session, n: int):
     session.n_cached = min(session.n_cached, n)
 
 
-def chat_loop(engine, stage: str, args, params: SamplingParams, inp=None, out=None):
+def chat_loop(engine, stage: str, args, params: SamplingParams, inp=None, out=None, constraint=None):
+    """constraint (common/constrain): every reply must match its grammar, each from the start."""
     inp, out = inp or sys.stdin, out or sys.stdout
     tok = engine.tokenizer
-    sampler = Sampler(params)
+    sampler = Sampler(params, constraint=constraint)
     n_predict = args.n_predict or 256
     special = getattr(args, "special", False)
     messages = []
@@ -63,7 +64,7 @@ def chat_loop(engine, stage: str, args, params: SamplingParams, inp=None, out=No
         keep = common_prefix(session.tokens, ids)
         rewind(session, keep)
         stream = tok.stream_decoder(skip_special=not special)
-        sampler.new_completion()                     # frequency/presence penalties count this reply's tokens
+        sampler.new_completion()                     # penalties count this reply's tokens; the grammar restarts
 
         def show(t):
             if t not in tok.eog_ids:

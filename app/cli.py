@@ -9,7 +9,7 @@ from app import inspect_gguf, run
 from app.measure import baseline, perplexity
 from app.models import MODELS, FetchError, fetch, resolve
 from app.report import lessons, report
-from app.serve import server
+from app.serve import command as serve_command
 from common.generate import ContextError, ParameterError
 from common.gguf import GGUFError
 from common.tokenizer import TokenizerError
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_commands(sub)
     report.add_commands(sub)
     baseline.add_commands(sub)
-    server.add_commands(sub)
+    serve_command.add_commands(sub)
     perplexity.add_commands(sub)
     lessons.add_commands(sub)
 

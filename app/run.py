@@ -12,6 +12,7 @@ from app.measure import bench
 from app.measure.counters import Counters
 from app.models import DEFAULT_MODEL, resolve
 from common import speculative
+from common.constrain import Constraint, Grammar, ll_tokenizer
 from common.generate import (
     ParameterError,
     Sampler,
@@ -41,10 +42,12 @@ from stages import (
 
 def fastest_stage(serving: bool = False) -> str:
     """The stage `make run` uses: cuda where it can run; else the CPU stage with the best
-    decode time recorded on this machine by `make report`; else the last CPU stage (measured,
-    not assumed: a later stage is not always a faster one). A stage that runs as several
-    processes (tp, under mpiexec) is run by name only. serving: among the stages the server
-    can batch through (on the CPU, with a KV cache to hold pages)."""
+    decode time in the records `make report` made on this CPU with the code checked out now
+    (recorded_decode_ms); else the registry's last CPU stage (measured, not assumed: a later
+    stage is not always a faster one, but a record of other code or of another CPU says
+    nothing about this one). A stage that runs as several processes (tp, under mpiexec) is run
+    by name only. serving: among the stages the server can batch through (on the CPU, with a
+    KV cache to hold pages)."""
     runnable = [s for s in runnable_stages() if not info(s).ranks
                 and (not serving or (info(s).kv_cache and not info(s).gpu))]
     gpu = [s for s in runnable if info(s).gpu]
@@ -57,16 +60,25 @@ def fastest_stage(serving: bool = False) -> str:
     return runnable[-1]
 
 
-def recorded_decode_ms() -> dict:
-    """{stage: decode ms/token} from this machine's report records for the default model."""
+def recorded_decode_ms(folder=None) -> dict:
+    """{stage: decode ms/token} from the report records for the default model in this machine's
+    folder (`folder` stands in for it), counting only those that measured this CPU (machine_id
+    of the record's own machine) and the code checked out now (provenance's code hash)."""
+    from app.measure.machine import machine_id
+    from app.measure.provenance import provenance
+    here, code = machine_id(), provenance()["code_hash"]
     out = {}
-    for path in bench.results_dir(DEFAULT_MODEL.filename).glob("*.json"):
+    for path in (folder or bench.results_dir(DEFAULT_MODEL.filename)).glob("*.json"):
         try:
             rec = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
         decode = rec.get("decode_ms")
-        if rec.get("kind") == "stage" and isinstance(decode, float) and math.isfinite(decode):
+        if rec.get("kind") != "stage" or not isinstance(decode, float) or not math.isfinite(decode):
+            continue
+        machine = rec.get("machine") or {}
+        same_cpu = "cpu_signature" in machine and "isa" in machine and machine_id(machine) == here
+        if same_cpu and (rec.get("provenance") or {}).get("code_hash") == code:
             out[rec["stage"]] = decode
     return out
 
@@ -163,6 +175,46 @@ def add_spec_args(p: argparse.ArgumentParser):
                         "first_layers() in app/draft_model.py cuts one from a model's first layers)")
 
 
+def add_constraint_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("constrained decoding (llguidance, common/constrain/): the text must match a JSON "
+                             "schema or a grammar; it ends where they are complete")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("-j", "--json-schema", metavar="SCHEMA", default=None,
+                   help="a JSON schema (json-schema.org) the text must match, e.g. '{\"type\": \"object\"}' "
+                        "(`{}`: any JSON value); what llguidance supports: common/constrain/grammar.py")
+    x.add_argument("--json-schema-file", metavar="F", default=None, help="the same, read from file F")
+    x.add_argument("--grammar", metavar="G", default=None,
+                   help="a grammar in llguidance's Lark dialect, not llama.cpp's GBNF: the text is `start: ...` "
+                        "(GBNF: `root ::= ...`), a rule is `name: a | b`; UPPERCASE names, \"strings\" and "
+                        "/regexes/ are terminals (one lexeme each; GBNF writes character classes bare, [a-z]); "
+                        "`%%json {schema}` inlines a JSON schema, `<|im_end|>` names a special token; "
+                        "llguidance.gbnf_to_lark converts most GBNF")
+    x.add_argument("--grammar-file", metavar="F", default=None, help="the same, read from file F")
+
+
+def read_flag_file(flag: str, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ParameterError(f"{flag} {path}: cannot read it: {e}") from None
+
+
+def constraint_grammar(args) -> Grammar | None:
+    """The grammar the flags ask for (None: none), not yet checked against a vocabulary; text
+    that is not JSON or a file that cannot be read is refused here, before any file is opened."""
+    if getattr(args, "json_schema", None) is not None:
+        return Grammar.json_schema(args.json_schema, "--json-schema")
+    if getattr(args, "json_schema_file", None) is not None:
+        return Grammar.json_schema(read_flag_file("--json-schema-file", args.json_schema_file),
+                                   f"--json-schema-file {args.json_schema_file}")
+    if getattr(args, "grammar", None) is not None:
+        return Grammar.lark(args.grammar, "--grammar")
+    if getattr(args, "grammar_file", None) is not None:
+        return Grammar.lark(read_flag_file("--grammar-file", args.grammar_file), f"--grammar-file {args.grammar_file}")
+    return None
+
+
 def sampling_params(args) -> SamplingParams:
     return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed,
@@ -187,11 +239,11 @@ def print_stats(rec: dict, out=sys.stderr):
               file=out)
 
 
-def check_prompt_fits(args, stage: str, g: GGUFFile) -> tuple[list, int]:
+def check_prompt_fits(args, stage: str, g: GGUFFile, tokenizer: Tokenizer) -> tuple[list, int]:
     """Tokenize the prompt and check it fits the context before the weights are loaded:
     (prompt ids, n_predict), or ContextError. The file is open once: the model loads from `g`."""
     cfg = LlamaConfig.from_gguf(g)
-    prompt = Tokenizer.from_gguf(g).encode(args.prompt)
+    prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise ParameterError("the prompt is empty (no tokens): give -p some text")
     n_predict = check_n_predict(args.n_predict if args.n_predict is not None else info(stage).tokens.run)
@@ -225,16 +277,23 @@ def cmd_run(args):
     lead = backend_class(stage).reporting_process()   # tp: rank 0 prints, the other ranks compute
     params = sampling_params(args)              # bad values refused before anything loads
     mode = spec_mode(args)
+    grammar = constraint_grammar(args)
     g = GGUFFile(resolve(args.model))           # opened once: tokenized and checked, then loaded
+    n_vocab = LlamaConfig.from_gguf(g).n_vocab  # the model's shape first, then its vocabulary
+    vocabulary = Tokenizer.from_gguf(g)
     if not args.chat:
-        prompt, n_predict = check_prompt_fits(args, stage, g)
+        prompt, n_predict = check_prompt_fits(args, stage, g, vocabulary)
+    constraint = None
+    if grammar is not None:                     # compiled for this vocabulary before the weights load
+        ll = ll_tokenizer(vocabulary, n_vocab)
+        constraint = Constraint(grammar.checked(ll), ll)
     draft = load_draft(args, stage, g) if mode == "draft" else None
     engine = load(stage, g, n_ctx=args.ctx_size, threads=args.threads, progress=lead)
     tok = engine.tokenizer
     if lead and engine.backend.banner():
         print(engine.backend.banner(), file=sys.stderr)
     if args.chat:
-        return chat_loop(engine, stage, args, params)
+        return chat_loop(engine, stage, args, params, constraint=constraint)
     session = Session(engine)
     jit_s = engine.warmup()
     stream = tok.stream_decoder(skip_special=not args.special)      # control tokens are not text
@@ -258,18 +317,22 @@ def cmd_run(args):
         spec.prepare(session)                   # the step costs, measured before the timed region
     with Counters() as counted:
         if spec:
-            gen = speculative.generate(session, prompt, n_predict, Sampler(params), spec, stop_ids=tok.eog_ids,
-                                       on_token=on_token)
+            gen = speculative.generate(session, prompt, n_predict, Sampler(params, constraint=constraint), spec,
+                                       stop_ids=tok.eog_ids, on_token=on_token)
         else:
-            gen = session.generate(prompt, n_predict, Sampler(params), stop_ids=tok.eog_ids,
+            gen = session.generate(prompt, n_predict, Sampler(params, constraint=constraint), stop_ids=tok.eog_ids,
                                    on_token=on_token)
     if profiler:
         profiler.stop()
     if echo:
         sys.stdout.write(stream.flush() + "\n")
-    rec = bench.run_record(engine, stage, gen, tok.decode(gen.tokens, skip_special=not args.special), jit_s,
-                           counted.result)
-    rec.update(spec=mode, drafted=gen.drafted, accepted=gen.accepted)
+    if grammar is None:
+        text = tok.decode(gen.tokens, skip_special=not args.special)
+    else:   # the bytes the grammar matched: the pieces as they are (decode's clean-up could change them)
+        text = b"".join(tok.token_piece(t, special=args.special) for t in gen.tokens).decode("utf-8", "replace")
+    rec = bench.run_record(engine, stage, gen, text, jit_s, counted.result)
+    rec.update(spec=mode, drafted=gen.drafted, accepted=gen.accepted,
+               constraint=grammar.kind if grammar is not None else None)
     if spec:
         rec.update(draft_max=args.draft_max, model_draft=draft.gguf.path.split("/")[-1] if draft else None,
                    spec_calibrate_s=spec.length.cost.calibrate_s,
@@ -337,6 +400,7 @@ def add_commands(sub):
                    help="time every op (matmul by weight, attention, norms, ...) and print an nvprof-style table")
     add_sampling_args(p)
     add_spec_args(p)
+    add_constraint_args(p)
     p.set_defaults(func=cmd_run)
 
     p = one_line_errors(sub.add_parser(

@@ -12,6 +12,7 @@ overrides only what its optimization changes, and inherits the rest from the sta
     weights      prepare_matrix prepare_embedding prepare_vector   how a stage holds its weights
                  tie_output prepare_table weight_bytes held_bytes  (RoPE tables; what they cost)
     memory       new_kv_cache                                      None: no KV cache
+                 kv_width                                          K/V values kept per position
                  to_host last_row                                  backend array -> numpy; a row
     hooks        unavailable_reason                                what this machine lacks, or None
                  open_model                                        the file and shapes, before any weight
@@ -70,6 +71,11 @@ class Backend:
         """An object with .store(layer, start_pos, k, v) -> (k_all, v_all) and .reset(), or
         None: then every step recomputes the whole sequence (the article's baseline)."""
         return None
+
+    def kv_width(self, config) -> int:
+        """K/V values this process keeps per position and layer: the width of its KV cache and of
+        a page pool's pages (common/paged_kv.py), every KV head's (the tp stage: its own heads')."""
+        return config.kv_dim
 
     def weight_bytes(self, weight) -> int:
         """Bytes of one prepared weight as this stage holds it: float32 copies for the eager

@@ -16,6 +16,9 @@ and attends only to its own sequence's pages (common/paged_kv.py):
     logit_rows int64 [L]            rows whose logits the step returns (last row of a segment
                                     that asked for them; every row of one with all_logits, as
                                     speculative decoding's verification needs), in segment order
+    copies     int64 [C, 2]         (src, dst) of the pages building the step copied (a sequence
+                                    writes into a page it shares: copy on write), for a process
+                                    that holds another share of the same pages (tp's other ranks)
 
 Rows are padded to a multiple of the backend's `row_block` (common/backend.py says why: the
 multi-row kernels must take every row down the same path, or a row's last bits would depend
@@ -81,6 +84,8 @@ class Batch:
             self.tables[i, :len(s.table.pages)] = s.table.pages
         self.logit_rows = np.asarray(logit_rows, dtype=np.int64)
         self.row_block = row_block
+        self.copies = np.asarray(pool.copied, dtype=np.int64).reshape(-1, 2)
+        pool.copied.clear()
 
     @property
     def seq_len(self) -> np.ndarray:

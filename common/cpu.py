@@ -19,14 +19,28 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_flags() -> set:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+def cpuinfo(text: str | None = None) -> dict:
+    """The first processor's fields of /proc/cpuinfo ({'vendor_id': 'GenuineIntel', 'cpu family':
+    '6', 'model': '106', 'flags': '...', ...}); empty where there is none."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {}
+    out = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if out:
+                break                               # the first processor's block only
+            continue
+        key, _, value = line.partition(":")
+        out.setdefault(key.strip(), value.strip())
+    return out
+
+
+def cpu_flags(info: dict | None = None) -> set:
+    info = cpuinfo() if info is None else info
+    return set((info.get("flags") or info.get("Features") or "").split())
 
 
 def physical_cores() -> int:
@@ -45,11 +59,11 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def simd_features() -> list[str]:
+def simd_features(info: dict | None = None) -> list[str]:
     """The vector-instruction flags that matter to the kernels, as /proc/cpuinfo names them."""
     wanted = ["sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
               "avx_vnni", "avx512_bf16", "amx_int8", "neon", "asimd"]
-    flags = cpu_flags()
+    flags = cpu_flags(info)
     return [f for f in wanted if f in flags]
 
 
@@ -74,3 +88,18 @@ def cache_sizes() -> dict[str, int]:
         n = int(size.rstrip("KMG")) * units.get(size[-1], 1)
         out[f"L{level}" + ("d" if kind == "Data" else "")] = n
     return out
+
+
+def isa_level(features) -> str:
+    """The vector level that decides the kernels' speed, from simd_features(): 'avx512vnni' (AVX-512
+    with VNNI), 'avx512', 'avxvnni' (AVX2 with the 256-bit VNNI of AVX-VNNI), 'avx2', 'avx', 'sse4',
+    'neon', or 'scalar'."""
+    f = set(features)
+    if {"avx512f", "avx512bw", "avx512vl"} <= f:
+        return "avx512vnni" if "avx512_vnni" in f else "avx512"
+    if {"avx2", "fma"} <= f:
+        return "avxvnni" if "avx_vnni" in f else "avx2"
+    for level, flag in (("avx", "avx"), ("sse4", "sse4_2"), ("neon", "asimd"), ("neon", "neon")):
+        if flag in f:
+            return level
+    return "scalar"

@@ -64,9 +64,9 @@ MAX_PENALTY = 2.0               # and for frequency_penalty and presence_penalty
 @dataclass
 class SamplingParams:
     """llama.cpp's sampler chain: logit bias -> penalties -> top_k -> top_p -> min_p ->
-    temperature -> draw. temp = 0 means greedy (argmax), the default here so every stage prints
-    the same text. Values out of range raise ParameterError: the one validation the CLI and the
-    server share.
+    temperature -> draw (a grammar's mask before all of it: Sampler's constraint). temp = 0
+    means greedy (argmax), the default here so every stage prints the same text. Values out of
+    range raise ParameterError: the one validation the CLI and the server share.
 
     The penalties: repeat_penalty as llama.cpp's (divide a positive logit, multiply a negative
     one, for each token in the last repeat_last_n of prompt and text); frequency_penalty and
@@ -132,22 +132,38 @@ class Sampler:
     """Draws tokens for one completion. It remembers what it drew (frequency and presence
     penalties count those) and its random state, so a completion interrupted and resumed with
     the same Sampler draws what it would have drawn. `stream` picks one of several independent
-    random streams of one seed (the n choices of a request); stream 0 is the seed's own."""
+    random streams of one seed (the n choices of a request); stream 0 is the seed's own.
 
-    def __init__(self, params: SamplingParams | None = None, stream: int = 0):
+    `constraint` (common/constrain: a grammar's matcher for this sequence), if given, comes
+    first in the chain: its mask puts the forbidden tokens at -inf before bias and penalties,
+    and every token taken (`took`) moves it on. Without one, nothing of it runs."""
+
+    def __init__(self, params: SamplingParams | None = None, stream: int = 0, constraint=None):
         self.params = params or SamplingParams()
         seed = self.params.seed
         self.rng = np.random.default_rng(seed if seed is None or stream == 0 else [seed, stream])
         self.drawn: dict[int, int] = {}                   # token id -> times drawn in this completion
+        self.constraint = constraint
 
     def new_completion(self):
-        """Forget what was drawn (a chat's next turn); the random state goes on."""
+        """Forget what was drawn (a chat's next turn), and start the constraint over; the random
+        state goes on."""
         self.drawn.clear()
+        if self.constraint is not None:
+            self.constraint.reset()
+
+    @property
+    def ended(self) -> bool:
+        """The constraint's grammar is complete and its end token was taken."""
+        return self.constraint is not None and self.constraint.ended
 
     def penalize(self, logits: np.ndarray, history) -> np.ndarray:
-        """Logit bias, then the repeat penalty on the last repeat_last_n tokens of history, then
-        frequency and presence penalties on what this completion drew (SamplingParams)."""
+        """The constraint's mask, then logit bias, then the repeat penalty on the last
+        repeat_last_n tokens of history, then frequency and presence penalties on what this
+        completion drew (SamplingParams)."""
         p = self.params
+        if self.constraint is not None:
+            logits = self.constraint.apply(logits)       # its buffer: forbidden tokens at -inf
         if not p.penalized:
             return logits
         logits = logits.astype(np.float32, copy=True)
@@ -173,8 +189,11 @@ class Sampler:
 
     def took(self, tok: int):
         """Count a token as drawn by this completion (the frequency and presence penalties read
-        the counts): __call__ does it; speculative decoding does it for each guess it keeps."""
+        the counts) and move the constraint on: __call__ does it; speculative decoding does it
+        for each guess it keeps."""
         self.drawn[tok] = self.drawn.get(tok, 0) + 1
+        if self.constraint is not None:
+            self.constraint.consume(tok)
 
     def choose(self, logits: np.ndarray, history=()) -> int:
         """A draw from distribution(), without counting it."""
@@ -283,7 +302,7 @@ class Session:
             feed, start = self.tokens[self.n_cached:], self.n_cached
         else:
             feed, start = self.tokens, 0
-        if sampler.params.greedy and not sampler.params.penalized:
+        if sampler.params.greedy and not sampler.params.penalized and sampler.constraint is None:
             tok = e.greedy_next(feed, start)        # argmax where the logits live
         else:
             tok = sampler(e.forward(feed, start, all_logits=False)[0], self.tokens)
@@ -293,7 +312,8 @@ class Session:
     def generate(self, new_tokens, n_predict: int, sampler: Sampler | None = None, stop_ids=(),
                  on_token=None, ignore_eos: bool = False) -> Generation:
         """Append new_tokens, then sample up to n_predict tokens (stopping at a stop id unless
-        ignore_eos). on_token(id) is called as each token arrives."""
+        ignore_eos, and where the sampler's constraint ends the text, whatever ignore_eos says).
+        on_token(id) is called as each token arrives."""
         sampler = sampler or Sampler()
         new_tokens = list(new_tokens)
         if not new_tokens and not self.tokens:
@@ -317,7 +337,7 @@ class Session:
             self.tokens.append(tok)
             if on_token:
                 on_token(tok)
-            if tok in stop_ids:
+            if tok in stop_ids or sampler.ended:
                 gen.stop_reason = "eog"
                 break
         else:

@@ -187,7 +187,7 @@ class LlamaModel:
         angles = rope_angles(cfg, np.arange(self.n_ctx), freq_factors)
         self.rope_cos = backend.prepare_table(np.cos(angles).astype(np.float32))   # [n_ctx, hd/2]
         self.rope_sin = backend.prepare_table(np.sin(angles).astype(np.float32))
-        self.kv = backend.new_kv_cache(cfg.n_layer, self.n_ctx, cfg.kv_dim)
+        self.kv = backend.new_kv_cache(cfg.n_layer, self.n_ctx, backend.kv_width(cfg))
         self.load_s = time.perf_counter() - t0
 
     @property
@@ -327,8 +327,8 @@ class LlamaModel:
         are padded again before the output matrix, so every matmul takes every row down the
         same path: a row's numbers do not depend on the other rows (common/backend.py)."""
         cfg, b = self.config, self.backend
-        if batch.pool.n_layer != cfg.n_layer or batch.pool.kv_dim != cfg.kv_dim:
-            raise ValueError("the page pool was made for another model")
+        if batch.pool.n_layer != cfg.n_layer or batch.pool.kv_dim != b.kv_width(cfg):
+            raise ValueError("the page pool was made for another model (or another stage: Backend.kv_width)")
         if int(batch.seq_len.max()) > self.n_ctx:
             raise ValueError(f"a sequence would exceed the context of {self.n_ctx}")
         if batch.tokens.min() < 0 or batch.tokens.max() >= cfg.n_vocab:

@@ -65,6 +65,7 @@ class PagePool:
         self._next_node = 1                                     # node 0: the empty prefix
         self.reserved = 0
         self.copies = 0                                         # copy-on-write events, for the curious
+        self.copied = []                                        # (src, dst) of the copies no step has taken yet
 
     @property
     def nbytes(self) -> int:
@@ -139,10 +140,17 @@ class PagePool:
     def copy(self, src: int) -> int:
         """A private copy of page src (all layers, K and V)."""
         dst = self.take()
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        self.copy_pages([(src, dst)])
         self.copies += 1
+        self.copied.append((src, dst))
         return dst
+
+    def copy_pages(self, pairs):
+        """K and V of page src into page dst, for each (src, dst): the copies a step made, repeated by
+        a process that holds another share of the same pages (the tp stage's other ranks)."""
+        for src, dst in pairs:
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
 
     # ---- the prefix cache ------------------------------------------------------------------
     def lookup(self, parent: int, tokens: tuple) -> tuple[int, int] | None:

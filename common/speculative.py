@@ -32,6 +32,11 @@ The rule, `accept`:
   (Sampler.distribution: penalties, top-k, top-p, min-p, temperature) with the history the
   plain sampler would see at that position. The random numbers differ from the plain loop's,
   so a seed gives another text, drawn from the same distribution.
+* under a constraint (common/constrain: the sampler's grammar), each row's distribution is
+  masked where the guesses kept before it leave the grammar, since each kept guess moves the
+  matcher on (Sampler.took): a guess the grammar forbids is rejected like any other. Tokens
+  kept past the grammar's end are not emitted, and the matcher takes them back
+  (Constraint.rollback), as the cache does.
 
 The guesses:
 
@@ -485,7 +490,7 @@ def generate(session: Session, new_tokens, n_predict: int, sampler: Sampler | No
             gen.tokens.append(tok)
             if on_token:
                 on_token(tok)
-        if pending[-1] in stop_ids:
+        if pending[-1] in stop_ids or sampler.ended:
             gen.stop_reason = "eog"
             break
         if len(gen.tokens) >= n_predict:
@@ -493,8 +498,13 @@ def generate(session: Session, new_tokens, n_predict: int, sampler: Sampler | No
             break
         pending, drafted, kept = spec.step(session, sampler, n_predict - len(gen.tokens))
         stop = next((i for i, t in enumerate(pending) if t in stop_ids), len(pending) - 1)
+        over = sampler.constraint.ended_at(len(pending)) if sampler.constraint is not None else None
+        stop = stop if over is None else min(stop, over)       # where the grammar's text ended
         if stop + 1 < len(pending):                # a guess kept past a stop token: not emitted
-            session.truncate(len(session.tokens) - (len(pending) - stop - 1))
+            dropped = len(pending) - stop - 1
+            session.truncate(len(session.tokens) - dropped)
+            if sampler.constraint is not None:     # the grammar took them too: taken back
+                sampler.constraint.rollback(dropped)
             pending = pending[:stop + 1]
         now = time.perf_counter()
         gen.decode_ms += [(now - t_prev) * 1e3 / len(pending)] * len(pending)

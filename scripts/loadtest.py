@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -57,9 +56,9 @@ from app.measure import (
     roofline,  # noqa: E402
 )
 from app.measure.bench import BENCH_TEXT, add_context  # noqa: E402
-from app.measure.local_server import free_port, wait_ready  # noqa: E402
+from app.measure.local_server import LocalServer  # noqa: E402
 from app.models import DEFAULT_MODEL, resolve  # noqa: E402
-from app.serve.server import serving_stage  # noqa: E402
+from app.serve.command import serving_stage  # noqa: E402
 from common.cpu import physical_cores  # noqa: E402
 from common.gguf import GGUFFile  # noqa: E402
 from common.model import LlamaConfig, flops_per_token  # noqa: E402
@@ -72,33 +71,17 @@ OURS, LLAMA = "ours", "llama-server"
 
 # ---- the servers ---------------------------------------------------------------------------------
 
-class Server:
+def start(kind: str, args, clients: int, log_dir: Path) -> LocalServer:
     """A server process for one level: ours or llama-server, C sequences at a time."""
-
-    def __init__(self, kind: str, args, clients: int, log_dir: Path):
-        self.kind, self.port = kind, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        ctx = args.prompt_tokens + args.max_tokens + 64
-        if kind == OURS:
-            pages = args.kv_pages or clients * -(-ctx // 16) + 16
-            cmd = [sys.executable, "-m", "app", "serve", "-m", str(args.model), "--stage", args.stage,
-                   "--port", str(self.port), "--max-batch", str(clients), "--kv-pages", str(pages),
-                   "--max-queue", str(clients), "--threads", str(args.threads)]
-        else:
-            cmd = [str(args.llama_server), "-m", str(args.model), "--port", str(self.port), "-np", str(clients),
-                   "-c", str(clients * ctx), "-t", str(args.threads), "-tb", str(args.threads)]
-        self.log = log_dir / f"{kind}-{clients}.log"
-        env = dict(os.environ, NUMBA_CACHE_DIR=os.environ.get("NUMBA_CACHE_DIR", str(ROOT / ".numba_cache")))
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-        wait_ready(self.url, self.proc, self.log)
-
-    def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+    ctx = args.prompt_tokens + args.max_tokens + 64
+    if kind == OURS:
+        pages = args.kv_pages or clients * -(-ctx // 16) + 16
+        cmd = [sys.executable, "-m", "app", "serve", "-m", args.model, "--stage", args.stage,
+               "--max-batch", clients, "--kv-pages", pages, "--max-queue", clients, "--threads", args.threads]
+    else:
+        cmd = [args.llama_server, "-m", args.model, "-np", clients, "-c", clients * ctx, "-t", args.threads,
+               "-tb", args.threads]
+    return LocalServer(cmd, log_dir / f"{kind}-{clients}.log", name=kind)
 
 
 # ---- one level: C clients ------------------------------------------------------------------------
@@ -203,11 +186,11 @@ def engine_counters(url: str) -> dict:
     return {k: h[k] for k in ("steps", "rows", "step_seconds", "preemptions")}
 
 
-def run_round(server: "Server", clients: int, args, round_: int) -> dict:
+def run_round(server: LocalServer, clients: int, args, round_: int) -> dict:
     """One round of one level against one server; for ours also the KV pages in use and how
     busy the engine was (run_level: time inside forward steps / wall time; the rest is HTTP,
     sampling and waiting for the clients, which share the machine's cores)."""
-    sampler = PagesSampler(server.url) if server.kind == OURS else None
+    sampler = PagesSampler(server.url) if server.name == OURS else None
     counters = (lambda: engine_counters(server.url)) if sampler else None
     try:
         if sampler:
@@ -271,7 +254,7 @@ def measure(args, log_dir: Path) -> tuple[dict[str, list[dict]], dict | None]:
         servers = {}
         try:
             for k in kinds:
-                servers[k] = Server(k, args, clients, log_dir)
+                servers[k] = start(k, args, clients, log_dir)
             runs = {k: [] for k in kinds}
             solo = []
             for r in range(args.rounds):
@@ -413,7 +396,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-m", "--model", default=str(DEFAULT_MODEL.path), help="GGUF file or model name")
     p.add_argument("--stage", default="fastest",
-                   help="our server's stage (default: the one `serve` picks, app/serve/server.py)")
+                   help="our server's stage (default: the one `serve` picks, app/serve/command.py)")
     p.add_argument("--clients", default="1,2,4,8,16,32", help="concurrency levels (default: %(default)s)")
     p.add_argument("--requests", type=int, default=4, help="requests per client per level (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")

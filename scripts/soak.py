@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from app.measure.bench import add_context  # noqa: E402
-from app.measure.local_server import free_port, wait_ready  # noqa: E402
+from app.measure.local_server import LocalServer  # noqa: E402
 from app.models import DEFAULT_MODEL, resolve  # noqa: E402
 
 RECORD = ROOT / "profiles" / "bench" / "soak.json"
@@ -60,32 +58,12 @@ DETERMINISTIC = ("greedy", "chat_stream", "slow_reader", "n2", "echo", "seeded")
 RETRY_AFTER_S = 1.0                         # what a client waits after a 503 (the server's Retry-After)
 
 
-class Server:
-    """The server under test, on the loopback address, and its resident memory."""
-
-    def __init__(self, args, log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "app", "serve", "-m", str(args.model), "--stage", args.stage,
-               "--host", "127.0.0.1", "--port", str(self.port), "--ctx-size", str(args.ctx_size),
-               "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue), "--kv-pages", str(args.kv_pages),
-               "--max-body-bytes", str(args.max_body_bytes), "--request-timeout", "300"]
-        env = dict(os.environ, NUMBA_CACHE_DIR=os.environ.get("NUMBA_CACHE_DIR", str(ROOT / ".numba_cache")))
-        self.log = log
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-        wait_ready(self.url, self.proc, log)
-
-    def rss_mb(self) -> float:
-        import psutil
-        return psutil.Process(self.proc.pid).memory_info().rss / 2**20
-
-    def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+def start(args, log: Path) -> LocalServer:
+    """The server under test, on the loopback address."""
+    return LocalServer([sys.executable, "-m", "app", "serve", "-m", args.model, "--stage", args.stage,
+                        "--host", "127.0.0.1", "--ctx-size", args.ctx_size, "--max-batch", args.max_batch,
+                        "--max-queue", args.max_queue, "--kv-pages", args.kv_pages,
+                        "--max-body-bytes", args.max_body_bytes, "--request-timeout", 300], log, stop_timeout=60)
 
 
 def request_for(kind: str, rng: random.Random) -> dict:
@@ -130,7 +108,8 @@ async def stream_text(response, slow: bool) -> list[str]:
     return ["".join(parts[i]) for i in sorted(parts)]
 
 
-async def send(http, server: Server, kind: str, req: dict, rng: random.Random, max_body: int) -> tuple[int, object]:
+async def send(http, server: LocalServer, kind: str, req: dict, rng: random.Random,
+               max_body: int) -> tuple[int, object]:
     """(status, answer or None) for one request of this kind."""
     url = server.url + req["path"]
     if kind == "bad_json":
@@ -166,7 +145,7 @@ async def send(http, server: Server, kind: str, req: dict, rng: random.Random, m
     return r.status_code, answer(kind, r.json()) if r.status_code == 200 else None
 
 
-async def traffic(server: Server, args, progress) -> dict:
+async def traffic(server: LocalServer, args, progress) -> dict:
     """The mixed traffic, then each deterministic request alone: the run's counts and findings."""
     import httpx
     rng = random.Random(args.seed)
@@ -306,12 +285,12 @@ def main(argv=None) -> int:
         p.error("--seconds, --max-requests and --clients must be positive")
     from tqdm import tqdm
 
-    from app.serve.server import serving_stage
+    from app.serve.command import serving_stage
     args.model = resolve(args.model)
     args.stage = serving_stage(args.stage)
     log = Path(tempfile.mkdtemp(prefix="soak-")) / "server.log"
     print(f"starting the server (log: {log})...", file=sys.stderr)
-    server = Server(args, log)
+    server = start(args, log)
     bar = tqdm(total=round(args.seconds), unit="s", desc="soak", file=sys.stderr)
 
     def progress(t, n):

@@ -54,7 +54,7 @@ from stages.kernels.layer_stack import (
     matrix_table,
     run_layers,
 )
-from stages.kernels.sync import CLOCK, new_sync
+from stages.kernels.sync import ABORT, ARRIVALS, CLOCK, new_sync
 from stages.quantized import QuantMatrix
 
 __all__ = ["FusedBackend", "LOGIT_TOLERANCE", "OPS_PER_LAYER", "BARRIER_LAYERS"]
@@ -149,23 +149,33 @@ class FusedBackend(Int8Backend):
 
     def _run(self, model, tokens, cache: Cache, rows: Rows):
         """The layer stack over the rows `tokens` [M]: h [M, D] before the final norm."""
-        if self._plan is None:
-            self._plan = _Plan(model, self.layout_of)
         h = self.embed(model.token_embd, tokens)
-        nt = self._threads()
+        weights, dims, nt = self._compiled(model)
         sync = new_sync(phases=OPS_PER_LAYER)
         t0 = time.perf_counter()
-        run_layers(h, self._plan.weights, cache, rows, self._dims(model), sync, nt, self._prefill(model, rows, cache))
+        run_layers(h, weights, cache, rows, dims, sync, nt, self._prefill(model, rows, cache))
+        self._ran(sync, nt, t0)
+        return h
+
+    def _compiled(self, model):
+        """(weights, dims, threads): what the compiled stack takes beside h and the rows."""
+        if self._plan is None:
+            self._plan = _Plan(model, self.layout_of)
+        return self._plan.weights, self._dims(model), self._threads()
+
+    def _ran(self, sync, nt: int, t0: float):
+        """After a compiled call begun at t0: its time counted (shared out over the phases as the
+        time-stamp counter saw it, where sync has clocks) and its barriers, a barrier that gave up
+        raised."""
         seconds = time.perf_counter() - t0
         self.kernel_seconds += seconds
         clock = sync[CLOCK:].astype(np.float64)
-        if clock.sum() > 0:             # the call's time shared out as the time-stamp counter saw it
+        if clock.shape[0] == OPS_PER_LAYER and clock.sum() > 0:
             self.phase_seconds += clock / clock.sum() * seconds
-        self.barriers = int(sync[0]) // nt
-        if sync[1]:
+        self.barriers = int(sync[ARRIVALS]) // nt
+        if sync[ABORT]:
             raise RuntimeError(f"the {self.name} stage's {nt} threads did not all run (a barrier gave up): "
                                "numba's threading layer must give each parallel iteration its own thread")
-        return h
 
     def _prefill(self, model, rows: Rows, cache: Cache):
         """The prefill stage's choices and arrays for a call (layer_stack.Prefill); None: this

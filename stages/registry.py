@@ -99,7 +99,7 @@ REGISTRY = {s.name: s for s in (
     Stage("repack", 10, "stages.repack", "RepackBackend", "fused",
           "lay the weights out as the vector unit reads them: 8 rows interleaved, one lane each",
           kv_cache=True, chapter="10_repack", parallel=True),
-    Stage("tp", 11, "stages.tp", "TensorParallelBackend", "fused",
+    Stage("tp", 11, "stages.tp", "TensorParallelBackend", "repack",
           "split every layer across N processes (MPI ranks): two all-reduces per layer",
           kv_cache=True, chapter="11_tp", parallel=True, ranks=True),
     Stage("prefill", 12, "stages.prefill", "PrefillBackend", "repack",

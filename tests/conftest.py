@@ -54,10 +54,14 @@ EXPECTED_SKIPS = {
     r"slow test: set LLM_SLOW_TESTS=1 \(or `make test-all`\) to run it": "slow tests run with `make test-all`",
     # tests/util.py decides these from LLVM's view of the CPU, not from the probe under test
     r"this CPU has no [A-Za-z0-9+, -]+ \(LLVM's host features\)(: .+)?": "vector instructions this CPU lacks",
+    r"numba's target [\w+,.-]+ has no [A-Za-z0-9+, -]+ \(LLVM's features of that CPU\)(: .+)?":
+        "vector instructions the CPU numba is told to compile for lacks (the AVX2-only run)",
     r"numba's target is set \(NUMBA_CPU_NAME=.*, NUMBA_CPU_FEATURES=.*\): it compiles for that, not this CPU":
         "a portable numba target (no host-only instructions)",
     r"the check reads x86 assembly; this is an? \S+ machine": "assembly checks of x86 code, on another machine",
     r"no headless browser: .+": "Chromium and its driver are a system package (`make browser` installs them)",
+    r"no network namespaces here: .+": "two hosts on one machine need Linux, root and the `ip` command "
+                                       "(`make iproute2` installs it): a container may refuse them",
 }
 
 

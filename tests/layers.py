@@ -129,3 +129,27 @@ def wide_functions(root: Path, folder: str = "stages/kernels", limit: int = 12) 
                 if n > limit:
                     out.append(f"{path.relative_to(root).as_posix()}:{node.name} ({n})")
     return out
+
+
+def long_functions(root: Path, folder: str = "app/serve", limit: int = 80) -> list[str]:
+    """'file:function (n)' for every function under `folder` longer than `limit` lines, its
+    docstring, comments and nested functions included (a function a reader holds in their head)."""
+    out = []
+    for path in sorted((root / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out.append(f"{path.relative_to(root).as_posix()}:{node.name} ({n})")
+    return out
+
+
+def imports_module(path: Path, name: str) -> bool:
+    """Whether the file imports module `name` (or something from it) anywhere."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import) and any(a.name == name or a.name.startswith(name + ".") for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module and (
+                node.module == name or node.module.startswith(name + ".")):
+            return True
+    return False

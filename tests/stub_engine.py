@@ -5,14 +5,18 @@ page table, so a page lost, shared by mistake, or overwritten changes the text t
 Each step writes every row's token id into its slot of layer 0's K (as the real model writes
 K), then for each row that asks for logits reads its sequence's K back through the pages and
 puts the peak of the logits at a hash of those tokens, with a slope around it, so greedy picks
-the peak and a seeded sampler usually picks near it.
+the peak and a seeded sampler usually picks near it. Given `eos` and `eos_at`, a sequence that
+holds eos_at tokens or more is ended: its next token is eos.
 
-StubServer runs the real HTTP server (app/serve/server.py) over it in this process, with the
-default model's tokenizer: the HTTP layer's tests in seconds, no model to compute.
+StubServer runs the real HTTP server (app/serve/routes.py) over it in this process, with the
+default model's tokenizer: the HTTP layer's tests in seconds, no model to compute. Its engine
+loop can be parked between two steps (`paused`), so a test reads the server at a moment when
+what runs and what waits is known.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import socket
 import threading
@@ -22,21 +26,24 @@ import numpy as np
 
 
 class StubEngine:
-    """forward_batch(batch) over a PagePool of n_layer 1, kv_dim 4 (Scheduler makes it).
+    """forward_batch(batch) over a PagePool of n_layer 1, kv_dim 4 (EngineLoop makes it).
     Next tokens are drawn from low..high-1 (ordinary tokens of a real vocabulary, or a tiny
     vocabulary of its own); `fail_on`, a token id that makes a step raise (a planted bug);
-    `delay`, seconds each step sleeps."""
+    `delay`, seconds each step sleeps; `eos` at `eos_at` tokens (see the module docstring)."""
 
     def __init__(self, n_vocab: int = 50, low: int = 0, high: int = 49, n_ctx: int = 4096,
-                 fail_on: int | None = None, delay: float = 0.0):
+                 fail_on: int | None = None, delay: float = 0.0, eos: int | None = None, eos_at: int = 0):
         self.config = type("config", (), dict(n_layer=1, kv_dim=4, n_ctx_train=n_ctx, n_vocab=n_vocab))()
         self.backend = type("backend", (), dict(row_block=1, kv_dtype=np.float32))()
         self.n_ctx, self.low, self.high, self.fail_on, self.delay = n_ctx, low, high, fail_on, delay
+        self.eos, self.eos_at = eos, eos_at
         self.threads = []
         self.steps = []                       # rows of each step: [(segment index, position, token)]
 
     def next_token(self, tokens) -> int:
         """The token after `tokens` (what greedy picks)."""
+        if self.eos is not None and len(tokens) >= self.eos_at:
+            return self.eos
         h = 7
         for i, t in enumerate(tokens):
             h = (h * 31 + (i + 1) * (int(t) + 3)) % 1_000_003
@@ -92,37 +99,71 @@ def free_port() -> int:
 
 class StubServer:
     """`with StubServer(model_path, **settings) as srv:` the server at srv.url, its engine
-    (StubEngine: next tokens among ordinary ids 300..2999 of the real vocabulary), scheduler
-    and Server; the engine loop and uvicorn each in a thread of their own."""
+    (StubEngine: next tokens among ids low..high-1 of the real vocabulary, by default ordinary
+    ones), engine loop and Server; the engine loop and uvicorn each in a thread of their own."""
 
     def __init__(self, model_path, n_ctx: int = 512, kv_pages: int = 64, max_batch: int = 8, max_queue: int = 8,
-                 prefill_chunk: int = 64, fail_on: int | None = None, delay: float = 0.0, **settings):
-        from app.serve.scheduler import Scheduler
+                 prefill_chunk: int = 64, fail_on: int | None = None, delay: float = 0.0, eos: int | None = None,
+                 eos_at: int = 0, low: int = 300, high: int = 3000, **settings):
+        from app.serve.engine_loop import EngineLoop
         from app.serve.server import Server
         tok = tokenizer(str(model_path))
-        self.engine = StubEngine(n_vocab=tok.n_vocab, low=300, high=3000, n_ctx=n_ctx, fail_on=fail_on,
-                                 delay=delay)
+        self.engine = StubEngine(n_vocab=tok.n_vocab, low=low, high=high, n_ctx=n_ctx, fail_on=fail_on,
+                                 delay=delay, eos=eos, eos_at=eos_at)
         self.engine.tokenizer = tok
         self.engine.gguf = type("gguf", (), {"path": str(model_path)})()
-        self.scheduler = Scheduler(self.engine, kv_pages=kv_pages, max_batch=max_batch, max_queue=max_queue,
-                                   prefill_chunk=prefill_chunk)
-        self.server = Server(self.engine, "stub", self.scheduler, "stub-model", **settings)
+        self.loop = EngineLoop(self.engine, kv_pages=kv_pages, max_batch=max_batch, max_queue=max_queue,
+                               prefill_chunk=prefill_chunk)
+        self.server = Server(self.engine, "stub", self.loop, "stub-model", **settings)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.closing = False
+        self._go, self._parked = threading.Event(), threading.Event()
+        self._go.set()
+
+    def keep_going(self) -> bool:
+        """The engine loop's condition, asked between steps: here it parks while paused."""
+        if not self._go.is_set():
+            self._parked.set()
+            self._go.wait()
+            self._parked.clear()
+        return not self.closing
+
+    @contextlib.contextmanager
+    def paused(self, timeout: float = 60.0):
+        """The engine loop parked between two steps: no step runs, no sequence moves, the
+        published state is the state. Requests may still arrive (they wait)."""
+        self._go.clear()
+        with self.loop.lock:
+            self.loop.lock.notify_all()                 # an idle loop asks keep_going at once
+        try:
+            if not self._parked.wait(timeout):
+                raise RuntimeError("the engine loop did not park")
+            yield self
+        finally:
+            self._go.set()
+
+    def idle(self, timeout: float = 60.0) -> dict:
+        """Wait until nothing runs or waits and every page is free (cancellations land at a
+        step boundary); the stats then. RuntimeError if that does not happen in `timeout` s."""
+        def settled(s):
+            return (s["running"], s["waiting"], s["kv_pages_free"]) == (0, 0, s["kv_pages_total"])
+        if not self.loop.wait_for(settled, timeout):
+            raise RuntimeError(f"the server did not settle: {self.loop.stats()}")
+        return self.loop.stats()
 
     def __enter__(self):
         import uvicorn
 
-        from app.serve.server import create_app
+        from app.serve.routes import create_app
         self.http = uvicorn.Server(uvicorn.Config(create_app(self.server), host="127.0.0.1", port=self.port,
                                                   log_level="warning"))
-        self.closing = False
-        self.loop = threading.Thread(target=self.scheduler.run, kwargs={"keep_going": lambda: not self.closing},
-                                     daemon=True)
+        self.engine_thread = threading.Thread(target=self.loop.run, kwargs={"keep_going": self.keep_going},
+                                              daemon=True)
         self.web = threading.Thread(target=self.http.run, daemon=True)
-        self.loop.start()
+        self.engine_thread.start()
         self.web.start()
-        deadline = time.time() + 20
+        deadline = time.time() + 60
         while not self.http.started:
             if time.time() > deadline or not self.web.is_alive():
                 raise RuntimeError("the stub server did not start")
@@ -131,7 +172,8 @@ class StubServer:
 
     def __exit__(self, *exc):
         self.closing = True
-        self.scheduler.stop()
+        self._go.set()
+        self.loop.stop()
         self.http.should_exit = True
-        self.loop.join(timeout=10)
+        self.engine_thread.join(timeout=10)
         self.web.join(timeout=10)

@@ -1,6 +1,6 @@
 """Batched decode on the default model: a sequence's numbers do not depend on its neighbours.
 
-Every CPU stage with a KV cache runs sequences through the scheduler (app/serve/scheduler.py,
+Every CPU stage with a KV cache runs sequences through the engine loop (app/serve/engine_loop.py,
 stepped by hand): a sequence alone, then the same sequence admitted mid-way among others at
 other positions, its prompt prefilled in other chunks. Its logits at every step must be the
 same bits, and so its greedy tokens, for every stage (int8 included: its batched rows all take
@@ -22,7 +22,8 @@ import threading
 import numpy as np
 import pytest
 
-from app.serve.scheduler import Request, Scheduler
+from app.serve.engine_loop import EngineLoop
+from app.serve.sequence import Ask, Sequence
 from common.generate import generate
 from stages import backend_class, info, load
 from tests.util import cpu_stages
@@ -62,7 +63,7 @@ class Recorder:
 
 
 def submit(sched, engine, name, max_tokens=N_TOKENS):
-    req = Request(prompt=engine.tokenizer.encode(PROMPTS[name]), max_tokens=max_tokens)
+    req = Sequence(Ask(engine.tokenizer.encode(PROMPTS[name]), max_tokens))
     sched.submit(req)
     req.sampler = Recorder()
     return req
@@ -70,18 +71,18 @@ def submit(sched, engine, name, max_tokens=N_TOKENS):
 
 def drain(sched, steps=None):
     n = 0
-    while (sched.running or sched.waiting) and (steps is None or n < steps):
+    while not sched.scheduler.idle and (steps is None or n < steps):
         sched.step()
         n += 1
 
 
 def test_a_sequence_does_not_depend_on_its_neighbours(stage_engine):
     stage, engine = stage_engine
-    alone = Scheduler(engine, kv_pages=64, prefill_chunk=64)
+    alone = EngineLoop(engine, kv_pages=64, prefill_chunk=64)
     a = submit(alone, engine, "a")
     drain(alone)
 
-    crowd = Scheduler(engine, kv_pages=64, prefill_chunk=5)    # prompts cut into chunks of 5
+    crowd = EngineLoop(engine, kv_pages=64, prefill_chunk=5)    # prompts cut into chunks of 5
     others = [submit(crowd, engine, "b", max_tokens=2 * N_TOKENS), submit(crowd, engine, "c")]
     drain(crowd, steps=6)                                      # b prefilling or decoding, c decoding
     a2 = submit(crowd, engine, "a")
@@ -91,7 +92,7 @@ def test_a_sequence_does_not_depend_on_its_neighbours(stage_engine):
     assert len(a2.sampler.logits) == len(a.sampler.logits)
     for i, (x, y) in enumerate(zip(a.sampler.logits, a2.sampler.logits)):
         assert np.array_equal(x, y), f"{stage}: step {i}: max |diff| {np.abs(x - y).max()}"
-    assert all(len(r.generated) == r.max_tokens for r in others)
+    assert all(len(r.generated) == r.ask.max_tokens for r in others)
     assert crowd.pool.n_free == crowd.pool.n_pages and crowd.pool.reserved == 0
 
 
@@ -101,16 +102,16 @@ def test_batched_tokens_follow_the_single_sequence_path_up_to_near_ties(stage_en
     the single path's best, or within the stage's tie margin of it (float stages: twice their
     logit tolerance; int8: NEAR_TIE, as test_stages allows it against the reference)."""
     stage, engine = stage_engine
-    sched = Scheduler(engine, kv_pages=64)
+    sched = EngineLoop(engine, kv_pages=64)
     reqs = [submit(sched, engine, name, max_tokens=N_TOKENS + 2) for name in PROMPTS]
     drain(sched)
     tol = tolerance(stage)
     margin = 2 * tol if tol <= DEFAULT_TOLERANCE else NEAR_TIE
     for name, req in zip(PROMPTS, reqs):
         engine.reset()                                         # the prompt, then one token at a time
-        single = [engine.forward(req.prompt, 0, all_logits=False)[0]]
+        single = [engine.forward(req.ask.prompt, 0, all_logits=False)[0]]
         for i, t in enumerate(req.generated[:-1]):
-            single.append(engine.forward([t], len(req.prompt) + i)[0])
+            single.append(engine.forward([t], len(req.ask.prompt) + i)[0])
         single = np.stack(single)
         batched = np.stack(req.sampler.logits)
         assert np.isfinite(batched).all()
@@ -124,17 +125,17 @@ def test_batched_tokens_follow_the_single_sequence_path_up_to_near_ties(stage_en
         assert (behind <= margin).all(), f"{stage} '{name}': batch picks behind the single path by {behind}"
         if tol <= DEFAULT_TOLERANCE and not (behind > 0).any():
             engine.reset()
-            assert generate(engine, req.prompt, len(req.generated), ignore_eos=True).tokens == req.generated
+            assert generate(engine, req.ask.prompt, len(req.generated), ignore_eos=True).tokens == req.generated
 
 
 def test_prefix_pages_are_shared_and_give_the_same_numbers(default_model_path):
     """A second request with the same prompt adopts the first one's full prompt pages (counted)
     and computes only the rest; its logits are the first one's, bit for bit."""
     engine = load("threads" if "threads" in STAGES else STAGES[-1], default_model_path)
-    sched = Scheduler(engine, kv_pages=64)
+    sched = EngineLoop(engine, kv_pages=64)
     first = submit(sched, engine, "b", max_tokens=4 * N_TOKENS)
     drain(sched, steps=2)                                      # prefilled, decoding
-    n_prompt = len(first.prompt)
+    n_prompt = len(first.ask.prompt)
     full = n_prompt // sched.pool.page_size
     assert full >= 1 and sched.pool.n_cached >= full
     second = submit(sched, engine, "b")
@@ -159,10 +160,10 @@ def test_a_preempted_sequence_goes_on_with_the_logits_it_would_have_had(default_
     n = 40
 
     def run(pages, texts):
-        sched = Scheduler(engine, kv_pages=pages, max_batch=len(texts), prefill_chunk=16)
+        sched = EngineLoop(engine, kv_pages=pages, max_batch=len(texts), prefill_chunk=16)
         reqs = []
         for t in texts:
-            req = Request(prompt=engine.tokenizer.encode(t), max_tokens=n)
+            req = Sequence(Ask(engine.tokenizer.encode(t), n))
             sched.submit(req)
             req.sampler = Recorder()
             reqs.append(req)
@@ -202,14 +203,14 @@ class StubEngine:
 
 def test_the_engine_loop_steps_in_the_thread_that_calls_run():
     """run() is the loop in the caller's thread (the one that loaded and warmed the engine,
-    Scheduler.run says why), returns when keep_going() turns false, and ends what is left
+    EngineLoop.run says why), returns when keep_going() turns false, and ends what is left
     with an error, not silently."""
     engine = StubEngine()
-    sched = Scheduler(engine, kv_pages=8)
+    sched = EngineLoop(engine, kv_pages=8)
     events = {}
 
     def request(i):
-        return Request(prompt=[1, 2], max_tokens=3, on_event=lambda kind, v: events.setdefault(i, []).append(kind))
+        return Sequence(Ask([1, 2], 3), on_event=lambda kind, v: events.setdefault(i, []).append(kind))
 
     done = request(0)
     sched.submit(done)
@@ -220,4 +221,4 @@ def test_the_engine_loop_steps_in_the_thread_that_calls_run():
     left = request(1)
     sched.submit(left)
     sched.run(keep_going=lambda: False)
-    assert events[1] == ["error"] and not sched.waiting and not sched.running
+    assert events[1] == ["error"] and sched.scheduler.idle

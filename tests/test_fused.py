@@ -84,6 +84,7 @@ def _matmul(x, raw, ggml_type, threads, layout=F.ROWS):
     return F.matmul_rows(np.ascontiguousarray(x), blob, mat, threads)
 
 
+@pytest.mark.isa_paths
 @pytest.mark.parametrize("ggml_type", INT_TYPES, ids=lambda t: t.name)
 def test_tiles_against_the_int8_loops(ggml_type):
     """Decode (1 row) and prefill (5 and 11 rows: whole tiles and the rows left over) against
@@ -231,6 +232,7 @@ def tiny_path(tmp_path_factory):
                              "attn_output": GGMLType.Q4_0, "ffn_up": GGMLType.Q4_1})
 
 
+@pytest.mark.isa_paths
 def test_tiny_model_of_every_type_against_the_reference(tiny_path):
     """Every integer type and float weights inside the layers (attn_v F16) and around them (F16
     embedding, BF16 output), prefill then decode, 1 thread and all: against float64 within the

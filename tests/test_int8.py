@@ -29,8 +29,8 @@ from stages.kernels.toolkit import F16_TO_F32
 from stages.kernels.vector_ir import ISA, named_isa
 from tests.test_quantized import MIXED_TYPES, n_cols_for, random_blocks, stage_logits, write_tiny_llama
 from tests.util import (
+    TARGETS,
     expected_isa,
-    golden_reference,
     lacks,
     lacks_vnni,
     llama_cpp_departure,
@@ -121,6 +121,7 @@ def expected(q, d, s, raw, ggml_type, shape):
     return y, np.abs(xq) @ np.abs(w64).T
 
 
+@pytest.mark.isa_paths
 @pytest.mark.parametrize("ggml_type", INT_TYPES, ids=lambda t: t.name)
 def test_integer_kernels_on_random_blocks(ggml_type):
     """matvec_int8 against float64 on random blocks (every byte random but the float16 scales),
@@ -152,6 +153,7 @@ def _random_case(ggml_type, n_rows, seed):
     return (q[0], d[0], s[0], sums[0], raw), scale[0]
 
 
+@pytest.mark.isa_paths
 def test_the_isa_probe_is_llvms_view_of_the_cpu():
     """named_isa() (from /proc/cpuinfo's flags, common/cpu.py) says what LLVM's own view of this
     CPU says (tests/util.py expected_isa): the tests below skip by LLVM's view, so a probe that
@@ -163,9 +165,10 @@ def test_the_isa_check_catches_a_probe_that_is_wrong(monkeypatch):
     """Planted: the probe reads the opposite of this CPU (AVX2 + F16C lost where LLVM sees them,
     invented where it does not); the check above then differs. The rule on made-up CPUs."""
     if numba_target_reason():
-        pytest.skip(numba_target_reason())              # the probe answers None before reading any flag
+        pytest.skip(numba_target_reason())
     has = expected_isa() is not None
     monkeypatch.setattr(vector_ir, "simd_features", (lambda: ["sse4_2"]) if has else (lambda: ["avx2", "f16c"]))
+    monkeypatch.setattr(vector_ir, "target_isa", lambda cpu, features="": None if has else "avx2")   # a named target
     if not_x86_reason() is None:
         assert vector_ir.named_isa() != expected_isa()
     assert expected_isa(have=frozenset({"avx2", "f16c"})) == "avx2"
@@ -175,12 +178,24 @@ def test_the_isa_check_catches_a_probe_that_is_wrong(monkeypatch):
     assert expected_isa(have=frozenset({"avx2"})) is None
 
 
+def test_llvm_is_asked_what_a_named_cpu_has():
+    """For a CPU named to numba (NUMBA_CPU_NAME), the kernels' ISA is what LLVM compiles for that
+    CPU (vector_ir.target_isa), as LLVM's processor definitions say (tests/util.py TARGETS): the
+    AVX2-only path on a machine that has more, and a feature added by name."""
+    if not_x86_reason():
+        pytest.skip(not_x86_reason())
+    for cpu in ("haswell", "icelake-server", "x86-64"):
+        assert vector_ir.target_isa(cpu, "") == expected_isa(have=TARGETS[cpu]), cpu
+    assert vector_ir.target_isa("haswell", "+avxvnni") == "vnni"
+
+
 def _same_sums(got, want, scale):
     """The integer sums are exact, and the scaling is written the same way; only LLVM's choice
     of where to fuse a multiply-add may differ (bit for bit equal with LLVM 22 here)."""
     return np.array_equal(got, want) or (np.abs(got - want) / np.maximum(scale, 1e-30)).max() < 1e-6
 
 
+@pytest.mark.isa_paths
 @pytest.mark.skipif(expected_isa() is None, reason=str(NO_NAMED))
 @pytest.mark.parametrize("ggml_type", INT_TYPES, ids=lambda t: t.name)
 def test_named_kernels_equal_the_loops(ggml_type):
@@ -229,6 +244,7 @@ def _named_rows(ggml_type):
     return rows
 
 
+@pytest.mark.isa_paths
 @pytest.mark.skipif(expected_isa() is None, reason=str(NO_NAMED))
 @pytest.mark.parametrize("ggml_type", NAMED_TYPES, ids=lambda t: t.name)
 def test_named_instructions_in_the_assembly(ggml_type):
@@ -353,6 +369,7 @@ def q8_distance(engine, path, tokens, split):
 
 @pytest.mark.parametrize("types, split", [(EVERY_INT8_TYPE, 1), (NO_Q8_1_TYPE, 8)],
                          ids=["every-type-decode", "no-Q8_1-prefill-and-decode"])
+@pytest.mark.isa_paths
 def test_tiny_model_is_the_q8_reference(tmp_path, types, split):
     """The tiny model of the eight types with integer kernels (F16/BF16 kept float), against
     the float64 forward that rounds every activation row to ggml's 8-bit blocks (common/
@@ -417,20 +434,18 @@ def golden():
 @pytest.mark.parametrize("index", range(4))
 def test_against_llama_cpps_logits(index, golden, default_model_path):
     """llama.cpp's recorded logits (tests/golden, see tests/test_reference.py): int8 within the
-    bounds the float64 reference is held to there (5% relative RMS, 2.0 absolute), and its
-    departure from the reference leaning the way llama.cpp's does (positive correlation of
-    the two differences: both round activations to 8 bits; measured 0.28-0.54). It is not
-    closer to llama.cpp than the float stages overall (see stages/int8.py)."""
+    bounds the float64 reference is held to there (5% relative RMS, 2.0 absolute). That int8
+    rounds the activations as llama.cpp does is checked where it can be checked to float32
+    rounding, against the q8 reference (the tests above): a statistic of the two departures from
+    float64 (how well they correlate) depends on the CPU that summed the floats, so it is no
+    bound. It is not closer to llama.cpp than the float stages overall (see stages/int8.py)."""
     p = f"p{index}"
     ids = golden[f"{p}_ids"].tolist()
     subset, want = golden["subset_ids"], golden[f"{p}_subset_logits"].astype(np.float64)
     engine = load("int8", default_model_path)
     got = engine.forward(ids, 0)[:, subset].astype(np.float64)
-    ref = golden_reference(p, str(default_model_path))[:, subset]
     rel = np.sqrt(((got - want) ** 2).mean() / (want ** 2).mean())
     assert rel <= 0.05 and np.abs(got - want).max() <= 2.0, f"relative RMS {rel:.4f}"
-    corr = np.corrcoef((got - ref).ravel(), (want - ref).ravel())[0, 1]
-    assert corr > 0.15, f"int8's and llama.cpp's differences from float64 correlate at {corr:.2f} only"
 
 
 def tolerance_problem(tolerance: float, llama_cpp: float) -> str | None:

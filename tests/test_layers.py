@@ -73,3 +73,26 @@ def test_importing_a_stage_leaves_numbas_configuration_alone():
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("NUMBA_")}
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr[-500:]
+
+
+def test_no_function_of_the_server_is_longer_than_eighty_lines(tmp_path):
+    assert layers.long_functions(ROOT) == []
+    planted = tmp_path / "app" / "serve" / "s.py"
+    planted.parent.mkdir(parents=True)
+    body = "".join(f"    x{i} = {i}\n" for i in range(79))          # with its def: 80 lines, the most allowed
+    method = body.replace("    x", "        x")
+    planted.write_text(f"def ok():\n{body}\n\nclass C:\n    async def long(self):\n{method}        pass\n")
+    assert layers.long_functions(tmp_path) == ["app/serve/s.py:long (81)"]
+
+
+def test_the_scheduler_only_decides_it_imports_no_threading(tmp_path):
+    """app/serve/scheduler.py plans steps; the thread, the lock and the queues between threads
+    are the engine loop's (app/serve/engine_loop.py)."""
+    assert not layers.imports_module(ROOT / "app" / "serve" / "scheduler.py", "threading")
+    assert layers.imports_module(ROOT / "app" / "serve" / "engine_loop.py", "threading"), "the twin: the loop does"
+    for i, text in enumerate(["import threading\n", "from threading import Condition\n",
+                              "def f():\n    import threading.local\n", "import os, threading as t\n"]):
+        (tmp_path / f"s{i}.py").write_text(text)
+        assert layers.imports_module(tmp_path / f"s{i}.py", "threading"), text
+    (tmp_path / "ok.py").write_text("import threadingx\nfrom . import threading\n")
+    assert not layers.imports_module(tmp_path / "ok.py", "threading")

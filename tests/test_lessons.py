@@ -6,6 +6,7 @@ records made up for each case."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -63,12 +64,40 @@ def test_every_stage_ratio_is_recomputed_from_the_records_it_names(committed):
     assert checked >= 5, "the committed records should give most stage ratios"
 
 
+def page_machine(text: str) -> str:
+    """The machine a lessons page says it was drawn from."""
+    m = re.search(r"from the records of machine `([^`]+)`", text)
+    assert m, "the page does not say which machine's records it was drawn from"
+    return m.group(1)
+
+
 def test_the_committed_page_is_the_ledger_of_the_committed_records():
+    """Redrawn from the records of the machine the page names (whatever machine runs the test:
+    one with records of its own would otherwise draw another page)."""
     page = ROOT / "profiles" / "lessons.md"
     if not page.exists():
         pytest.skip("profiles/lessons.md is not committed yet: `make report` (or --draw-only) writes it")
-    sources = lessons.find_sources()
-    assert page.read_text() == lessons.markdown(lessons.ledger(sources), sources)
+    text = page.read_text()
+    machine = page_machine(text)
+    assert (lessons.RESULTS_DIR / machine).is_dir(), f"the page names machine {machine}, which has no records"
+    sources = lessons.find_sources(machine=machine)
+    assert sources.machine == machine
+    assert text == lessons.markdown(lessons.ledger(sources), sources)
+
+
+def test_the_page_is_compared_with_the_machine_it_names(tmp_path):
+    """Two machines' records, and a page drawn from the second: redrawn from the machine the page
+    names it is the same page; from the first machine's records it is not (what the test above
+    would have done on a machine with records of its own)."""
+    write(tmp_path / "a" / DEFAULT_MODEL.path.stem, [record(s, t, d) for s, t, d in BASE])
+    write(tmp_path / "b" / DEFAULT_MODEL.path.stem, [record(s, t, d * (2 if s == "simd" else 1)) for s, t, d in BASE])
+    drawn = lessons.find_sources(tmp_path, machine="b")
+    page = lessons.markdown(lessons.ledger(drawn), drawn)
+    assert page_machine(page) == "b"
+    again = lessons.find_sources(tmp_path, machine=page_machine(page))
+    assert lessons.markdown(lessons.ledger(again), again) == page
+    other = lessons.find_sources(tmp_path, machine="a")
+    assert lessons.markdown(lessons.ledger(other), other) != page
 
 
 # ---- made-up records, one case each ----------------------------------------------------------

@@ -1,23 +1,45 @@
-"""The HTTP server (app/serve/server.py) over StubEngine, in this process: OpenAI's fields and
+"""The HTTP server (app/serve/routes.py, server.py) over StubEngine, in this process: OpenAI's fields and
 shapes through the official `openai` client, llama-server's /tokenize and /detokenize, /metrics
 through prometheus-client's own parser, the operator's switches (API key, CORS, body limit,
 time limit, draining), a failing engine step, and the text pieces (stop strings, log-probability
 entries). The engine is a stub (tests/stub_engine.py: each next token a hash of every token the
 sequence's pages hold), so these run in seconds; tests/test_serve.py runs the real model.
+
+What is expected comes from outside the server where it can: llama.cpp's token ids
+(tests/golden/tokenizer/), the vocabulary's strings read from the GGUF file and GPT-2's byte
+alphabet for the logprobs' token strings, OpenAI's definitions of the penalties computed over
+the stub's own logits. Each check is a function that returns what it found wrong, run on the
+server as it is and on one with a bug planted (monkeypatch), which it must flag. Moments are
+made known, not waited for: the engine loop is parked between two steps (StubServer.paused),
+and the tests wait on the conditions the loop and the metrics expose, never on a clock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-import time
+import re
+import threading
+import urllib.error
+import urllib.request
+from collections import Counter
 
 import httpx
+import jsonschema
+import numpy as np
 import pytest
 
-from app.serve.api import token_string
+from app.serve import api, replies, routes
+from app.serve import server as server_module
+from app.serve.metrics import OUTCOMES
+from app.serve.replies import token_string
+from app.serve.sequence import Ask, Sequence
 from app.serve.text import StopMatcher, TextStream
+from common.tokenizer import Tokenizer
+from tests.conftest import ROOT
 from tests.stub_engine import StubServer
+from tests.stub_engine import tokenizer as stub_tokenizer
 
 openai = pytest.importorskip("openai", reason="openai is in requirements.txt")
 
@@ -34,13 +56,11 @@ def client(s, key="none", **kw):
     return openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0, timeout=30, **kw)
 
 
-def settled(s, timeout=10.0) -> dict:
-    deadline = time.time() + timeout
-    while True:
-        h = httpx.get(s.url + "/health", timeout=5).json()
-        if (h["running"], h["waiting"], h["kv_pages_free"]) == (0, 0, h["kv_pages_total"]) or time.time() > deadline:
-            return h
-        time.sleep(0.02)
+def settled(s) -> dict:
+    """/health once nothing runs or waits (the engine loop's own condition: cancellations land
+    at a step boundary)."""
+    s.idle()
+    return httpx.get(s.url + "/health", timeout=30).json()
 
 
 def greedy(s, prompt_ids, n):
@@ -108,7 +128,7 @@ def test_n_choices_stream_each_with_its_index(srv):
     assert sorted(by_index) == [0, 1, 2]
     assert all(cs[-1].finish_reason == "length" for cs in by_index.values())
     texts = {"".join(c.text for c in cs) for cs in by_index.values()}
-    assert len(texts) > 1, "seeded choices are drawn apart"
+    assert len(texts) == 3, "seeded choices are drawn apart, each its own"
 
 
 def test_logit_bias_moves_the_greedy_token(srv):
@@ -148,6 +168,9 @@ def test_echo_with_max_tokens_0_scores_the_prompt(srv):
         peak = srv.engine.next_token(ids[:j])
         want = -0.5 * abs(ids[j] - peak)
         assert lp.token_logprobs[j] - max(lp.top_logprobs[j].values()) == pytest.approx(want)
+    boundary = list(range(500, 565))                       # 65 tokens: the first chunk (64) ends at its last but one
+    r = c.completions.create(model=MODEL, prompt=boundary, max_tokens=0, echo=True, logprobs=0)
+    assert len(r.choices[0].logprobs.token_logprobs) == 65 and r.choices[0].finish_reason == "length"
     plain = c.completions.create(model=MODEL, prompt="Just this", max_tokens=0, echo=True)
     assert plain.choices[0].text == "Just this" and plain.choices[0].logprobs is None
 
@@ -161,10 +184,27 @@ def test_paths_without_v1_answer_too(srv):
     assert r.status_code == 200 and r.json()["object"] == "chat.completion"
 
 
+CITY = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["C", "F"]}}}}}
+SUM = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "additionalProperties": False, "required": ["x", "y"],
+                                  "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                 "y": {"type": "integer", "minimum": 0, "maximum": 99}}}}}
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (CITY, SUM)}
 REFUSED = [
-    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools: not supported", "tools"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format: not supported",
+    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, 'tools[0] must be {"type": "function"', "tools"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strin"}}}}, "llguidance refuses it: Invalid type: strin", "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, 'response_format must be {"type": "text"}',
      "response_format"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice 'required' needs tools", "tool_choice"),
+    ("/v1/chat/completions", {"tools": [CITY], "tool_choice": {"type": "function", "function": {"name": "mul"}}},
+     "'mul', which is not among the tools", "tool_choice"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions: not supported", "functions"),
+    ("/v1/completions", {"tools": [CITY]}, "tools: tools are for chat completions", "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "18 C"}]}, "needs tool_call_id", "messages"),
     ("/v1/completions", {"suffix": "x"}, "suffix: not supported", "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of: not supported", "best_of"),
     ("/v1/completions", {"n": 9}, "n = 9: must be an integer in 1..8", "n"),
@@ -197,12 +237,424 @@ def test_neutral_values_of_unsupported_fields_are_accepted(srv):
                                                           "max_tokens": 1, "store": False, "tools": None})
     assert r.status_code == 200, r.text
 
+# ---- structured outputs and tool calls (app/structured/ through the server) ---------------------
+# The stub's next token is a hash of the context; under a grammar it takes the allowed token
+# nearest that hash, so what comes back is the grammar's doing, and the shapes are the server's.
+
+def test_a_refused_schema_leaves_the_server_serving(srv):
+    before = srv.loop.stats()["failures"]
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+        "d": {"type": "string", "format": "colour"}}}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(srv).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                            response_format=bad)
+    assert refused.value.body["param"] == "response_format" and "Unknown format: colour" in refused.value.message
+    unit = {"type": "object", "required": ["unit"], "properties": {"unit": {"enum": ["C", "F"]}},
+            "additionalProperties": False}
+    good = client(srv).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=80, temperature=0, response_format={
+                                                   "type": "json_schema", "json_schema": {"name": "u", "schema": unit}})
+    jsonschema.validate(json.loads(good.choices[0].message.content), unit)
+    assert srv.loop.stats()["failures"] == before
+
+
+def tool_call_problems(s) -> list[str]:
+    """tool_choice required, one call. Whole: content null, one call with an id, type function,
+    a tool's name and arguments its parameters accept (jsonschema), finish_reason tool_calls.
+    Streamed: the call opens with its index, id, type, name and empty arguments, then only
+    arguments follow, in pieces that join to the whole's; finish_reason tool_calls at the end;
+    and the log-probability entries are the whole's, token for token."""
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "The weather in Paris?"}], tools=[CITY, SUM],
+                tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=150, logprobs=True)
+    problems = []
+    whole = client(s).chat.completions.create(**body).choices[0]
+    calls = whole.message.tool_calls or []
+    if whole.message.content is not None or len(calls) != 1 or whole.finish_reason != "tool_calls":
+        return [f"whole: {whole}"]
+    call = calls[0]
+    if not call.id.startswith("call_") or call.type != "function" or call.function.name not in PARAMETERS:
+        problems.append(f"whole: the call {call}")
+    else:
+        try:
+            jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+        except (ValueError, jsonschema.ValidationError) as e:
+            problems.append(f"whole: arguments {call.function.arguments!r}: {e}")
+    chunks = [ch.choices[0] for ch in client(s).chat.completions.create(stream=True, **body) if ch.choices]
+    pieces = [d.tool_calls for ch in chunks if (d := ch.delta).tool_calls]
+    if not pieces or any(len(p) != 1 or p[0].index != 0 for p in pieces):
+        return problems + [f"streamed: {pieces}"]
+    head, rest = pieces[0][0], [p[0] for p in pieces[1:]]
+    if not (head.id and head.id.startswith("call_") and head.type == "function"
+            and (head.function.name, head.function.arguments) == (call.function.name, "")):
+        problems.append(f"streamed: the call opens with {head}")
+    if any(p.id or p.type or p.function.name for p in rest):
+        problems.append("streamed: an id, type or name after the call's first delta")
+    if "".join(p.function.arguments for p in rest) != call.function.arguments or len(rest) < 2:
+        problems.append(f"streamed: arguments {[p.function.arguments for p in rest]} for {call.function.arguments!r}")
+    if any(ch.delta.content for ch in chunks) or chunks[-1].finish_reason != "tool_calls":
+        problems.append(f"streamed: content {[ch.delta.content for ch in chunks]}, end {chunks[-1].finish_reason}")
+    streamed = [e.token for ch in chunks if ch.logprobs for e in ch.logprobs.content]
+    if streamed != [e.token for e in whole.logprobs.content]:
+        problems.append(f"streamed log-probabilities: {streamed}")
+    return problems
+
+
+@pytest.mark.parametrize("planted", [None, "finish", "text"])
+def test_tool_calls_come_back_in_openais_shape_whole_and_streamed(srv, monkeypatch, planted):
+    if planted == "finish":                                 # planted: the reason stays 'stop'
+        monkeypatch.setattr(replies, "called", lambda finish: finish)
+    if planted == "text":                                   # planted: a streamed call goes out as text
+        plain = replies.Reply.piece
+
+        def as_text(self, i, text, entries, finish=None):
+            self.tools = False
+            return plain(self, i, text, entries, finish)
+        monkeypatch.setattr(replies.Reply, "piece", as_text)
+    assert (tool_call_problems(srv) == []) == (planted is None), planted
+
+
+def forked_choices_problems(s, stream: bool) -> list[str]:
+    """A text completion (response_format, as llama-server takes it) with n = 3 sampled choices:
+    each follows the schema on its own, valid (jsonschema) and ended by the grammar."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "n"],
+              "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                             "n": {"type": "integer", "minimum": 0, "maximum": 999}}}
+    body = dict(model=MODEL, prompt="A city as JSON:", n=3, temperature=1.0, seed=7, max_tokens=120,
+                extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}})
+    try:
+        if stream:
+            texts, finish = [""] * 3, [None] * 3
+            for ch in client(s).completions.create(stream=True, **body):
+                for c in ch.choices:
+                    texts[c.index] += c.text
+                    finish[c.index] = c.finish_reason or finish[c.index]
+        else:
+            choices = sorted(client(s).completions.create(**body).choices, key=lambda c: c.index)
+            texts, finish = [c.text for c in choices], [c.finish_reason for c in choices]
+    except openai.APIError as e:
+        return [f"the request failed: {e}"]
+    problems = [] if finish == ["stop"] * 3 else [f"finish reasons {finish}"]
+    for text in texts:
+        try:
+            jsonschema.validate(json.loads(text), schema)
+        except (ValueError, jsonschema.ValidationError) as e:
+            problems.append(f"{text!r}: {e}")
+    return problems
+
+
+def unforked(self):
+    """WRONG, planted: followers take the pages, not the constraint (they decode free)."""
+    followers = [f for f in self.followers if not f.done]
+    self.followers = []
+    for f in followers:
+        f.leader, f.table = None, self.table.fork()
+    return followers
+
+
+def shared(self):
+    """WRONG, planted: followers share the leader's matcher (each token moves all of them)."""
+    followers = unforked(self)
+    for f in followers:
+        f.sampler.constraint = self.sampler.constraint
+    return followers
+
+
+@pytest.mark.parametrize("planted", [None, unforked, shared], ids=["fork", "unforked", "shared"])
+def test_n_choices_each_follow_the_grammar_on_their_own(srv, monkeypatch, planted):
+    if planted is not None:
+        monkeypatch.setattr(Sequence, "fork", planted)
+    found = forked_choices_problems(srv, stream=False) + forked_choices_problems(srv, stream=True)
+    assert (found == []) == (planted is None), found
+    srv.idle()
+
+
+def grammar_end_problems(s) -> list[str]:
+    """ignore_eos with a grammar: the grammar's end still ends the reply ('stop', long before
+    max_tokens), and the end token is no text."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["unit"],
+              "properties": {"unit": {"enum": ["C", "F"]}}}
+    r = httpx.post(s.url + "/v1/completions", json={
+        "prompt": "A unit:", "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "u", "schema": schema}}}).json()
+    c = r["choices"][0]
+    problems = [] if (c["finish_reason"], r["usage"]["completion_tokens"] < 300) == ("stop", True) else \
+        [f"{c['finish_reason']} after {r['usage']['completion_tokens']} tokens"]
+    try:
+        jsonschema.validate(json.loads(c["text"]), schema)
+    except (ValueError, jsonschema.ValidationError) as e:
+        problems.append(f"{c['text']!r}: {e}")
+    return problems
+
+
+def test_a_grammar_ends_the_reply_even_with_ignore_eos(srv, monkeypatch):
+    assert grammar_end_problems(srv) == []
+    monkeypatch.setattr(Sequence, "end_reason", lambda self: (    # planted: the grammar's end not heard
+        "stop" if self.generated and self.generated[-1] in self.ask.stop_ids else
+        "length" if len(self.generated) >= self.ask.max_tokens else None))
+    assert grammar_end_problems(srv) != []
+
+
+def test_requests_without_a_grammar_make_no_matcher_and_no_mask(srv, monkeypatch):
+    """Unconstrained requests (completions, chat, n = 2, streamed, response_format text) pay
+    nothing: no matcher is made, no mask computed, the engine loop fills none; one constrained
+    request afterwards is seen by the same counters."""
+    from app.serve import engine_loop
+    from common.constrain import Constraint
+    made = Counter()
+    real_init, real_mask, real_fill = Constraint.__init__, Constraint.mask, engine_loop.fill_masks
+    monkeypatch.setattr(Constraint, "__init__", lambda self, *a, **k: (made.update(["matcher"]),
+                                                                      real_init(self, *a, **k))[1])
+    monkeypatch.setattr(Constraint, "mask", lambda self: (made.update(["mask"]), real_mask(self))[1])
+    monkeypatch.setattr(engine_loop, "fill_masks", lambda cs: (made.update(["fill"]), real_fill(cs))[1])
+    c, chat = client(srv), [{"role": "user", "content": "hi"}]
+    c.completions.create(model=MODEL, prompt="hi", max_tokens=8, n=2, temperature=0)
+    c.chat.completions.create(model=MODEL, messages=chat, max_tokens=8, response_format={"type": "text"})
+    list(c.chat.completions.create(model=MODEL, messages=chat, max_tokens=8, stream=True))
+    assert made == Counter()
+    c.chat.completions.create(model=MODEL, messages=chat, max_tokens=60, response_format={"type": "json_object"})
+    assert made["matcher"] == 1 and made["fill"] > 0 and made["mask"] > 0
+
 
 def test_a_kv_pool_too_small_for_the_request_is_a_400_that_says_so(default_model_path):
     with StubServer(default_model_path, n_ctx=512, kv_pages=4) as s:
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 100})
         assert r.status_code == 400 and "--kv-pages" in r.json()["error"]["message"]
         assert httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 40}).status_code == 200
+
+
+# ---- the fields' behaviour, computed outside the server ----------------------------------------
+
+def penalized_greedy(engine, prompt, n: int, presence: float = 0.0, frequency: float = 0.0) -> list[int]:
+    """Greedy over the stub's own logits (tests/stub_engine.py: -0.5 |id - peak|) with OpenAI's
+    penalties as OpenAI defines them: logit[j] -= count[j] * frequency + (count[j] > 0) * presence,
+    count over the tokens this completion has drawn."""
+    ctx, out, counts = list(prompt), [], Counter()
+    ids = np.arange(engine.config.n_vocab)
+    for _ in range(n):
+        logits = -0.5 * np.abs(ids - engine.next_token(ctx))
+        for j, c in counts.items():
+            logits[j] -= c * frequency + presence
+        t = int(np.argmax(logits))
+        out.append(t)
+        ctx.append(t)
+        counts[t] += 1
+    return out
+
+
+def presence_problems(s) -> list[str]:
+    """presence_penalty alone, on a stub that draws among 4 tokens (so it repeats): the text
+    OpenAI's rule gives, which is not the plain greedy text."""
+    prompt, n = [5, 6, 7], 24
+    want = penalized_greedy(s.engine, prompt, n, presence=0.75)
+    assert want != s.engine.reference(prompt, n), "the scene: presence must change the greedy text"
+    r = httpx.post(s.url + "/v1/completions", timeout=30, json={
+        "prompt": prompt, "max_tokens": n, "temperature": 0, "presence_penalty": 0.75}).json()
+    text = r["choices"][0]["text"]
+    return [] if text == s.engine.tokenizer.decode(want) else [f"presence_penalty 0.75: {text!r}"]
+
+
+def test_presence_penalty_alone_is_openais(default_model_path, monkeypatch):
+    with StubServer(default_model_path, low=300, high=304) as s:
+        assert presence_problems(s) == []
+        real = api.sampling_params                          # planted: presence_penalty dropped
+        monkeypatch.setattr(api, "sampling_params", lambda data, n_vocab: real(
+            {k: v for k, v in data.items() if k != "presence_penalty"}, n_vocab))
+        assert presence_problems(s) != []
+
+
+class FirstListed(StopMatcher):
+    """A planted bug: the stop string listed first wins, wherever the others occur."""
+
+    def push(self, text):
+        for stop in self.stops:
+            i = (self.pending + text).find(stop)
+            if i >= 0:
+                out, self.pending = (self.pending + text)[:i], ""
+                return out, True
+        return super().push(text)
+
+
+def several_stops(cls) -> list[str]:
+    """(stops, pieces, the text sent): the earliest stop string in the text wins whatever its
+    place in the list, found over pieces, and what was held back for one is sent when another
+    matches later."""
+    cases = [(["lo", "el"], ["hel", "lo"], "h"),
+             (["world", "o w"], ["hello world"], "hell"),
+             (["</end>", "<x>"], ["ab", "c<", "/e", "nd>x"], "abc"),
+             (["xyz", "yq"], ["ax", "yq"], "ax")]
+    problems = []
+    for stops, pieces, want in cases:
+        m, sent, hit = cls(stops), "", False
+        for piece in pieces:
+            out, hit = m.push(piece)
+            sent += out
+            if hit:
+                break
+        if (sent, hit) != (want, True):
+            problems.append(f"{stops} over {pieces}: sent {sent!r} (stopped: {hit}), not {want!r}")
+    return problems
+
+
+def test_of_several_stop_strings_the_earliest_wins_over_pieces():
+    assert several_stops(StopMatcher) == []
+    assert several_stops(FirstListed) != []
+
+
+def stop_limit_problems(url: str) -> list[str]:
+    body = {"prompt": "hi", "max_tokens": 2}
+    four = httpx.post(url + "/v1/completions", json=dict(body, stop=["a1", "b2", "c3", "d4"]))
+    five = httpx.post(url + "/v1/completions", json=dict(body, stop=["a1", "b2", "c3", "d4", "e5"]))
+    problems = [] if four.status_code == 200 else [f"4 stop strings: {four.status_code}"]
+    if five.status_code != 400 or "at most 4 strings" not in five.json()["error"]["message"]:
+        problems.append(f"5 stop strings: {five.status_code}")
+    return problems
+
+
+def test_at_most_four_stop_strings(srv, monkeypatch):
+    assert stop_limit_problems(srv.url) == []
+    monkeypatch.setattr(api, "MAX_STOP_STRINGS", 5)         # planted: one more taken
+    assert stop_limit_problems(srv.url) != []
+
+
+def choices_stop_problems(s) -> list[str]:
+    """n = 2 seeded choices, streamed and not, with a stop string found in both texts at other
+    places: each choice ends at the first stop string in its own text."""
+    body = {"prompt": "Once", "max_tokens": 12, "temperature": 1.0, "seed": 5, "n": 2}
+    free = httpx.post(s.url + "/v1/completions", json=body).json()["choices"]
+    full = [c["text"] for c in sorted(free, key=lambda c: c["index"])]
+    stop = min(ch for ch in set(full[0][1:]) & set(full[1][1:]) if ch.strip())
+    want = [(t[:t.index(stop)], "stop") for t in full]
+    assert all(w for w, _ in want) and want[0] != want[1], "the scene: the choices end apart"
+    got = httpx.post(s.url + "/v1/completions", json=dict(body, stop=stop)).json()["choices"]
+    problems = []
+    if sorted((c["index"], c["text"], c["finish_reason"]) for c in got) != [(i, *w) for i, w in enumerate(want)]:
+        problems.append(f"stop {stop!r}: {got}, not {want}")
+    texts, finish = ["", ""], [None, None]
+    for ch in client(s).completions.create(model=MODEL, stream=True, stop=stop, **body):
+        for c in ch.choices:
+            texts[c.index] += c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+    if list(zip(texts, finish)) != want:
+        problems.append(f"streamed, stop {stop!r}: {list(zip(texts, finish))}, not {want}")
+    return problems
+
+
+def test_each_choice_ends_at_its_own_stop_string(srv, monkeypatch):
+    assert choices_stop_problems(srv) == []
+    made = iter(range(10 ** 6))
+
+    class FirstChoiceOnly(TextStream):                      # planted: the stops reach choice 0 only
+        def __init__(self, tokenizer, stops, special=False, base=0, end_ids=frozenset()):
+            super().__init__(tokenizer, stops if next(made) % 2 == 0 else [], special, base, end_ids)
+    monkeypatch.setattr(server_module, "TextStream", FirstChoiceOnly)
+    assert choices_stop_problems(srv) != []
+
+
+def stop_frees_problems(s) -> list[str]:
+    """A stop string met early in a request for 400 tokens: the reply ends there, the sequence
+    is cancelled at the next step boundary (not run to its length) and its pages come back."""
+    prompt = [11, 12, 13]
+    text = s.engine.tokenizer.decode(s.engine.reference(prompt, 12))
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    before = s.loop.stats()
+    r = httpx.post(s.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 400, "temperature": 0,
+                                                    "stop": stop}).json()
+    after = s.idle()
+    problems = []
+    if (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) != (text[:text.index(stop)], "stop"):
+        problems.append(f"the reply: {r['choices'][0]}")
+    ended = {k: after["finished"][k] - before["finished"][k] for k in ("cancelled", "length")}
+    if ended != {"cancelled": 1, "length": 0}:
+        problems.append(f"the sequence ended {ended}: it ran on after its stop string")
+    if after["generated_tokens"] - before["generated_tokens"] >= 400:
+        problems.append("all 400 tokens were made")
+    return problems
+
+
+def test_a_stop_string_ends_the_sequence_and_frees_its_pages(default_model_path, monkeypatch):
+    from app.serve.engine_loop import EngineLoop
+    with StubServer(default_model_path) as s:
+        assert stop_frees_problems(s) == []
+        monkeypatch.setattr(EngineLoop, "cancel", lambda self, seq: None)      # planted: never cancelled
+        assert stop_frees_problems(s) != []
+
+
+def logit_bias_bound_problems(s) -> list[str]:
+    n_vocab = s.engine.config.n_vocab
+    last = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1,
+                                                       "logit_bias": {str(n_vocab - 1): 1}})
+    past = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1,
+                                                       "logit_bias": {str(n_vocab): 1}})
+    problems = [] if last.status_code == 200 else [f"key {n_vocab - 1}: {last.status_code}"]
+    if past.status_code != 400 or f"key '{n_vocab}' is not a token id in 0..{n_vocab - 1}" not in past.text:
+        problems.append(f"key {n_vocab}: {past.status_code}")
+    return problems
+
+
+def test_logit_bias_keys_are_the_vocabularys_ids(srv, monkeypatch):
+    assert logit_bias_bound_problems(srv) == []
+    real = api.logit_bias                                   # planted: one id past the vocabulary taken
+    monkeypatch.setattr(api, "logit_bias", lambda data, n_vocab: real(data, n_vocab + 1))
+    assert logit_bias_bound_problems(srv) != []
+
+
+def end_of_generation_problems(s) -> list[str]:
+    """On a stub that ends every sequence of 7 tokens (its next token <|im_end|>): a prompt of 4
+    gets 3 tokens, then the end; the end is no text and no log-probability entry, whole or
+    streamed; a chat prompt (longer than 7) ends at once, with nothing."""
+    prompt, eos = [21, 22, 23, 24], s.engine.eos
+    made = s.engine.reference(prompt, 10, stop={eos})
+    assert made[-1] == eos and len(made) == 4, "the scene: 3 tokens, then the end"
+    want = [token_string(s.engine.tokenizer, t)[0] for t in made[:3]]
+    text = s.engine.tokenizer.decode(made[:3])
+    body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 1}
+    problems = []
+    c = httpx.post(s.url + "/v1/completions", json=body).json()["choices"][0]
+    if (c["text"], c["logprobs"]["tokens"], c["finish_reason"]) != (text, want, "stop"):
+        problems.append(f"whole: {c['text']!r} {c['logprobs']['tokens']} {c['finish_reason']}")
+    streamed = list(client(s).completions.create(model=MODEL, stream=True, **body))
+    tokens = [t for ch in streamed for c in ch.choices if c.logprobs for t in c.logprobs.tokens]
+    if ("".join(c.text for ch in streamed for c in ch.choices), tokens) != (text, want):
+        problems.append(f"streamed: {tokens}")
+    chat = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                            "temperature": 0, "logprobs": True}).json()["choices"][0]
+    if (chat["message"]["content"], chat["logprobs"]["content"], chat["finish_reason"]) != ("", [], "stop"):
+        problems.append(f"chat: {chat}")
+    return problems
+
+
+def test_the_end_of_generation_is_never_text_nor_a_logprob(default_model_path, monkeypatch):
+    tok = stub_tokenizer(str(default_model_path))
+    with StubServer(default_model_path, eos=tok.token_to_id("<|im_end|>"), eos_at=7) as s:
+        assert end_of_generation_problems(s) == []
+
+        class EndsAreTokens(TextStream):                    # planted: end ids streamed like any token
+            def __init__(self, tokenizer, stops, special=False, base=0, end_ids=frozenset()):
+                super().__init__(tokenizer, stops, special, base)
+        monkeypatch.setattr(server_module, "TextStream", EndsAreTokens)
+        assert end_of_generation_problems(s) != []
+
+
+def default_length_problems(s) -> list[str]:
+    """Without max_tokens: 16 tokens for completions (OpenAI's default), and for chat up to the
+    context's end (128 here)."""
+    c = httpx.post(s.url + "/v1/completions", json={"prompt": "hi"}).json()
+    chat = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    problems = []
+    if (c["usage"]["completion_tokens"], c["choices"][0]["finish_reason"]) != (16, "length"):
+        problems.append(f"completions: {c['usage']}")
+    u = chat["usage"]
+    if (u["prompt_tokens"] + u["completion_tokens"], chat["choices"][0]["finish_reason"]) != (128, "length"):
+        problems.append(f"chat: {u}")
+    return problems
+
+
+def test_max_tokens_defaults_are_openais(default_model_path, monkeypatch):
+    with StubServer(default_model_path, n_ctx=128) as s:
+        assert default_length_problems(s) == []
+        real = api.default_max_tokens                        # planted: one short
+        monkeypatch.setattr(api, "default_max_tokens", lambda chat, n_ctx, n_prompt: real(chat, n_ctx, n_prompt) - 1)
+        assert default_length_problems(s) != []
 
 
 # ---- llama-server's /tokenize and /detokenize --------------------------------------------------
@@ -228,6 +680,115 @@ def test_tokenize_and_detokenize_take_llama_servers_shapes(srv):
                              ("/detokenize", {"tokens": "12"}, "tokens must be")]:
         bad = httpx.post(srv.url + path, json=body)
         assert bad.status_code == 400 and what in bad.json()["error"]["message"]
+
+
+GOLDEN = ROOT / "tests" / "golden" / "tokenizer" / "smollm2.json"
+MODES = {"plain": (False, False), "add_special": (True, False), "parse_special": (False, True),
+         "add_and_parse_special": (True, True)}               # golden case kind: (add_special, parse_special)
+
+
+@functools.lru_cache(maxsize=None)
+def golden_cases() -> list[tuple[str, str, list[int]]]:
+    """llama.cpp's own ids for the default model's vocabulary (scripts/make_tokenizer_golden.py
+    made them with llama-cpp-python): (kind, text, ids)."""
+    data = json.loads(GOLDEN.read_text(encoding="utf-8"))
+    assert data["vocab"] == "smollm2"
+    return [(kind, c["text"], c["ids"]) for kind in MODES for c in data["cases"][kind]]
+
+
+def tokenize_problems(url: str, cases) -> list[str]:
+    problems = []
+    with httpx.Client(base_url=url, timeout=30) as c:
+        for kind, text, ids in cases:
+            add, parse = MODES[kind]
+            got = c.post("/tokenize", json={"content": text, "add_special": add, "parse_special": parse}).json()
+            if got.get("tokens") != ids:
+                problems.append(f"{kind} {text[:40]!r}: {got.get('tokens', got)[:8]}..., llama.cpp's {ids[:8]}...")
+    return problems
+
+
+def test_tokenize_gives_llama_cpps_ids(srv, monkeypatch):
+    """/tokenize against llama.cpp's ids (not against the server's own tokenizer), every golden
+    case of every add_special / parse_special combination."""
+    cases = golden_cases()
+    assert {k for k, _, _ in cases} == set(MODES) and len(cases) > 600
+    assert tokenize_problems(srv.url, cases) == []
+    real = Tokenizer.encode                                  # planted: runs of spaces folded before encoding
+    monkeypatch.setattr(Tokenizer, "encode", lambda self, text, **kw: real(self, re.sub("  +", " ", text), **kw))
+    assert tokenize_problems(srv.url, cases[:60]) != [], "the check sees a tokenizer that differs from llama.cpp"
+
+
+# ---- logprobs' token strings, from the vocabulary itself ----------------------------------------
+
+def gpt2_byte_of() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (openai/gpt-2, encoder.py: bytes_to_unicode): a printable
+    byte stands for itself, the others for chr(256 + n) in order; the vocabulary's strings
+    are written in it."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = list(shown), 0
+    for b in range(256):
+        if b not in shown:
+            shown.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(shown, chars)}
+
+
+@functools.lru_cache(maxsize=None)
+def vocabulary(model_path: str) -> tuple[list[str], list[int]]:
+    """The token strings and types as the GGUF file stores them (common/gguf.py's parser is
+    checked against gguf-py in tests/test_gguf.py)."""
+    from common.gguf import GGUFFile
+    with GGUFFile(model_path) as g:
+        return list(g.metadata["tokenizer.ggml.tokens"]), [int(t) for t in g.metadata["tokenizer.ggml.token_type"]]
+
+
+def expected_token(model_path, token_id: int) -> tuple[str, list[int]]:
+    """OpenAI's token string and bytes for a token: its bytes decoded, or 'bytes:\\xNN...' where
+    they are not whole UTF-8; a control token (type 3) is its text."""
+    strings, types = vocabulary(str(model_path))
+    text = strings[token_id]
+    raw = text.encode() if types[token_id] == 3 else bytes(gpt2_byte_of()[ch] for ch in text)
+    try:
+        return raw.decode("utf-8"), list(raw)
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
+
+
+def token_string_problems(s, model_path) -> list[str]:
+    """On a stub that generates bytes that are not whole UTF-8 (ids 111..115): a prompt of ids
+    with control tokens, such bytes and ordinary pieces, echoed with its log-probabilities; and a
+    chat reply held (logit_bias) to one byte token: every token string and byte list as the
+    vocabulary says."""
+    ids = [1, 111, 300, 303, 112, 2]                 # <|im_start|>, b'\xa1', 'om', ' l', b'\xa2', <|im_end|>
+    problems = []
+    r = httpx.post(s.url + "/v1/completions", timeout=30, json={
+        "prompt": ids, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}).json()
+    generated = s.engine.reference(ids, 3)
+    got = r["choices"][0]["logprobs"]["tokens"]
+    want = [expected_token(model_path, t)[0] for t in ids + generated]
+    if got != want:
+        problems.append(f"completion tokens {got} where the vocabulary says {want}")
+    chat = httpx.post(s.url + "/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0, "logprobs": True,
+        "logit_bias": {"113": 100}}).json()
+    for e in chat["choices"][0]["logprobs"]["content"]:
+        if (e["token"], e["bytes"]) != expected_token(model_path, 113):
+            problems.append(f"chat entry {e['token']!r} {e['bytes']} where {expected_token(model_path, 113)}")
+    return problems
+
+
+def test_logprob_token_strings_are_the_vocabularys_bytes_shown_as_openai_does(default_model_path, monkeypatch):
+    assert expected_token(default_model_path, 111) == ("bytes:\\xa1", [0xA1]), "the oracle's own bytes form"
+    assert expected_token(default_model_path, 303) == (" l", [32, 108])
+    with StubServer(default_model_path, low=111, high=116) as s:
+        assert token_string_problems(s, default_model_path) == []
+
+        def replaced(tokenizer, token_id):                   # planted: bytes that are not UTF-8 replaced
+            raw = tokenizer.token_piece(token_id, special=True)
+            return raw.decode("utf-8", errors="replace"), list(raw)
+        monkeypatch.setattr(replies, "token_string", replaced)
+        assert token_string_problems(s, default_model_path) != []
 
 
 # ---- /metrics ----------------------------------------------------------------------------------
@@ -256,8 +817,149 @@ def test_metrics_parse_and_count_what_happened(srv):
     assert delta("llm_time_between_tokens_seconds_count") == 6
     h = httpx.get(srv.url + "/health").json()
     assert after[("llm_batch_rows_count", ())] == h["steps"]
-    assert after[("llm_kv_pages_free", ())] + after[("llm_kv_pages_used", ())] == h["kv_pages_total"]
-    assert ("llm_preemptions_total", ()) in after and ("llm_requests_waiting", ()) in after
+
+
+def scrape_key(s, key=None) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    text = httpx.get(s.url + "/metrics", headers=headers, timeout=30).text
+    return {(x.name, tuple(sorted(x.labels.items()))): x.value for f in text_string_to_metric_families(text)
+            for x in f.samples}
+
+
+def gauge_problems(s) -> list[str]:
+    """A 32-token prompt served and done (its 2 full pages stay cached, idle: free); then two
+    sequences that share a 48-token prefix, decoding, and a third waiting. With the engine loop
+    parked, the gauges against what is known: the pages the running sequences hold, counted
+    from their page tables; 2 running; 1 waiting."""
+    loop = s.loop
+    loop.submit(Sequence(Ask(list(range(800, 832)), 2)))
+    s.idle()
+    prefix = list(range(600, 648))
+    a, b = Sequence(Ask(prefix + [700], 300)), Sequence(Ask(prefix + [701], 300))
+    loop.submit(a)
+    loop.submit(b)
+    assert loop.wait_for(lambda _: len(a.generated) >= 2 and len(b.generated) >= 2, 60), "a and b never decoded"
+    with s.paused():
+        c = Sequence(Ask([900, 901], 5))
+        loop.submit(c)
+        held = {p for seq in loop.scheduler.running for p in seq.table.pages}
+        idle_cached = len(loop.pool.idle_cached_pages())
+        got = scrape(s)
+    for seq in (a, b, c):
+        loop.cancel(seq)
+    s.idle()
+    problems = [] if idle_cached == 2 else [f"the scene is not set: {idle_cached} idle cached pages, not 2"]
+    total = loop.pool.n_pages
+    want = {"llm_kv_pages_used": len(held), "llm_kv_pages_free": total - len(held), "llm_requests_running": 2,
+            "llm_requests_waiting": 1}
+    for name, value in want.items():
+        if got[(name, ())] != value:
+            problems.append(f"{name} {got[(name, ())]:g} where {value} is known")
+    return problems
+
+
+def with_stats(loop, change):
+    """The loop's stats() as a planted bug reports them."""
+    real = loop.stats
+    return lambda: change(real())
+
+
+@pytest.mark.parametrize("planted", [None, "free without the idle cached pages", "running and waiting swapped"])
+def test_the_gauges_say_what_the_page_tables_and_queues_hold(default_model_path, monkeypatch, planted):
+    with StubServer(default_model_path) as s:
+        if planted == "free without the idle cached pages":
+            monkeypatch.setattr(s.loop, "stats", with_stats(s.loop, lambda st: dict(
+                st, kv_pages_free=st["kv_pages_free"] - st["kv_pages_cached"])))
+        elif planted == "running and waiting swapped":
+            monkeypatch.setattr(s.loop, "stats", with_stats(s.loop, lambda st: dict(
+                st, running=st["waiting"], waiting=st["running"])))
+        problems = gauge_problems(s)
+    assert (problems == []) == (planted is None), problems
+
+
+class Answered:
+    """The server's answers by outcome, as Metrics.outcome is told of them, so that a test can
+    wait for one (some are counted after their response has left); `relabel`: a planted bug."""
+
+    def __init__(self, metrics, monkeypatch, relabel=None):
+        self.seen, self.changed = Counter(), threading.Condition()
+        real = metrics.outcome
+
+        def outcome(name):
+            real((relabel or {}).get(name, name))
+            with self.changed:
+                self.seen[name] += 1
+                self.changed.notify_all()
+        monkeypatch.setattr(metrics, "outcome", outcome)
+
+    def wait(self, name: str, n: int):
+        with self.changed:
+            assert self.changed.wait_for(lambda: self.seen[name] >= n, 60), f"{name}: {self.seen}"
+
+
+KEY = "sesame"
+
+
+def outcome_problems(s, answered: Answered) -> list[str]:
+    """One request of every outcome the server can have, each counted under its own label and
+    nothing else: /metrics' llm_requests_total against what was sent. The moments that decide
+    an outcome (a queue full, a time limit, a client gone) are made while the engine loop is
+    parked, so they do not depend on how fast anything runs."""
+    before, sent = scrape_key(s, KEY), Counter()
+    c = httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+    def post(body, status, outcome, **kw):
+        r = c.post("/v1/completions", json=body, **kw) if isinstance(body, dict) else \
+            c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == status, (outcome, r.status_code, r.text)
+        sent[outcome] += 1
+        return r
+    text = post({"prompt": "hi", "max_tokens": 8, "temperature": 0}, 200, "length").json()["choices"][0]["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip() and text.index(stop) > 0
+    post({"prompt": "hi", "max_tokens": 8, "temperature": 0, "stop": stop}, 200, "stop")
+    s.idle()                                         # its cancellation lands at the next step boundary
+    post({"prompt": [5, 6, 77], "max_tokens": 3}, 500, "error")
+    post({"prompt": "hi", "colour": "blue"}, 400, "bad_request")
+    post(json.dumps({"prompt": "word " * 1000}).encode(), 413, "too_large")
+    assert httpx.post(s.url + "/v1/completions", json={"prompt": "hi"}).status_code == 401
+    sent["unauthorized"] += 1
+    s.server.draining = True
+    post({"prompt": "hi", "max_tokens": 1}, 503, "draining")
+    s.server.draining = False
+    with s.paused():
+        s.server.request_timeout = 0.2               # nothing moves while parked: it passes, surely
+        waits = threading.Thread(target=post, args=({"prompt": "hi", "max_tokens": 4}, 408, "timeout"))
+        waits.start()
+        assert s.loop.wait_for(lambda st: st["waiting"] == 1, 60), "the request never queued"
+        post({"prompt": "hi", "max_tokens": 4}, 503, "busy")   # max batch 1, max queue 0: full
+        waits.join()
+        s.server.request_timeout = None
+        with httpx.Client(base_url=s.url, headers=c.headers, timeout=60) as own:
+            with own.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "stream": True}) as r:
+                assert r.status_code == 200                  # the stream began; its client leaves
+        answered.wait("cancelled", 1)
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=0.3)
+        answered.wait("cancelled", 2)
+        sent["cancelled"] += 2
+    c.close()
+    after = scrape_key(s, KEY)
+    got = {o: after[("llm_requests_total", (("outcome", o),))] - before[("llm_requests_total", (("outcome", o),))]
+           for o in OUTCOMES}
+    problems = [f"{o}: {got[o]:g} counted, {sent[o]} sent" for o in OUTCOMES if got[o] != sent[o]]
+    if set(sent) != set(OUTCOMES):
+        problems.append(f"outcomes not exercised: {set(OUTCOMES) - set(sent)}")
+    return problems
+
+
+@pytest.mark.parametrize("relabel", [None, {"timeout": "error"}, {"draining": "busy"}])
+def test_every_outcome_is_counted_under_its_own_label(default_model_path, monkeypatch, relabel):
+    with StubServer(default_model_path, api_key=KEY, max_body_bytes=2000, fail_on=77, max_batch=1,
+                    max_queue=0) as s:
+        problems = outcome_problems(s, Answered(s.server.metrics, monkeypatch, relabel))
+    assert (problems == []) == (relabel is None), problems
 
 
 def test_the_metrics_check_uses_a_parser_that_refuses_a_broken_exposition():
@@ -272,16 +974,21 @@ def test_the_metrics_check_uses_a_parser_that_refuses_a_broken_exposition():
 
 def test_an_api_key_guards_everything_but_health_and_the_page(default_model_path):
     with StubServer(default_model_path, api_key="sesame", cors_origins=["http://allowed.example"]) as s:
+        denied = 0
         with pytest.raises(openai.AuthenticationError):
             client(s).completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        denied += 1
         r = client(s, key="sesame").completions.create(model=MODEL, prompt="hi", max_tokens=1)
         assert r.choices[0].finish_reason == "length"
         for path in ("/v1/models", "/models", "/metrics", "/engine"):
-            denied = httpx.get(s.url + path)
-            assert denied.status_code == 401, path
-            assert denied.json()["error"]["code"] == "invalid_api_key" and "Bearer" in denied.json()["error"]["message"]
+            refused = httpx.get(s.url + path)
+            denied += 1
+            assert refused.status_code == 401, path
+            error = refused.json()["error"]
+            assert error["code"] == "invalid_api_key" and "Bearer" in error["message"]
             assert httpx.get(s.url + path, headers={"Authorization": "Bearer sesame"}).status_code == 200
         wrong = httpx.post(s.url + "/tokenize", json={"content": "x"}, headers={"Authorization": "Bearer open"})
+        denied += 1
         assert wrong.status_code == 401 and "not this server's" in wrong.json()["error"]["message"]
         for path in ("/health", "/", "/static/page.js"):
             assert httpx.get(s.url + path).status_code == 200, path
@@ -292,29 +999,100 @@ def test_an_api_key_guards_everything_but_health_and_the_page(default_model_path
         assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://allowed.example"
         other = httpx.options(s.url + "/v1/completions", headers=dict(pre, Origin="http://elsewhere.example"))
         assert "access-control-allow-origin" not in other.headers
-        assert scrape_with_key(s)[("llm_requests_total", (("outcome", "unauthorized"),))] >= 6
+        assert scrape_key(s, "sesame")[("llm_requests_total", (("outcome", "unauthorized"),))] == denied == 6
 
 
-def scrape_with_key(s):
-    from prometheus_client.parser import text_string_to_metric_families
-    text = httpx.get(s.url + "/metrics", headers={"Authorization": "Bearer sesame"}).text
-    return {(x.name, tuple(sorted(x.labels.items()))): x.value for f in text_string_to_metric_families(text)
-            for x in f.samples}
+def cors_problems(url: str) -> list[str]:
+    """The answers themselves, not only the preflight: a browser reads a response only if it
+    names the page's origin. From the allowed origin: a completion, a 401 (the browser must be
+    able to read why) and /health name it; from another origin nothing does."""
+    problems = []
+    key = {"Authorization": "Bearer sesame"}
+    for origin, headers, path, status in [
+            ("http://allowed.example", key, "/v1/completions", 200),
+            ("http://allowed.example", {}, "/v1/completions", 401),
+            ("http://allowed.example", {}, "/health", 200),
+            ("http://elsewhere.example", key, "/v1/completions", 200)]:
+        if path == "/health":
+            r = httpx.get(url + path, headers={"Origin": origin})
+        else:
+            r = httpx.post(url + path, json={"prompt": "hi", "max_tokens": 1}, headers=dict(headers, Origin=origin))
+        named = r.headers.get("access-control-allow-origin")
+        want = origin if origin == "http://allowed.example" else None
+        if r.status_code != status or named != want:
+            problems.append(f"{path} from {origin}: {r.status_code}, allow-origin {named!r} (want {status}, {want!r})")
+    return problems
 
 
-def test_a_body_over_the_limit_is_a_413_declared_or_not(default_model_path):
+def test_cors_headers_are_on_the_answers_not_only_the_preflight(default_model_path, monkeypatch):
+    from starlette.middleware.cors import CORSMiddleware
+    with StubServer(default_model_path, api_key="sesame", cors_origins=["http://allowed.example"]) as s:
+        assert cors_problems(s.url) == []
+
+        async def preflight_only(self, scope, receive, send, request_headers):       # planted
+            await self.app(scope, receive, send)
+        monkeypatch.setattr(CORSMiddleware, "simple_response", preflight_only)
+        assert cors_problems(s.url) != []
+
+
+def body_limit_problems(url: str, limit: int) -> list[str]:
+    """A body of exactly the limit is taken; one byte more is a 413 that says what it saw: the
+    declared length (Content-Length), or that the body sent in chunks passed the limit. And a
+    64 MiB body, declared or chunked, sent by Python's urllib (which reads no answer before it
+    has sent everything): it reads the 413, not a reset connection."""
+    problems = []
+    json_type = {"content-type": "application/json"}
+    exact = json.dumps({"prompt": "word", "max_tokens": 1}).encode().ljust(limit)
+    r = httpx.post(url + "/v1/completions", content=exact, headers=json_type)
+    if r.status_code != 200:
+        problems.append(f"a body of exactly {limit} bytes: {r.status_code}")
+    over = exact + b" "
+    declared = httpx.post(url + "/v1/completions", content=over, headers=json_type)
+    said = f"the request body is {limit + 1} bytes; this server takes at most {limit}"
+    if declared.status_code != 413 or not declared.json()["error"]["message"].startswith(said):
+        problems.append(f"declared {limit + 1} bytes: {declared.status_code} {declared.text[:100]}")
+    chunked = httpx.post(url + "/v1/completions", content=iter([over[:1000], over[1000:]]), headers=json_type)
+    said = f"the request body is over {limit} bytes"
+    if chunked.status_code != 413 or not chunked.json()["error"]["message"].startswith(said):
+        problems.append(f"chunked {limit + 1} bytes: {chunked.status_code} {chunked.text[:100]}")
+    huge = b"x" * (64 << 20)
+    for kind, data in (("declared", huge), ("chunked", (huge[i:i + (1 << 20)] for i in range(0, len(huge), 1 << 20)))):
+        request = urllib.request.Request(url + "/v1/completions", data=data, headers=json_type)
+        try:
+            urllib.request.urlopen(request, timeout=120)
+            problems.append(f"urllib, 64 MiB {kind}: taken")
+        except urllib.error.HTTPError as e:
+            if e.code != 413:
+                problems.append(f"urllib, 64 MiB {kind}: {e.code}")
+        except OSError as e:                               # ConnectionResetError, inside URLError or not
+            problems.append(f"urllib, 64 MiB {kind}: {e!r}")
+    return problems
+
+
+async def streamed_only(request, limit):
+    """A planted read_body: the declared length never looked at."""
+    parts, n, chunks = [], 0, request.stream()
+    async for chunk in chunks:
+        n += len(chunk)
+        if n > limit:
+            await routes.discard(chunks, n)
+            raise routes.BodyTooLarge(f"the request body is over {limit} bytes, the most this server takes "
+                                      f"(--max-body-bytes)")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+@pytest.mark.parametrize("planted", [None, "the declared length ignored", "nothing discarded"])
+def test_a_body_over_the_limit_is_a_413_declared_or_not_and_every_client_reads_it(default_model_path, monkeypatch,
+                                                                                  planted):
+    if planted == "the declared length ignored":
+        monkeypatch.setattr(routes, "read_body", streamed_only)
+    elif planted == "nothing discarded":
+        monkeypatch.setattr(routes, "DISCARD_BYTES", 0)
     with StubServer(default_model_path, max_body_bytes=2000) as s:
-        big = json.dumps({"prompt": "word " * 1000, "max_tokens": 1}).encode()
-        r = httpx.post(s.url + "/v1/completions", content=big, headers={"content-type": "application/json"})
-        assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
-
-        def chunks():                                   # no Content-Length: sent in pieces
-            for i in range(0, len(big), 500):
-                yield big[i:i + 500]
-        r = httpx.post(s.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
-        assert r.status_code == 413 and "over 2000 bytes" in r.json()["error"]["message"]
-        small = httpx.post(s.url + "/v1/completions", json={"prompt": "word", "max_tokens": 1})
-        assert small.status_code == 200
+        problems = body_limit_problems(s.url, 2000)
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "word", "max_tokens": 1}).status_code == 200
+    assert (problems == []) == (planted is None), problems
 
 
 def test_a_request_past_the_time_limit_ends_with_a_clear_error_and_gives_its_pages_back(default_model_path):
@@ -439,30 +1217,79 @@ def test_log_probability_entries_go_out_with_the_text_they_begin(srv):
     assert end.push(im_end)[0] == "" and end.flush() == ("", []), "an end-of-generation token is not text"
 
 
+class Clock:
+    """Seconds, moved by hand."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Web:
+    """The HTTP thread, as Drain asks of it."""
+
+    alive = True
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
 def test_the_drain_waits_for_the_running_until_its_deadline_and_a_second_signal_ends_it(default_model_path):
     import signal
-    import threading
 
-    from app.serve.scheduler import Request
-    from app.serve.server import Drain
+    from app.serve.command import Drain
     with StubServer(default_model_path, delay=0.01) as s:
-        alive = threading.Thread(target=time.sleep, args=(30,), daemon=True)
-        alive.start()
-        drain = Drain(s.server, alive, timeout=0.6)
+        clock, web = Clock(), Web()
+        drain = Drain(s.server, web, timeout=0.6, clock=clock)
         assert drain.keep_going(), "serving: go on"
-        long = Request(prompt=[1, 2], max_tokens=500)
-        s.scheduler.submit(long)
-        deadline = time.time() + 10
-        while not s.scheduler.stats()["running"] and time.time() < deadline:
-            time.sleep(0.01)
+        long = Sequence(Ask([1, 2], 500))
+        s.loop.submit(long)
+        assert s.loop.wait_for(lambda st: st["running"] == 1, 60)
         drain.signalled(signal.SIGTERM, None)
         assert s.server.draining and drain.keep_going(), "draining with a request running: go on"
-        time.sleep(0.7)
-        assert not drain.keep_going(), "past --drain-timeout: stop"
-        drain.deadline = time.monotonic() + 60
-        assert drain.keep_going()
+        clock.now += 0.6
+        assert not drain.keep_going(), "at --drain-timeout: stop"
+        clock.now -= 0.001
+        assert drain.keep_going(), "the twin: just before it, go on"
         drain.signalled(signal.SIGTERM, None)                # the second signal
         assert not drain.keep_going()
-        s.scheduler.cancel(long)
-        settled(s)
-        assert not Drain(s.server, alive, timeout=60).keep_going(), "draining and nothing left: stop at once"
+        s.loop.cancel(long)
+        s.idle()
+        assert not Drain(s.server, web, timeout=60, clock=clock).keep_going(), "draining and nothing left: stop at once"
+        s.server.draining = False
+        web.alive = False
+        assert not Drain(s.server, web, timeout=60, clock=clock).keep_going(), "the HTTP thread gone: stop"
+
+
+def drain_problems(drain_class, model_path) -> list[str]:
+    """A drain with only waiting requests (the engine loop parked, nothing admitted yet): they
+    are work to finish, so the loop goes on until the deadline."""
+    import signal
+    with StubServer(model_path) as s, s.paused():
+        clock = Clock()
+        waiting = Sequence(Ask([1, 2], 5))
+        s.loop.submit(waiting)
+        stats = s.loop.stats()
+        assert (stats["running"], stats["waiting"]) == (0, 1), "the scene: one waiting, none running"
+        drain = drain_class(s.server, Web(), timeout=5, clock=clock)
+        drain.signalled(signal.SIGTERM, None)
+        problems = [] if drain.keep_going() else ["draining with one request waiting: stopped"]
+        clock.now += 5
+        if drain.keep_going():
+            problems.append("past the deadline: went on")
+        s.loop.cancel(waiting)
+    return problems
+
+
+def test_a_drain_finishes_the_waiting_requests_too(default_model_path):
+    from app.serve.command import Drain
+
+    class RunningOnly(Drain):                               # planted: the waiting forgotten
+        def keep_going(self):
+            s = self.server.loop.stats()
+            return self.web.is_alive() and (not self.server.draining or bool(s["running"])) and \
+                (not self.server.draining or self.clock() < self.deadline)
+    assert drain_problems(Drain, default_model_path) == []
+    assert drain_problems(RunningOnly, default_model_path) != []

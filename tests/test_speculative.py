@@ -651,6 +651,29 @@ def test_from_flags_refuses_what_cannot_run():
 
 # ---- the command line ------------------------------------------------------------------------------
 
+def spec_count_problems(rec: dict) -> list[str]:
+    """A lookup run on a prompt made to be copied: it guessed (drafted > 0: a run that never
+    guessed would pass any bound below), kept some, never more than it guessed, and never more
+    than the tokens after the first. (How many it guesses per step follows the step costs it
+    measures, so the counts themselves are no fixed figure.)"""
+    drafted, accepted, made = rec["drafted"], rec["accepted"], len(rec["tokens"])
+    problems = []
+    if not (isinstance(drafted, int) and isinstance(accepted, int)):
+        problems.append(f"counts {drafted!r}, {accepted!r}")
+    elif not 0 < accepted <= drafted:
+        problems.append(f"{accepted} of {drafted} guesses kept")
+    elif accepted > made - 1:
+        problems.append(f"{accepted} guesses kept among {made - 1} tokens after the first")
+    return problems
+
+
+def test_the_spec_count_check_refuses_a_run_that_never_guessed():
+    ok = {"drafted": 9, "accepted": 6, "tokens": list(range(16))}
+    assert spec_count_problems(ok) == []
+    for planted in ({"drafted": 0, "accepted": 0}, {"accepted": 10}, {"drafted": 40, "accepted": 16}):
+        assert spec_count_problems(dict(ok, **planted)) != [], planted
+
+
 def test_run_spec_lookup_json_has_the_counts_and_plain_text(default_model_path):
     from tests.test_cli import run
     common = ("run", "--stage", FLOAT_STAGE, "-t", "1", "-m", str(default_model_path), "-p", COPY_PROMPT,
@@ -663,7 +686,7 @@ def test_run_spec_lookup_json_has_the_counts_and_plain_text(default_model_path):
     off, look = recs["off"], recs["lookup"]
     assert off["spec"] == "off" and off["drafted"] == off["accepted"] == 0
     assert look["spec"] == "lookup" and look["draft_max"] == 4
-    assert isinstance(look["drafted"], int) and 0 <= look["accepted"] <= look["drafted"]
+    assert spec_count_problems(look) == []
     assert look["tokens"] == off["tokens"]                       # greedy: the same text
     assert look["tokens_per_s_mean"] > 0 and look["spec_calibrate_s"] > 0
 

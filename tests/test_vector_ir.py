@@ -10,8 +10,12 @@ from numba import types
 
 from stages.kernels import vector_ir
 from stages.kernels.vector_ir import B32, B64, D8, D16, F8, vector_intrinsic
+from tests.util import TARGETS, expected_isa, lacks, not_x86_reason
 
-needs_isa = pytest.mark.skipif(vector_ir.ISA is None, reason="this CPU (or numba's target) has no AVX2 + F16C")
+pytestmark = pytest.mark.isa_paths          # cheap: the AVX2-only run (make test-avx2) takes them all
+# skipped by LLVM's view of the CPU numba compiles for (tests/util.py), not by vector_ir's probes
+needs_isa = pytest.mark.skipif(expected_isa() is None, reason=str(lacks("avx2", "f16c")))
+NO_ZMM = lacks("avx512vnni", "avx512bw", "avx512vl", then="vpdpbusd on 512-bit registers")
 
 
 def _kernel(op):
@@ -34,8 +38,8 @@ def _kernel(op):
 @needs_isa
 @pytest.mark.parametrize("lanes", [8, 16], ids=["ymm", "zmm"])
 def test_dpbusd_and_dpwssd(lanes):
-    if lanes == 16 and not vector_ir.ZMM:
-        pytest.skip("this CPU (or numba's target) has no AVX512-VNNI with BW")
+    if lanes == 16 and NO_ZMM:
+        pytest.skip(NO_ZMM)
     acc_ty, byte_ty = (D8, B32) if lanes == 8 else (D16, B64)
     rng = np.random.default_rng(lanes)
     u = rng.integers(0, 129, 4 * lanes).astype(np.uint8)            # unsigned up to 128, as the kernels use it
@@ -79,3 +83,28 @@ def test_exp_fmax_and_the_sums():
     tree = ((vs[:, 0] + vs[:, 2]) + (vs[:, 1] + vs[:, 3])) + ((vs[:, 4] + vs[:, 6]) + (vs[:, 5] + vs[:, 7]))
     assert np.array_equal(out, tree)
 
+
+ZMM_FEATURES = {"avx512vnni", "avx512bw", "avx512vl"}
+
+
+def test_zmm_is_what_llvm_compiles_for_the_target():
+    """ZMM (the pair kernels' 512-bit vpdpbusd) as LLVM's processor definitions say (TARGETS),
+    for named CPUs with and without it, and for the CPU numba compiles for now."""
+    if not_x86_reason():
+        pytest.skip(not_x86_reason())
+    for cpu in ("haswell", "skylake-avx512", "icelake-server", "znver4"):
+        assert vector_ir.target_has(cpu, "", "zmm") == (ZMM_FEATURES <= TARGETS[cpu]), cpu
+    assert vector_ir.ZMM == (NO_ZMM is None and expected_isa() == "vnni")
+
+
+def test_zmm_check_catches_a_wrong_probe(monkeypatch):
+    """Planted: has_zmm told the opposite of this target (host features, or LLVM's answer for a
+    named CPU); the check above then differs."""
+    if not_x86_reason():
+        pytest.skip(not_x86_reason())
+    want = NO_ZMM is None and expected_isa() == "vnni"
+    monkeypatch.setattr(vector_ir, "simd_features", lambda: ["avx2", "f16c", "avx512vl"] + ([] if want else
+                        ["avx512_vnni", "avx512bw", "avx512f"]))
+    monkeypatch.setattr(vector_ir, "target_has", lambda cpu, features, what: not want)
+    monkeypatch.setattr(vector_ir, "named_isa", lambda: "vnni")
+    assert vector_ir.has_zmm() != want

@@ -67,13 +67,24 @@ def thread_counts(pool: int | None = None) -> list[int]:
 
 # ---- what this CPU offers numba ------------------------------------------------------------------
 #
-# Skips for a missing vector instruction are decided here from LLVM's view of the host (what numba
-# compiles for), not from common/cpu.py or the int8 stage's named_isa(): a regression in those
+# Skips for a missing vector instruction are decided here from LLVM's view of the CPU numba
+# compiles for, not from common/cpu.py or the int8 stage's named_isa(): a regression in those
 # probes then fails the tests that need the instructions instead of skipping them as "expected".
-# The reasons' form is one tests/conftest.py EXPECTED_SKIPS knows.
+# By default that CPU is this one (LLVM's host features); where numba is told to compile for
+# another (NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=, the AVX2-only path `make test` runs a
+# subset of), its features come from TARGETS below, LLVM's own processor definitions
+# (llvm/lib/Target/X86/X86.td), written here apart from the kernels' probe (vector_ir.target_isa),
+# plus the +/- features given. The reasons' form is one tests/conftest.py EXPECTED_SKIPS knows.
 
 FEATURE_NAMES = {"avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "avxvnni": "AVX-VNNI", "avx512vnni": "AVX512-VNNI",
                  "avx512vl": "AVX512VL"}
+_AVX2 = frozenset({"avx", "avx2", "fma", "f16c"})
+_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+# LLVM's x86 processors the project has met (cpu-kinds), with the features the tests ask about
+TARGETS = {"x86-64": frozenset(), "haswell": _AVX2, "broadwell": _AVX2, "skylake": _AVX2, "znver2": _AVX2,
+           "znver3": _AVX2, "skylake-avx512": _AVX512, "cascadelake": _AVX512 | {"avx512vnni"},
+           "icelake-server": _AVX512 | {"avx512vnni"}, "sapphirerapids": _AVX512 | {"avx512vnni", "avxvnni"},
+           "znver4": _AVX512 | {"avx512vnni"}}
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,19 +95,24 @@ def host_features() -> frozenset:
 
 
 def target_features() -> frozenset | None:
-    """LLVM's names of the features numba compiles for: NUMBA_CPU_FEATURES's '+name's where it is
-    set (None where it names none), the host's otherwise (numba passes them on with NUMBA_CPU_NAME)."""
+    """LLVM's features of the CPU numba compiles for: this CPU's, or a named target's (TARGETS and
+    the +/- features given); None for a named CPU TARGETS does not know."""
     from numba import config
-    if config.CPU_FEATURES is None:
+    if config.CPU_NAME is None and config.CPU_FEATURES is None:
         return host_features()
-    named = frozenset(f[1:] for f in config.CPU_FEATURES.split(",") if f.startswith("+"))
-    return named or None
+    if config.CPU_NAME is not None and config.CPU_NAME not in TARGETS:
+        return None
+    have = set(TARGETS[config.CPU_NAME] if config.CPU_NAME is not None else host_features())
+    for f in filter(None, (config.CPU_FEATURES or "").split(",")):
+        (have.add if f[0] == "+" else have.discard)(f[1:])
+    return frozenset(have)
 
 
 def numba_target_reason() -> str | None:
-    """Why numba does not compile for this CPU (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES set), or None."""
+    """Why the tests cannot tell which instructions numba compiles with (a named CPU TARGETS does
+    not know), or None."""
     from numba import config
-    if config.CPU_NAME or config.CPU_FEATURES:
+    if target_features() is None:
         return (f"numba's target is set (NUMBA_CPU_NAME={config.CPU_NAME or ''}, NUMBA_CPU_FEATURES="
                 f"{config.CPU_FEATURES or ''}): it compiles for that, not this CPU")
     return None
@@ -117,23 +133,34 @@ def lacks(*features: str, then: str = "", have=None) -> str | None:
         why = numba_target_reason()
         if why:
             return why
-        have = host_features()
+        have = target_features()
     missing = [FEATURE_NAMES.get(f, f.upper()) for f in features if f not in have]
     if not missing:
         return None
-    return f"this CPU has no {' + '.join(missing)} (LLVM's host features)" + (f": {then}" if then else "")
+    return f"{whose()} has no {' + '.join(missing)} ({source()})" + (f": {then}" if then else "")
+
+
+def whose() -> str:
+    """Whose features a skip reason speaks of: this CPU's, or numba's named target's."""
+    from numba import config
+    return "this CPU" if config.CPU_NAME is None and config.CPU_FEATURES is None else \
+        f"numba's target {config.CPU_NAME or 'host'}{config.CPU_FEATURES or ''}"
+
+
+def source() -> str:
+    from numba import config
+    return "LLVM's host features" if config.CPU_NAME is None and config.CPU_FEATURES is None else \
+        "LLVM's features of that CPU"
 
 
 def expected_isa(have=None) -> str | None:
-    """The int8 kernels' instruction set this CPU should get (stages/kernels/vector_ir.py named_isa's
-    rule, from LLVM's features): 'vnni' (vpdpbusd on 256-bit registers: AVX-VNNI, or AVX512-VNNI
-    with AVX512VL), 'avx2', or None (no AVX2 + F16C, or numba's target set)."""
+    """The int8 kernels' instruction set numba's target should get (stages/kernels/vector_ir.py
+    named_isa's rule, from LLVM's features): 'vnni' (vpdpbusd on 256-bit registers: AVX-VNNI, or
+    AVX512-VNNI with AVX512VL), 'avx2', or None (no AVX2 + F16C, or a target not known here)."""
     if have is None:
-        if not_x86_reason():
+        if not_x86_reason() or numba_target_reason():
             return None
         have = target_features()
-        if have is None:
-            return None
     if not {"avx2", "f16c"} <= have:
         return None
     return "vnni" if "avxvnni" in have or {"avx512vnni", "avx512vl"} <= have else "avx2"
@@ -144,7 +171,7 @@ def lacks_vnni(then: str) -> str | None:
     if expected_isa() == "vnni":
         return None
     why = lacks("avx2", "f16c", then=then)
-    return why or f"this CPU has no AVX-VNNI, nor AVX512-VNNI with AVX512VL (LLVM's host features): {then}"
+    return why or f"{whose()} has no AVX-VNNI, nor AVX512-VNNI with AVX512VL ({source()}): {then}"
 
 
 # ---- masks -----------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
-from common.cpu import cpu_model, physical_cores, simd_features
+from common.cpu import cpu_model, cpuinfo, isa_level, physical_cores, simd_features
 
 
 def _caches() -> dict:
@@ -49,8 +49,11 @@ def machine_info() -> dict:
         mem = int(m.group(1)) * 1024 if m else None
     except OSError:
         pass
+    info = cpuinfo()
     return {
         "cpu": cpu_model(),
+        "cpu_signature": cpu_signature(info),
+        "isa": isa_level(simd_features(info)),
         "arch": platform.machine(),
         "logical_cpus": os.cpu_count(),
         "physical_cores": physical_cores(),
@@ -62,11 +65,31 @@ def machine_info() -> dict:
     }
 
 
-def machine_id() -> str:
-    """A short folder name for this machine's results: cpu model + cores."""
-    cpu = re.sub(r"\(R\)|\(TM\)|CPU|Processor|@.*", "", machine_info()["cpu"])
-    cpu = re.sub(r"[^A-Za-z0-9]+", "-", cpu).strip("-").lower()
-    return f"{cpu}-{machine_info()['physical_cores']}c"
+VENDORS = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
+
+
+def cpu_signature(info: dict) -> dict:
+    """Who made the CPU and which design it is: x86's vendor, family and model numbers (one
+    family/model is one microarchitecture: Ice Lake server is 6/106, Zen 3 25/1, Zen 4 25/17),
+    or an ARM core's implementer and part."""
+    if "vendor_id" in info:
+        return {"vendor": info["vendor_id"], "family": info.get("cpu family"), "model": info.get("model")}
+    return {"vendor": info.get("CPU implementer"), "part": info.get("CPU part")}
+
+
+def machine_id(info: dict | None = None) -> str:
+    """The folder name of this machine's records: what decides the speed, so that two CPUs that
+    differ there never share a folder: vendor, the product name, family/model (the design),
+    the vector ISA level and the cores, e.g. intel-xeon-f6m106-avx512vnni-2c (Ice Lake server),
+    amd-epyc-f25m1-avx2-2c (Zen 3). `info` stands in for machine_info() (tests)."""
+    info = info or machine_info()
+    sig = info.get("cpu_signature") or {}
+    vendor = VENDORS.get(sig.get("vendor"), re.sub(r"[^a-z0-9]+", "", str(sig.get("vendor") or "cpu").lower()))
+    name = re.sub(r"\(R\)|\(TM\)|\bCPU\b|Processor|@.*|\d+-Core|\bIntel\b|\bAMD\b", "", info["cpu"])
+    name = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower() or "cpu"
+    design = f"f{sig['family']}m{sig['model']}" if sig.get("family") is not None else \
+        f"i{sig.get('vendor')}p{sig.get('part')}".lower().replace("0x", "")
+    return f"{vendor}-{name}-{design}-{info['isa']}-{info['physical_cores']}c"
 
 
 def _vm_hwm_bytes() -> int | None:

@@ -14,9 +14,14 @@ order, and the page quotes medians over rounds and ratios taken within a round.
 
 Memory, per process: the model file's resident pages (/proc/self/smaps: every mapping of the
 file) less those resident before the weights were prepared (the header and the vocabulary, which
-every rank reads), plus the weights copied out of the file (tp's row-parallel slices), plus the
-KV cache as allocated (its arena, every position of the context). The process's whole resident
-size (Python, numba, LLVM) is recorded beside it: that part does not split.
+every rank reads), plus the weights held in private memory (the repack stage's repacked copy; tp's
+row-parallel slices are copied out of the file, repacked, then let go), plus the KV cache as
+allocated (its arena, every position of the context). The process's whole resident size (Python,
+numba, LLVM) is recorded beside it: that part does not split.
+
+Across a link (scripts/bench_tp.py --link: two network namespaces joined by a veth pair,
+app/netns.py), each rank also reads the bytes its end of the pair sent during the decode steps
+from the kernel's counters: what crossed the wire, headers and all, beside the modelled payload.
 """
 
 from __future__ import annotations
@@ -59,6 +64,16 @@ def _vm_rss() -> int:
     return 0
 
 
+def _link_tx_bytes() -> int | None:
+    """Bytes sent so far by this process's end of the veth pair, if it runs in one of app/netns.py's
+    namespaces (where the interface exists), else None."""
+    from app.netns import IFACE
+    try:
+        return int(Path(f"/sys/class/net/{IFACE}/statistics/tx_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _top(logits: np.ndarray) -> list:
     idx = np.argsort(logits)[::-1][:TOP]
     return [[int(i), float(logits[i])] for i in idx]
@@ -94,11 +109,11 @@ def run_worker(stage: str, model, threads: int, prompt_tokens: int, n_predict: i
     from stages import load
 
     g = GGUFFile(model)
+    header_rss = _smaps_rss(g.path)                      # the header and vocabulary: before any weight is read
     t0 = time.perf_counter()
     engine = load(stage, g, n_ctx=n_ctx, threads=threads)
     load_s = time.perf_counter() - t0
     ranks = getattr(engine.backend, "ranks", None)
-    header_rss = _smaps_rss(g.path)                      # before any weight is read (lookups aside)
     prompt = bench_prompt(engine.tokenizer, prompt_tokens)
     jit_s = engine.warmup()
     engine.reset()
@@ -110,6 +125,7 @@ def run_worker(stage: str, model, threads: int, prompt_tokens: int, n_predict: i
     tokens.append(tok)
     tops.append(_top(logits))
     before = first = _comm(ranks)
+    link_first = _link_tx_bytes()
     for i in range(n_predict - 1):
         t0 = time.perf_counter()
         logits = engine.forward([tok], len(prompt) + i, all_logits=False)[0]
@@ -123,18 +139,21 @@ def run_worker(stage: str, model, threads: int, prompt_tokens: int, n_predict: i
         tokens.append(tok)
         tops.append(_top(logits))
     end = _comm(ranks)
+    link_end = _link_tx_bytes()
     n_steps = max(1, len(steps))
     per_token = {k: {f: _delta(end, first, k, f) / n_steps for f in ("calls", "payload_bytes", "sent_bytes")}
                  for k in ("allreduce", "gather")}                      # decode steps only (one row each)
     weights_file = max(0, _smaps_rss(g.path) - header_rss)
-    copied = int(getattr(engine.backend, "copied_bytes", 0))
+    private = int(getattr(getattr(engine.backend, "buffer", None), "nbytes", 0))      # repacked: a private copy
     me = {
         "rank": ranks.rank if ranks else 0, "host": ranks.host if ranks else os.uname().nodename,
         "pid": os.getpid(), "threads": engine.backend.threads,
         "steps": steps, "per_token": per_token,
+        "link_tx_bytes_per_token": None if link_first is None else (link_end - link_first) / n_steps,
         "memory": {"file_header_bytes": header_rss, "weights_file_bytes": weights_file,
-                   "weights_copied_bytes": copied, "kv_cache_bytes": engine.kv_bytes(),
-                   "weights_and_kv_bytes": weights_file + copied + engine.kv_bytes(),
+                   "weights_private_bytes": private, "kv_cache_bytes": engine.kv_bytes(),
+                   "weights_and_kv_bytes": weights_file + private + engine.kv_bytes(),
+                   "weights_copied_bytes": int(getattr(engine.backend, "copied_bytes", 0)),
                    "weights_held_bytes": engine.weight_bytes(), "process_rss_bytes": _vm_rss()},
         "share": vars(engine.backend.share) if getattr(engine.backend, "share", None) else None,
     }
@@ -161,7 +180,8 @@ def _median(xs):
 
 def label(run: dict) -> str:
     if run["stage"] == "tp":
-        return f"tp, {run['n_ranks']} rank{'s' if run['n_ranks'] > 1 else ''}"
+        link = f" over a {run['link']} link" if run.get("link") else ""
+        return f"tp, {run['n_ranks']} rank{'s' if run['n_ranks'] > 1 else ''}{link}"
     return f"{run['stage']}, {run['threads']} thread{'s' if run['threads'] > 1 else ''}"
 
 
@@ -192,12 +212,15 @@ def summary(record: dict) -> dict:
         for r in range(first["n_ranks"]):
             fig = rank_figures(runs, r)
             mem = {k: _median([run["ranks"][r]["memory"][k] for run in runs]) for k in first["ranks"][r]["memory"]}
+            wire = [run["ranks"][r].get("link_tx_bytes_per_token") for run in runs]
             ranks.append({**fig, "memory": mem, "memory_vs_one_process": mem["weights_and_kv_bytes"] / whole_mem,
                           "allreduce_share": fig["allreduce_ms"] / fig["ms"] if fig["ms"] else float("nan"),
                           "per_token": first["ranks"][r]["per_token"],
+                          "wire_bytes_per_token": _median(wire) if None not in wire else None,
                           "latency_us": first["ranks"][r].get("latency_us"),
                           "share": first["ranks"][r].get("share")})
         out[name] = {"stage": first["stage"], "n_ranks": first["n_ranks"], "threads": first["threads"],
+                     "link": first.get("link"),
                      "decode_ms": _median([run["decode_ms"] for run in runs]),
                      "ttft_ms": _median([run["ttft_ms"] for run in runs]), "ranks": ranks, "tokens": first["tokens"],
                      "top": first["top"]}
@@ -225,6 +248,26 @@ def divergence(base: dict, other: dict) -> dict | None:
 
 def _mib(b) -> str:
     return f"{b / 2**20:,.1f}"
+
+
+def _kib(b) -> str:
+    return "-" if b is None else f"{b / 1024:,.1f}"
+
+
+def ratio_pairs(record: dict, s: dict) -> list:
+    """[(a, b)] the page compares: tp at N ranks against the base at N threads, and tp across a
+    link against the base and against tp through shared memory."""
+    pairs = []
+    for n in record["settings"]["ranks"]:
+        one = label({"stage": record["base_stage"], "threads": n})
+        for tp in (label({"stage": "tp", "n_ranks": n}), *(name for name, c in s.items()
+                                                           if c["link"] and c["n_ranks"] == n)):
+            if tp in s and one in s:
+                pairs.append((tp, one))
+        linked = [name for name, c in s.items() if c["link"] and c["n_ranks"] == n]
+        if linked and label({"stage": "tp", "n_ranks": n}) in s:
+            pairs += [(name, label({"stage": "tp", "n_ranks": n})) for name in linked]
+    return pairs
 
 
 def page(record: dict, source: str) -> str:
@@ -255,17 +298,16 @@ def page(record: dict, source: str) -> str:
                          f"| {rk['allreduce_ms']:.2f} | {rk['gather_ms']:.2f} | {rk['allreduce_share']:.1%} "
                          f"| {c['ttft_ms']:.0f} |")
     lines += ["", "Ratios of decode time, each taken within a round:", ""]
-    for n in record["settings"]["ranks"]:
-        tp = label({"stage": "tp", "n_ranks": n})
-        one = label({"stage": base, "threads": n})
-        if tp in s and one in s:
-            lines.append(f"- {tp} / {one}: {ratio_in_rounds(record, tp, one):.2f}")
+    for a, b in ratio_pairs(record, s):
+        lines.append(f"- {a} / {b}: {ratio_in_rounds(record, a, b):.2f}")
     lines += ["", "## Bytes per token and the collectives alone", "",
               "Per rank and decode token: the messages' payload, and what the rank sends as ring algorithms send it "
-              "(modelled from the sizes, not counted on the wire). Latency: one collective alone, every rank already "
-              "there (after a barrier), median of repeated calls.", "",
+              "(modelled from the sizes); across a link, what its end of the link sent, read from the kernel's "
+              "counters (TCP/IP headers and MPI's own messages included). Latency: one collective alone, every rank "
+              "already there (after a barrier), median of repeated calls.", "",
               "| condition | rank | collectives / token | all-reduce payload KiB | gather payload KiB | sent KiB | "
-              "all-reduce alone us | gather alone us |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "on the wire KiB | all-reduce alone us | gather alone us |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, c in s.items():
         if c["stage"] != "tp" or c["n_ranks"] < 2:
             continue
@@ -275,19 +317,22 @@ def page(record: dict, source: str) -> str:
             lines.append(f"| {name} | {r} | {pt['allreduce']['calls'] + pt['gather']['calls']:.0f} "
                          f"| {pt['allreduce']['payload_bytes'] / 1024:,.1f} "
                          f"| {pt['gather']['payload_bytes'] / 1024:,.1f} "
-                         f"| {sent / 1024:,.1f} | {lat.get('allreduce', float('nan')):.1f} "
+                         f"| {sent / 1024:,.1f} | {_kib(rk.get('wire_bytes_per_token'))} "
+                         f"| {lat.get('allreduce', float('nan')):.1f} "
                          f"| {lat.get('gather', float('nan')):.1f} |")
     lines += ["", "## Memory per rank", "",
               "Weights resident (the file's pages this process mapped, less the header and vocabulary it read first), "
-              "weights copied out of the file (tp's row-parallel slices), the KV cache as allocated; against one "
+              "weights held in private memory (copies: the repacked weights, or slices copied out of the file), the KV "
+              "cache as allocated; against one "
               f"process of {base} at 1 thread. The whole process (Python, numba, LLVM) does not split.", "",
-              "| condition | rank | weights resident MiB | copied MiB | KV cache MiB | weights + KV MiB "
+              "| condition | rank | weights resident MiB | private MiB | KV cache MiB | weights + KV MiB "
               "| vs one process | header MiB | process RSS MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, c in s.items():
         for r, rk in enumerate(c["ranks"]):
             mm = rk["memory"]
             lines.append(f"| {name} | {r if c['stage'] == 'tp' else '-'} | {_mib(mm['weights_file_bytes'])} "
-                         f"| {_mib(mm['weights_copied_bytes'])} | {_mib(mm['kv_cache_bytes'])} "
+                         f"| {_mib(mm.get('weights_private_bytes', mm['weights_copied_bytes']))} "
+                         f"| {_mib(mm['kv_cache_bytes'])} "
                          f"| {_mib(mm['weights_and_kv_bytes'])} | {rk['memory_vs_one_process']:.2f}x "
                          f"| {_mib(mm['file_header_bytes'])} | {_mib(mm['process_rss_bytes'])} |")
     lines += _fit_lines(record, s) + _greedy_lines(record, s) + _network_lines(record, s)
@@ -308,7 +353,7 @@ def _fit_lines(record, s) -> list:
              f"larger than {(ram - overhead) / 2**30:.1f} GiB do not fit. Split over N ranks on N such machines, each "
              "holds its largest share (below) plus the same per-process part:", ""]
     for c in s.values():
-        if c["stage"] == "tp" and c["n_ranks"] > 1:
+        if c["stage"] == "tp" and c["n_ranks"] > 1 and not c["link"]:
             worst = max(rk["memory_vs_one_process"] for rk in c["ranks"])
             lines.append(f"- {c['n_ranks']} ranks: the largest share is {worst:.2f}x of the whole, so up to "
                          f"{(ram - overhead) / worst / 2**30:.1f} GiB of weights and KV cache fit")
@@ -343,7 +388,7 @@ def _network_lines(record, s) -> list:
              "| condition | sent KiB/token | at the measured rate, MB/s | link | transfer ms/token | round trips "
              "ms/token | projected ms/token |", "|---|---:|---:|---|---:|---:|---:|"]
     for name, c in s.items():
-        if c["stage"] != "tp" or c["n_ranks"] < 2:
+        if c["stage"] != "tp" or c["n_ranks"] < 2 or c["link"]:
             continue
         pt = c["ranks"][0]["per_token"]
         sent = max(rk["per_token"]["allreduce"]["sent_bytes"] + rk["per_token"]["gather"]["sent_bytes"]
@@ -356,6 +401,27 @@ def _network_lines(record, s) -> list:
             trips = calls * lat_us / 1e3
             lines.append(f"| {name} | {sent / 1024:,.1f} | {rate:,.1f} | {gbit} Gb/s | {transfer:.3f} | {trips:.2f} "
                          f"| {compute + transfer + trips:.2f} |")
+    return lines + _link_lines(record, s)
+
+
+def _link_lines(record, s) -> list:
+    """The same ranks measured across a link, beside themselves through shared memory."""
+    linked = [c for c in s.values() if c["link"]]
+    if not linked:
+        return []
+    lines = ["", "## Measured across a link", "",
+             f"tp's ranks {record['link']['how']}. Per rank and decode token, beside the same ranks through shared "
+             "memory: the step, the time in the collectives (waiting included), what its end of the link sent, and "
+             "one collective alone.", "",
+             "| condition | rank | decode ms/token | all-reduce ms | gather ms | on the wire KiB/token "
+             "| all-reduce alone us | gather alone us |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in linked:
+        for name in (label({"stage": "tp", "n_ranks": c["n_ranks"]}), label(c)):
+            for r, rk in enumerate(s[name]["ranks"] if name in s else []):
+                lat = rk["latency_us"] or {}
+                lines.append(f"| {name} | {r} | {rk['ms']:.2f} | {rk['allreduce_ms']:.2f} | {rk['gather_ms']:.2f} "
+                             f"| {_kib(rk.get('wire_bytes_per_token'))} | {lat.get('allreduce', float('nan')):.1f} "
+                             f"| {lat.get('gather', float('nan')):.1f} |")
     return lines
 
 
@@ -381,7 +447,7 @@ def chart(record: dict, path):
     a2.bar(names, mem, color="#2f6db3")
     for i, b in enumerate(bars):
         a2.text(i, mem[i], f"{b[1]['memory_vs_one_process']:.2f}x", ha="center", va="bottom", fontsize=8)
-    a2.set_ylabel("MiB: weights resident + copied + KV cache")
+    a2.set_ylabel("MiB: weights resident + private + KV cache")
     a2.set_title("Memory per rank, against one process")
     for ax in (a1, a2):
         ax.tick_params(axis="x", labelsize=7)

@@ -1,14 +1,23 @@
-"""OpenAI's request bodies in, the engine's request out; its log-probabilities back in OpenAI's shapes.
+"""OpenAI's request bodies in (completions and chat), a Job out: what the engine is asked.
 
 Every field of OpenAI's completions and chat completions APIs is either honoured or refused by
-name with a 400 (UNSUPPORTED: tools, response_format, ...); a field OpenAI does not have is
-refused as unrecognized, as OpenAI does. The generation parameters go through the command
-line's own validation (common/generate.py: SamplingParams, check_n_predict, check_fits), so a
-value out of range gets the same words in both, with the API's names for the fields.
+name with a 400 (UNSUPPORTED: functions, audio, ...); a field OpenAI does not have is refused as
+unrecognized, as OpenAI does. The generation parameters go through the command line's own
+validation (common/generate.py: SamplingParams, check_n_predict, check_fits), so a value out of
+range gets the same words in both, with the API's names for the fields.
+
+Structured outputs and tool calls (app/structured/): chat takes `response_format` (json_object,
+json_schema), `tools`, `tool_choice` and `parallel_tool_calls`; text completions take
+`response_format` too, as llama-server's do (tools are for chat). They become one grammar, and
+each choice decodes under it (common/constrain/: the grammar's mask first in its sampler). A
+schema llguidance refuses, or a field of the wrong shape, is a 400 whose `param` names the field.
+Chat messages go through app/structured's render_prompt, so assistant turns with `tool_calls` and
+`tool` results render whether or not the request has tools.
 
 Log-probabilities are the model's own: log-softmax of the logits, before logit_bias, penalties
 and temperature (what vLLM returns by default), so the greedy token is the most likely one
-unless a bias or penalty moved it.
+unless a bias or penalty moved it; under a grammar, before its mask too. The answers' shapes are
+app/serve/replies.py's.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 
+from app.structured import Structured, StructuredError, render_prompt, structured
 from common.generate import ContextError, ParameterError, SamplingParams
 from common.tokenizer import TokenizerError
 
@@ -30,14 +40,17 @@ MAX_TOP_LOGPROBS = 20
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
                  "n", "user", "frequency_penalty", "presence_penalty", "logit_bias",
                  "top_k", "min_p", "repeat_penalty", "ignore_eos"}          # the last four: llama.cpp's
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "store"}
+STRUCTURED_FIELDS = {"response_format", "tools", "tool_choice", "parallel_tool_calls"}    # app/structured
+# completions: tools and the rest are taken in only to be refused with words that say why
+COMPLETION_FIELDS = COMMON_FIELDS | STRUCTURED_FIELDS | {"prompt", "echo", "logprobs", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | STRUCTURED_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                                   "store"}
 # OpenAI's fields this server does not do: refused by name unless given their neutral value
-UNSUPPORTED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None,
-               "parallel_tool_calls": None, "response_format": None, "audio": None, "modalities": None,
+UNSUPPORTED = {"functions": None, "function_call": None, "audio": None, "modalities": None,
                "prediction": None, "reasoning_effort": None, "web_search_options": None, "suffix": None,
                "metadata": None, "service_tier": None, "verbosity": None, "prompt_cache_key": None,
                "safety_identifier": None, "best_of": 1, "store": False}
+INSTEAD = {"functions": "tools", "function_call": "tool_choice"}     # the deprecated names' successors
 # SamplingParams' names for the API's
 API_NAMES = {"temp": "temperature", "n_predict": "max_tokens"}
 
@@ -63,8 +76,8 @@ def parse_json(body: bytes) -> dict:
 def check_fields(data: dict, allowed: set):
     for name in sorted(data):
         if name in UNSUPPORTED and data[name] is not None and data[name] != UNSUPPORTED[name]:
-            raise BadRequest(f"{name}: not supported by this server (it generates plain text; remove {name} "
-                             f"from the request)", name)
+            instead = f"; use {INSTEAD[name]}" if name in INSTEAD else ""
+            raise BadRequest(f"{name}: not supported by this server (remove {name} from the request{instead})", name)
     unknown = sorted(set(data) - allowed - set(UNSUPPORTED))
     if unknown:
         raise BadRequest(f"unrecognized request argument: {unknown[0]} (this server takes: "
@@ -131,32 +144,55 @@ def api_error(e: ParameterError, key: str | None = None) -> BadRequest:
     return BadRequest(api + message[m.end() - 3:], api if api in CHAT_FIELDS | COMPLETION_FIELDS else None)
 
 
-def chat_text(messages) -> list[dict]:
-    """OpenAI's messages -> [{role, content: str}]; content may be a string or text parts.
-    The developer role (OpenAI's newer name for system) is the system role."""
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-            raise BadRequest(f"messages[{i}] must be an object with role system, developer, user or assistant",
-                             "messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string", "messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content})
-    return out
+def prompt_ids(data: dict, tokenizer, chat: bool, n_vocab: int, request: Structured) -> list[int]:
+    """The prompt's token ids: chat's messages through the model's template (render_prompt:
+    tool calls and results, and the request's tools where it has some); a completion's text
+    tokenized as `run -p` does, or its list of token ids as given."""
+    param = "messages" if chat else "prompt"
+    try:
+        if chat:
+            text = render_prompt(tokenizer, data.get("messages"), request)
+            ids = tokenizer.encode(text, add_bos=None, parse_special=True)
+        else:
+            prompt = data.get("prompt")
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in prompt):
+                if any(t < 0 or t >= n_vocab for t in prompt):
+                    raise BadRequest(f"prompt token ids must be in 0..{n_vocab - 1}", "prompt")
+                ids = list(prompt)
+            elif isinstance(prompt, str):
+                ids = tokenizer.encode(prompt)
+            else:
+                raise BadRequest("prompt must be a string (or a list of token ids); one prompt per request", "prompt")
+    except TokenizerError as e:
+        raise BadRequest(str(e), param) from None
+    except StructuredError as e:
+        raise BadRequest(str(e), e.param) from None
+    if not ids:
+        raise BadRequest("the prompt is empty (no tokens): give at least one token to continue from", param)
+    return ids
+
+
+def default_max_tokens(chat: bool, n_ctx: int, n_prompt: int) -> int:
+    """OpenAI's: 16 for completions; chat: up to the context's end."""
+    return max(1, n_ctx - n_prompt) if chat else COMPLETION_MAX_TOKENS
+
+
+def constraints(server, data: dict, chat: bool) -> Structured:
+    """The request's response_format and tools (app/structured: structured); without any, no
+    grammar, and llguidance's tokenizer is never built (server.ll)."""
+    if all(data.get(name) is None for name in STRUCTURED_FIELDS):
+        return Structured(form=server.tool_form)
+    try:
+        return structured(data, server.ll, server.tool_form, chat)
+    except StructuredError as e:
+        raise BadRequest(str(e), e.param) from None
 
 
 class Job:
     """A parsed request: prompt ids, max tokens, sampler, n choices, stop strings, stream or
-    not, and which log-probabilities to return (`logprobs`: alternatives per sampled token,
+    not, what constrains the reply (`structured`, its `grammar`), and which log-probabilities
+    to return (`logprobs`: alternatives per sampled token,
     None for none; `prompt_logprobs`: the same for the prompt, when echoed)."""
 
     def __init__(self, server, data: dict, chat: bool):
@@ -165,16 +201,39 @@ class Job:
         model = typed(data, "model", str, "a string")
         if model is not None and model not in server.model_names:
             raise BadRequest(f"model '{model}' is not served here; this server has '{server.model_id}'", "model")
+        scheduler = server.loop.scheduler
         self.stream = typed(data, "stream", bool, "true or false", False)
         options = typed(data, "stream_options", dict, "an object", {})
         self.include_usage = bool(options.get("include_usage", False))
-        self.n = count(data, "n", 1, server.scheduler.max_batch, 1)
+        self.n = count(data, "n", 1, scheduler.max_batch, 1)
         self.user = typed(data, "user", str, "a string")
         ignore_eos = typed(data, "ignore_eos", bool, "true or false", False)
         self.stops = stop_strings(data)
         n_vocab = server.engine.config.n_vocab
         self.params = sampling_params(data, n_vocab)
-        if chat:
+        self._logprobs(data)
+        self.structured = constraints(server, data, chat)
+        self.grammar = self.structured.grammar          # None: nothing constrains the reply
+        self.prompt = prompt_ids(data, server.tokenizer, chat, n_vocab, self.structured)
+        default = default_max_tokens(chat, server.engine.n_ctx, len(self.prompt))
+        key = "max_completion_tokens" if chat and data.get("max_completion_tokens") is not None else "max_tokens"
+        self.max_tokens = data.get(key) if data.get(key) is not None else default
+        # echo with max_tokens 0: the prompt alone (evaluation harnesses score it so)
+        self.score_only = self.echo and self.max_tokens == 0 and not isinstance(self.max_tokens, bool)
+        try:
+            scheduler.check(len(self.prompt), self.max_tokens, score_only=self.score_only)
+        except ParameterError as e:
+            message = str(e)
+            if self.max_tokens == 0:
+                message += " (0 only with echo: the prompt's log-probabilities, nothing generated)"
+            raise api_error(ParameterError(message), key) from None
+        except ContextError as e:
+            raise BadRequest(str(e), key) from None
+        self.stop_ids = frozenset() if ignore_eos else frozenset(server.tokenizer.eog_ids)
+
+    def _logprobs(self, data: dict):
+        """echo, logprobs (chat: logprobs + top_logprobs), and so prompt_logprobs."""
+        if self.chat:
             self.echo = False
             wanted = typed(data, "logprobs", bool, "true or false", False)
             top = count(data, "top_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -185,79 +244,3 @@ class Job:
             self.echo = typed(data, "echo", bool, "true or false", False)
             self.logprobs = count(data, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
         self.prompt_logprobs = self.logprobs if self.echo else None
-        tok = server.tokenizer
-        try:
-            if chat:
-                text = tok.apply_chat_template(chat_text(data.get("messages")), add_generation_prompt=True)
-                self.prompt = tok.encode(text, add_bos=None, parse_special=True)
-            else:
-                prompt = data.get("prompt")
-                if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                               for t in prompt):
-                    if any(t < 0 or t >= n_vocab for t in prompt):
-                        raise BadRequest(f"prompt token ids must be in 0..{n_vocab - 1}", "prompt")
-                    self.prompt = list(prompt)
-                elif isinstance(prompt, str):
-                    self.prompt = tok.encode(prompt)
-                else:
-                    raise BadRequest("prompt must be a string (or a list of token ids); one prompt per request",
-                                     "prompt")
-        except TokenizerError as e:
-            raise BadRequest(str(e), "messages" if chat else "prompt") from None
-        if not self.prompt:
-            raise BadRequest("the prompt is empty (no tokens): give at least one token to continue from",
-                             "messages" if chat else "prompt")
-        n_ctx = server.engine.n_ctx
-        default = max(1, n_ctx - len(self.prompt)) if chat else COMPLETION_MAX_TOKENS
-        key = "max_completion_tokens" if chat and data.get("max_completion_tokens") is not None else "max_tokens"
-        self.max_tokens = data.get(key) if data.get(key) is not None else default
-        # echo with max_tokens 0: the prompt alone (evaluation harnesses score it so)
-        self.score_only = self.echo and self.max_tokens == 0 and not isinstance(self.max_tokens, bool)
-        try:
-            server.scheduler.check(len(self.prompt), self.max_tokens, score_only=self.score_only)
-        except ParameterError as e:
-            message = str(e)
-            if self.max_tokens == 0:
-                message += " (0 only with echo: the prompt's log-probabilities, nothing generated)"
-            raise api_error(ParameterError(message), key) from None
-        except ContextError as e:
-            raise BadRequest(str(e), key) from None
-        self.stop_ids = frozenset() if ignore_eos else frozenset(tok.eog_ids)
-
-
-# ---- log-probabilities in OpenAI's shapes --------------------------------------------------------
-
-def token_string(tokenizer, token_id: int) -> tuple[str, list[int]]:
-    """A token as the logprobs objects show it: its text (a special token's too), and its bytes;
-    a piece that is not whole UTF-8 is written 'bytes:\\xe2\\x80' as OpenAI does."""
-    raw = tokenizer.token_piece(token_id, special=True)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-    return text, list(raw)
-
-
-def completion_logprobs(tokenizer, entries) -> dict:
-    """Completions' shape: parallel lists. entries: (token id, logprob | None, top | None,
-    offset in the text)."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for tid, lp, top, offset in entries:
-        out["tokens"].append(token_string(tokenizer, tid)[0])
-        out["token_logprobs"].append(lp)
-        out["top_logprobs"].append(None if top is None else {token_string(tokenizer, i)[0]: v for i, v in top})
-        out["text_offset"].append(offset)
-    return out
-
-
-def chat_logprobs(tokenizer, entries) -> dict:
-    """Chat's shape: one object per token, its alternatives inside."""
-    content = []
-    for tid, lp, top, _ in entries:
-        text, raw = token_string(tokenizer, tid)
-        alternatives = []
-        for i, v in top or ():
-            t, b = token_string(tokenizer, i)
-            alternatives.append({"token": t, "logprob": v, "bytes": b})
-        content.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": alternatives})
-    return {"content": content, "refusal": None}

@@ -24,9 +24,9 @@ OUTCOMES = ("stop", "length", "cancelled", "error", "timeout", "bad_request", "u
 
 
 class Metrics:
-    """The server's counters, histograms and gauges; `scheduler.observer` is this."""
+    """The server's counters, histograms and gauges; the engine loop's `observer` is this."""
 
-    def __init__(self, scheduler):
+    def __init__(self, loop):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
         r = self.registry = CollectorRegistry()
         self.requests = Counter("llm_requests", "Requests answered, by outcome", ["outcome"], registry=r)
@@ -48,9 +48,9 @@ class Metrics:
                                         lambda s: s["kv_pages_total"] - s["kv_pages_free"]),
                   "llm_kv_pages_free": ("KV pages free (cached prefix pages included)", lambda s: s["kv_pages_free"])}
         for name, (text, read) in gauges.items():
-            Gauge(name, text, registry=r).set_function(lambda read=read: read(scheduler.stats()))
+            Gauge(name, text, registry=r).set_function(lambda read=read: read(loop.stats()))
 
-    # the scheduler's observer interface (engine thread)
+    # the engine loop's observer interface (engine thread)
     def step(self, rows: int):
         self.rows.observe(rows)
 

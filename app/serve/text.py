@@ -43,15 +43,19 @@ class TextStream:
     """One choice's ids in, (text, log-probability entries, stopped) out. An entry is (token
     id, logprob, top, offset): offset is where the token's text begins, counted from `base`
     (the echoed prompt's length); a token's entry goes out with the text it begins, so the
-    entries sent always cover exactly the text sent."""
+    entries sent always cover exactly the text sent. An end-of-generation token (`end_ids`)
+    is neither text nor an entry."""
 
-    def __init__(self, tokenizer, stops: list[str], special: bool = False, base: int = 0):
+    def __init__(self, tokenizer, stops: list[str], special: bool = False, base: int = 0, end_ids=frozenset()):
         self.decoder = tokenizer.stream_decoder(skip_special=not special)
         self.stops = StopMatcher(stops)
+        self.end_ids = end_ids
         self.decoded = self.sent = base             # characters decoded, and sent
         self.pending = []                           # entries whose text is not sent yet
 
     def push(self, token_id: int, logprob=None, top=None) -> tuple[str, list, bool]:
+        if token_id in self.end_ids:
+            return "", [], False
         piece = self.decoder.push(token_id)
         if logprob is not None:
             self.pending.append((token_id, logprob, top, self.decoded))

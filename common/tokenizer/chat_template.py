@@ -7,6 +7,7 @@ import json
 from datetime import datetime
 
 import jinja2
+import jinja2.meta
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -50,3 +51,13 @@ def render(template: jinja2.Template, context: dict) -> str:
         raise
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
         raise TokenizerError(f"chat template failed: {type(e).__name__}: {e}") from e
+
+
+def template_variables(text: str) -> set:
+    """The variables a template reads from its context (messages, add_generation_prompt, tools,
+    ...): a template that reads `tools` shows the tools to the model itself."""
+    env = ImmutableSandboxedEnvironment(extensions=[GenerationTag, loopcontrols])
+    try:
+        return set(jinja2.meta.find_undeclared_variables(env.parse(text)))
+    except jinja2.TemplateError:
+        return set()

@@ -7,7 +7,8 @@
 # machine's memory bandwidth is the limit, production engines split **every layer** across
 # devices: Megatron-LM's tensor parallelism, which vLLM runs over NCCL and llama.cpp over its RPC
 # backend. The stage `tp` does it with processes talking through MPI (`mpiexec -n N`), on this
-# machine's cores or on several machines:
+# machine's cores or on several machines, each running the fastest CPU stage (repack) on its
+# share of every layer:
 #
 # | matrix | split by | what a rank computes | then |
 # |---|---|---|---|
@@ -17,9 +18,11 @@
 # | W_down | columns: the same units | a partial sum | **all-reduce** |
 # | output head | rows: its vocabulary | its logits | **gather** (every rank gets all of them) |
 #
+# Wo and W_down are *row-parallel*: their matmul is complete only once the ranks' partial sums are
+# added, so the all-reduce belongs to the matmul (nano-vllm's `RowParallelLinear` ends in one).
 # Two all-reduces per layer and one gather per token: that is the price. This chapter measures
 # it (per token: compute, all-reduces, gather; bytes; memory per rank), live and from the records
-# of `python scripts/bench_tp.py`.
+# of `python scripts/bench_tp.py`, through shared memory and across a network link.
 
 # %%
 import json
@@ -76,15 +79,19 @@ findings["a bad rank count"] = refusal
 # %% [markdown]
 # ## The code
 #
-# The layers on one rank: the stage tp builds on runs them (its matmul, attention, norms and
-# RoPE) on the rank's slices, with an all-reduce after Wo and after W_down. The base stage runs
-# the whole stack in one compiled call, which has no place for an all-reduce in the middle: here
-# Python calls each op again, a cost this chapter measures too (tp at 1 rank against the base).
+# The layers on one rank are the repack stage's compiled stack (chapter 10) on the rank's slices,
+# each slice laid out for the vector unit as repack lays out a whole matrix. That stack runs every
+# op of every layer in one parallel region, which has no place for an MPI call. So tp runs it in
+# pieces: `run_phases` takes a span of the stack's phases, and the row-parallel matmul that ends
+# a piece adds its products into a buffer of partial sums instead of into h. Between two pieces,
+# Python all-reduces the buffer and adds it to h. The graph is still written once (in the
+# stack); what tp adds is where to stop. A piece costs a fork and join of the thread pool and a
+# Python call: tp at 1 rank against the base measures what the stops cost.
 
 # %%
 if not why:
-    from stages.tp import TensorParallelBackend
-    nb.show_source(TensorParallelBackend.forward_layers, TensorParallelBackend.matmul)
+    from stages.tp import TensorParallelBackend, pieces
+    nb.show_source(pieces, TensorParallelBackend._run, TensorParallelBackend.matmul)
 
 # %% [markdown]
 # ## Live: 2 ranks of one thread against one process of 2 threads
@@ -204,12 +211,62 @@ if across:
     findings["across machines"] = "; ".join(across)
 
 # %% [markdown]
+# ## Across a link, measured
+#
+# A projection is not a measurement. On one machine, two *network namespaces* (Linux) are two
+# hosts as far as the network goes: each has its own interfaces, addresses and routes, and a veth
+# pair joins them like a cable. `make netns` (root) makes them and writes an MPICH host file;
+# `make stage=tp run np=2 hosts=build/netns/hosts` then runs one rank in each, and every all-reduce
+# crosses the kernel's TCP/IP stack (app/netns.py says how mpiexec reaches the second host without
+# ssh, and why MPICH must be told to use TCP: two processes of one machine would otherwise talk
+# through shared memory). The link has the network stack's latency and no wire's, so it measures
+# the round trips' software cost; a real network adds its own latency to each of them.
+# `scripts/bench_tp.py` adds this condition where namespaces can be made; each rank reads what its
+# end of the link sent from the kernel's counters.
+
+# %%
+for path in records:
+    rec = json.loads(path.read_text())
+    s = tp_bench.summary(rec)
+    linked = [name for name, c in s.items() if c["link"]]
+    if not linked:
+        nb.md(f"_{path.name}: no run across a link in this record (`python scripts/bench_tp.py` as root adds it)._")
+        continue
+    shared = tp_bench.label({"stage": "tp", "n_ranks": 2})
+    rows = []
+    for name in [shared, *linked]:
+        for r, rk in enumerate(s[name]["ranks"]):
+            rows.append((name, r, f"{rk['ms']:.2f}", f"{rk['allreduce_ms']:.2f}",
+                         "-" if rk.get("wire_bytes_per_token") is None else nb.human_bytes(rk["wire_bytes_per_token"]),
+                         f"{(rk['latency_us'] or {}).get('allreduce', float('nan')):.1f}"))
+    nb.md(f"**{rec['runs'][0]['model_info']['file']}** ({nb.rel(path)})")
+    nb.show_table(["condition", "rank", "decode ms/token", "all-reduce ms/token", "on the wire per token",
+                   "all-reduce alone us"], rows)
+    for name in linked:
+        ratio = tp_bench.ratio_in_rounds(rec, name, shared)
+        findings[f"{rec['runs'][0]['model_info']['file']}: across the veth pair / through shared memory"] = \
+            f"{ratio:.2f}x decode time"
+
+# %% [markdown]
+# ## Many sequences at once, over the ranks
+#
+# A server runs one scheduler, on rank 0: it admits, preempts and builds each step's batch
+# (chapter 13). Every rank must run that same step over its own KV heads, so rank 0 sends the
+# step's arrays (token ids, positions, cache slots, page tables, and the pages it copied) in one
+# broadcast, and the other ranks, waiting in `follow`, run it over a page pool of their own laid
+# out as rank 0's. Only integers cross; the hidden states cross in the all-reduces as before.
+
+# %%
+if not why:
+    nb.show_source(TensorParallelBackend.forward_layers_batch, TensorParallelBackend.follow)
+
+# %% [markdown]
 # What limits it, then: the round trips per token, which batching many users' tokens into one
 # step amortizes (chapter 13) and which pipeline parallelism (layers on different machines,
-# one hand-off per machine instead of two per layer) avoids; the Python between the ops here,
-# which the fused stage had removed; and the part of every process that does not split (the
-# interpreter, numba, the header and vocabulary), which the memory table shows beside the
-# weights and the KV cache.
+# one hand-off per machine instead of two per layer) avoids; the stops in the compiled stack
+# (a fork and join and a Python call per piece, two per layer); and the part of every process
+# that does not split (the interpreter, numba, the header and vocabulary), which the memory
+# table shows beside the weights and the KV cache.
 
 # %%
 findings.show()

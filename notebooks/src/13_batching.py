@@ -15,7 +15,7 @@
 # |---|---|---|
 # | batched forward | `common/model.py` (`forward_batch`), `common/batch.py` | one step carries every running sequence's newest token as a row of one matrix, each row at its own position |
 # | paged KV cache | `common/paged_kv.py` | one pool of 16-position pages; a page table per sequence; shared prefixes by reference |
-# | continuous batching | `app/serve/scheduler.py` | requests join and leave between steps; long prompts in chunks; admission by the pages needed now, preemption when they run out |
+# | continuous batching | `app/serve/scheduler.py`, `app/serve/engine_loop.py` | requests join and leave between steps; long prompts in chunks; admission by the pages needed now, preemption when they run out |
 #
 # The server batches through the stage `make run` picks. For the fused and repack stages a step
 # is still one compiled call (`stages/kernels/layer_stack.py`): every row at its own position,
@@ -29,7 +29,7 @@ from common.batch import Batch, Segment
 from common.paged_kv import PAGE_SIZE, PagePool, PageTable
 
 findings = nb.Findings()
-from app.serve.server import serving_stage
+from app.serve.command import serving_stage
 
 stage = serving_stage("fastest")        # the stage `python -m app serve` batches through, as `make run` picks
 print(f"stage used in this chapter: {stage}")
@@ -140,7 +140,8 @@ findings["row paths"] = (f"a row alone differs from itself in a batch by up to {
 # other positions and partly still in their prompts, its prompt cut into other chunks.
 
 # %%
-from app.serve.scheduler import Request, Scheduler
+from app.serve.engine_loop import EngineLoop
+from app.serve.sequence import Ask, Sequence
 
 
 class Keep:
@@ -154,16 +155,16 @@ class Keep:
         return int(np.argmax(logits))
 
 
-def run(sched, texts, n):
+def run(loop, texts, n):
     reqs = []
     for text in texts:
-        r = Request(prompt=engine.tokenizer.encode(text), max_tokens=n)
-        sched.submit(r)
+        r = Sequence(Ask(engine.tokenizer.encode(text), n))
+        loop.submit(r)
         r.sampler = Keep()
         reqs.append(r)
     log = []
-    while sched.running or sched.waiting:
-        log.append(sched.step())
+    while not loop.scheduler.idle:
+        log.append(loop.step())
     return reqs, log
 
 
@@ -171,8 +172,8 @@ n_gen = 4 if cfg.quick else 16
 target = "The quick brown fox jumps over the lazy dog. Then it"
 crowd_texts = ["Once upon a time, in a kingdom by the sea, there lived a princess who", "1, 2, 3,", target,
                "The capital of France is"]
-(solo,), _ = run(Scheduler(engine, kv_pages=64), [target], n_gen)
-crowd, rows_per_step = run(Scheduler(engine, kv_pages=64, prefill_chunk=5), crowd_texts, n_gen)
+(solo,), _ = run(EngineLoop(engine, kv_pages=64), [target], n_gen)
+crowd, rows_per_step = run(EngineLoop(engine, kv_pages=64, prefill_chunk=5), crowd_texts, n_gen)
 same = all(np.array_equal(a, b) for a, b in zip(solo.sampler.rows, crowd[2].sampler.rows))
 print("rows per step in the crowded run:", rows_per_step)
 print("alone:   ", engine.tokenizer.decode(solo.generated))
@@ -188,9 +189,9 @@ findings["batch invariance"] = (f"logits alone and among {len(crowd_texts) - 1} 
 
 # %%
 engine.reset()
-single = [engine.forward(solo.prompt, 0, all_logits=False)[0]]
+single = [engine.forward(solo.ask.prompt, 0, all_logits=False)[0]]
 for i, t in enumerate(solo.generated[:-1]):
-    single.append(engine.forward([t], len(solo.prompt) + i)[0])
+    single.append(engine.forward([t], len(solo.ask.prompt) + i)[0])
 diff = max(float(np.abs(a - b).max()) for a, b in zip(single, solo.sampler.rows))
 agree = [int(np.argmax(a)) for a in single] == solo.generated
 findings["vs the single-sequence path"] = (f"logits within {diff:.1e}; greedy tokens "
@@ -224,20 +225,20 @@ findings["paged vs arena"] = (f"{users} users x {length} tokens: {nb.human_bytes
 # begins with the same full pages takes them by reference. Counted here on a system prompt:
 
 # %%
-sched = Scheduler(engine, kv_pages=64)
+loop = EngineLoop(engine, kv_pages=64)
 system = ("You are a careful assistant. Answer in one short sentence, and say when you do not know. "
           "Question: ")
-first = Request(prompt=engine.tokenizer.encode(system + "What is the capital of Italy?"), max_tokens=8)
-second = Request(prompt=engine.tokenizer.encode(system + "Who wrote Hamlet?"), max_tokens=8)
-sched.submit(first)
-sched.step()
-sched.submit(second)
-sched.step()
-common = next((i for i, (a, b) in enumerate(zip(first.prompt, second.prompt)) if a != b), 0)
-shared = sched.pool.n_shared
+first = Sequence(Ask(engine.tokenizer.encode(system + "What is the capital of Italy?"), 8))
+second = Sequence(Ask(engine.tokenizer.encode(system + "Who wrote Hamlet?"), 8))
+loop.submit(first)
+loop.step()
+loop.submit(second)
+loop.step()
+common = next((i for i, (a, b) in enumerate(zip(first.ask.prompt, second.ask.prompt)) if a != b), 0)
+shared = loop.pool.n_shared
 print(f"common prefix: {common} tokens = {common // P} full pages; pages shared now: {shared}")
-while sched.running:
-    sched.step()
+while loop.scheduler.running:
+    loop.step()
 findings["prefix sharing"] = f"{common}-token common prefix: {shared} pages held once for both requests"
 
 # %% [markdown]
@@ -254,10 +255,10 @@ findings["prefix sharing"] = f"{common}-token common prefix: {shared} pages held
 texts = [f"Story {i}: once upon a time" for i in range(6)]        # a page each to start with
 n_long = 40                                                         # then 3 pages each
 worst = sum(PageTable.pages_for(len(engine.tokenizer.encode(t)) + n_long) for t in texts)
-tight = Scheduler(engine, kv_pages=max(worst // 3, max(PageTable.pages_for(len(engine.tokenizer.encode(t)) + n_long)
-                                                           for t in texts)), max_batch=len(texts))
+tight = EngineLoop(engine, kv_pages=max(worst // 3, max(PageTable.pages_for(len(engine.tokenizer.encode(t)) + n_long)
+                                                            for t in texts)), max_batch=len(texts))
 squeezed, _ = run(tight, texts, n_long)
-alone_each = [run(Scheduler(engine, kv_pages=64), [t], n_long)[0][0].generated for t in texts]
+alone_each = [run(EngineLoop(engine, kv_pages=64), [t], n_long)[0][0].generated for t in texts]
 equal = sum(r.generated == a for r, a in zip(squeezed, alone_each))
 nb.show_table(["pool (pages)", "every worst case at once", "preemptions", "outputs equal to alone"],
               [(tight.pool.n_pages, worst, tight.preemptions, f"{equal} of {len(texts)}")])
@@ -275,7 +276,7 @@ findings["preemption"] = (f"{len(texts)} requests in {tight.pool.n_pages} pages 
 # begins by waking it: a system call and a context switch. A step opens hundreds of regions (the
 # threads stage: several per layer), so `python -m app serve` runs its engine loop in the
 # thread that loaded and warmed the engine and gives HTTP the second thread
-# (`Scheduler.run`, `app/serve/server.py`). Measured here: a nearly empty region opened from
+# (`EngineLoop.run`, `app/serve/command.py`). Measured here: a nearly empty region opened from
 # this notebook's thread, then from a second thread while this one's team exists, then from
 # this thread again once the second thread, and its team, are gone.
 

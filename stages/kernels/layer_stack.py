@@ -4,6 +4,9 @@
                                                           parallel region: nt threads (one prange
                                                           iteration each) walk the same ops and meet at
                                                           a barrier between two that depend on each other
+    run_phases(..., span, pre, *scratch_for(...))         the phases span.first..span.last-1 only,
+                                                          Wo and W_down adding into span.sums (the tp
+                                                          stage: it stops after each, to all-reduce)
     matmul_rows(x, blob, mats, nt)                        one weight matrix (the output head)
 
 The ops of one layer are the table PHASES (OPS_PER_LAYER of them, a barrier after each; the
@@ -36,12 +39,16 @@ What it reads, as named records (numba compiles named tuples of arrays):
     Rows(positions, slots, seq)  int64 [M] each: a row's position, cache slot (-1: a padding row,
                                  not stored, not attended) and sequence (its row of tables)
     Dims(n_head, n_head_kv, n_ff, eps, scale, cos, sin)   the model's shape, RoPE's tables
-
+    Span(first, last, sums)      phases first..last-1, numbered il * OPS_PER_LAYER + i across the
+                                 layers, first a norm (the others read what the phase before left
+                                 in the call's scratch); sums [M, D]: where WO and DOWN add their
+                                 products (h itself, or a zeroed array that receives them)
     Prefill(...)                 None, or the prefill stage's choices and arrays (stages/prefill.py):
                                  then the matmuls take blocks of rows that fit L2 and run two rows to a
                                  512-bit register where they can (pair_gemm.py), and ATTEND / MERGE are
                                  the tiled attention's (tiled_attention.py: query tiles, decode rows'
-                                 chunks); None compiles none of it (numba prunes `pre is None` branches)
+                                 chunks); None compiles none of it (numba prunes `pre is None` branches,
+                                 as it prunes the pair kernel's on a CPU without it: `if ZMM`)
 
 sync may carry a clock per phase (sync.new_sync(phases=OPS_PER_LAYER)): thread 0's time-stamp
 counter at each barrier, summed per phase over the layers (where a call's time went).
@@ -93,6 +100,7 @@ from stages.kernels.q8 import Q8Blocks, Q8KBlocks, pack_arrays, quantize_row
 from stages.kernels.sync import CLOCK, barrier, cycles, next_item
 from stages.kernels.tiled_attention import LANES, Workspace, attend_rows, finish_rows, merge_parts
 from stages.kernels.toolkit import BF16, F16, F32, Q4_K, Q5_K, Q6_K, block_bytes, block_values
+from stages.kernels.vector_ir import ZMM
 
 DECODE_WEIGHTS = 65536  # weights per decode work item: a few microseconds, many items per op
 PREFILL_ITEM_ROWS = 16  # weight rows per prefill work item (times every prompt row, or a block of them)
@@ -122,6 +130,7 @@ Dims = namedtuple("Dims", "n_head n_head_kv n_ff eps scale cos sin")
 #   q32 .. b16k  the pair packs (pair_gemm.Pairs32, PairsK) of the rows
 Prefill = namedtuple("Prefill", "act_bytes tiles decode_rows decode_of qs pos kf vf st m l o mc lc oc pm pl po "
                           "q32 d32 s32 sums32 qk dk b32k b16k")
+Span = namedtuple("Span", "first last sums")
 # A call's scratch arrays, and the same with the rounded activations (numba's parallel loop takes
 # no tuple inside a tuple, so the packs join inside each thread's call).
 Scratch = namedtuple("Scratch", "xin fbuf y part scores fs counters")
@@ -229,13 +238,14 @@ def chunk(mat, blob, r0, r1, m0, m1, xf, s, out, col, fs, pre):
         _chunk_float(mat.kind, blob, mat.offset, mat.row_bytes, r0, r1, m0, m1, xf, out, col, fs[:, :xf.shape[1]])
         return
     if pre is not None:
-        if mat.layout == REPACKED and pairs_take(mat.kind):
-            x32, xk = _pairs(pre)
-            even = m1 - (m1 - m0) % 2
-            pair_gemm.pair_gemm(mat.kind, blob, mat.offset, mat.row_bytes, x32, xk, m0, even, out, col, r0, r1)
-            m0 = even
-            if m0 == m1:
-                return
+        if ZMM:                         # a constant: without 512-bit vpdpbusd the pair kernel is not compiled
+            if mat.layout == REPACKED and pairs_take(mat.kind):
+                x32, xk = _pairs(pre)
+                even = m1 - (m1 - m0) % 2
+                pair_gemm.pair_gemm(mat.kind, blob, mat.offset, mat.row_bytes, x32, xk, m0, even, out, col, r0, r1)
+                m0 = even
+                if m0 == m1:
+                    return
     p32, pk = _rows(s.p32, s.pk, m0, m1)
     if mat.layout == REPACKED:
         repacked.group_gemm(mat.kind, blob, mat.offset, mat.row_bytes, p32, pk, m1 - m0, out[m0:m1], col, r0, r1)
@@ -277,8 +287,9 @@ def _quantize(x, m, K, n32, nk, s, pre):
     """Row m of the packs (and of the pair packs, with `pre`) from x [K]."""
     quantize_row(x, m, K, n32, nk, s.p32, s.pk)
     if pre is not None:
-        x32, xk = _pairs(pre)
-        pair_row(m, K, n32, nk, s.p32, s.pk, x32, xk)
+        if ZMM:                         # the pair packs feed the pair kernel only
+            x32, xk = _pairs(pre)
+            pair_row(m, K, n32, nk, s.p32, s.pk, x32, xk)
 
 
 @njit(cache=True)
@@ -317,20 +328,20 @@ def block_rows(act_bytes, K, M):
 
 
 @njit(cache=True)
-def _matmul_op(op, il, h, weights, cache, rows, dims, s, ph, t, nt, pre):
+def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ph, t, nt, pre):
     """One thread's share of a matmul phase of layer il: work items from counters[ph], each a chunk
     of weight rows times a block of activation rows (all of them without `pre`) into s.y, then
     the phase's epilogue on those rows:
 
         QKV      Wq | Wk | Wv rows -> y[:, :nq + 2 nkv]; RoPE on q and k, k and v into the cache
-        WO_OP    Wo rows -> y, added into h
+        WO_OP    Wo rows -> y, added into sums [M, D] (h itself, or Span.sums)
         GATE_UP  W_gate and W_up rows r0..r1 -> y[:, r], y[:, n_ff + r]; fbuf = silu(gate) * up
-        DOWN_OP  W_down rows -> y, added into h
+        DOWN_OP  W_down rows -> y, added into sums
 
     One call per phase and thread, and one place that calls the matmul kernels: numba passes every
     array field by value to a function it does not inline, which costs about as much as a work
     item of decode if paid per item."""
-    M, D = h.shape
+    M, D = sums.shape
     kv_dim = cache.k.shape[2]
     hd = kv_dim // dims.n_head_kv
     nq, nkv, n_ff = dims.n_head * hd, kv_dim, dims.n_ff
@@ -387,7 +398,7 @@ def _matmul_op(op, il, h, weights, cache, rows, dims, s, ph, t, nt, pre):
         else:
             for m in range(m0, m1):
                 for r in range(r0, r1):
-                    h[m, r] += y[m, r]
+                    sums[m, r] += y[m, r]
 
 
 @njit(cache=True)
@@ -504,49 +515,53 @@ def _work(s, p32, pk):
 
 
 @njit(cache=True)
-def _worker(t, nt, h, weights, cache, rows, dims, scratch, p32, pk, sync, pre):
-    """Thread t of nt: every phase of every layer, its share of each, a barrier after each."""
+def _worker(t, nt, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre):
+    """Thread t of nt: every phase of the span, its share of each, a barrier between two; thread 0
+    adds each phase's cycles to sync[CLOCK + i] where new_sync made room."""
     s = _work(scratch, p32, pk)
-    n_layer = weights.norms.shape[0]
     timed = t == 0 and sync.shape[0] >= CLOCK + OPS_PER_LAYER
     bar = 0
-    for il in range(n_layer):
-        for i in range(OPS_PER_LAYER):
-            start = cycles() if timed else 0
-            op = _PHASES[i]
-            ph = il * OPS_PER_LAYER + i                 # this phase's row of work counters
-            if op == NORM_ATTN or op == NORM_FFN:
-                _norm_rows(h, il, 0 if op == NORM_ATTN else 1, dims.eps, weights, s, ph, t, nt, pre)
-            elif op == ATTEND:
-                if pre is None:
-                    _attend(il, cache, rows, dims, s, ph, t, nt)
-                else:
-                    _attend_tiles(il, cache, rows, dims, s, pre, ph, t, nt)
-            elif op == MERGE:
-                if pre is None:
-                    _merge(il, weights, cache, rows, dims, s, ph, t, nt)
-                else:
-                    _merge_tiles(il, weights, cache, rows, dims, s, pre, ph, t, nt)
-            elif op == ROUND_F:
-                _round_f(il, weights, s, ph, t, nt, pre)
+    for ph in range(span.first, span.last):            # ph: also this phase's row of work counters
+        start = cycles() if timed else 0
+        il, i = ph // OPS_PER_LAYER, ph % OPS_PER_LAYER
+        op = _PHASES[i]
+        if op == NORM_ATTN or op == NORM_FFN:
+            _norm_rows(h, il, 0 if op == NORM_ATTN else 1, dims.eps, weights, s, ph, t, nt, pre)
+        elif op == ATTEND:
+            if pre is None:
+                _attend(il, cache, rows, dims, s, ph, t, nt)
             else:
-                _matmul_op(op, il, h, weights, cache, rows, dims, s, ph, t, nt, pre)
-            if il + 1 < n_layer or i + 1 < OPS_PER_LAYER:
-                bar += 1
-                if not barrier(sync, nt, bar):
-                    return
-            if timed:
-                sync[CLOCK + i] += cycles() - start
+                _attend_tiles(il, cache, rows, dims, s, pre, ph, t, nt)
+        elif op == MERGE:
+            if pre is None:
+                _merge(il, weights, cache, rows, dims, s, ph, t, nt)
+            else:
+                _merge_tiles(il, weights, cache, rows, dims, s, pre, ph, t, nt)
+        elif op == ROUND_F:
+            _round_f(il, weights, s, ph, t, nt, pre)
+        else:
+            _matmul_op(op, il, span.sums, weights, cache, rows, dims, s, ph, t, nt, pre)
+        if ph + 1 < span.last:
+            bar += 1
+            if not barrier(sync, nt, bar):
+                return
+        if timed:
+            sync[CLOCK + i] += cycles() - start
 
 
-@njit(cache=True, parallel=True, nogil=True)
-def run_layers(h, weights, cache, rows, dims, sync, nt, pre):
-    """Every layer on h [M, D] (changed in place): row m at rows.positions[m], its K and V written
-    into cache slot rows.slots[m]. One parallel region of nt iterations: nt must be numba's thread
-    count (numba.get_num_threads(), read by the caller: inside a cached kernel it cannot be).
-    pre: None, or the prefill stage's Prefill (its choices and arrays: its kernels run).
-    sync: sync.new_sync(); sync[0] counts the barriers' arrivals, sync[1] is 1 if one gave up, and
-    sync[CLOCK + i], where new_sync made room (phases=OPS_PER_LAYER), phase i's cycles."""
+def run_layers(h, weights, cache, rows, dims, sync, nt, pre=None):
+    """Every layer on h [M, D] (changed in place): run_phases over all of them, Wo and W_down
+    adding into h itself. pre: None, or the prefill stage's Prefill (its choices and arrays: its
+    kernels run)."""
+    work = scratch_for(h, weights, cache, rows, dims, nt, pre)
+    span = Span(0, len(weights.norms) * OPS_PER_LAYER, h)
+    return run_phases(h, weights, cache, rows, dims, sync, nt, span, pre, *work)
+
+
+@njit(cache=True)
+def scratch_for(h, weights, cache, rows, dims, nt, pre):
+    """The arrays a call of run_phases works in, for these rows (their positions: attention's
+    chunks): (Scratch, Q8Blocks, Q8KBlocks). Made once, they serve every call of a step."""
     M, D = h.shape
     kv_dim = cache.k.shape[2]
     hd = kv_dim // dims.n_head_kv
@@ -556,16 +571,30 @@ def run_layers(h, weights, cache, rows, dims, sync, nt, pre):
             n_chunks = max(n_chunks, chunks_of(rows.positions[m]))
     H, n_ff, n_layer = dims.n_head, dims.n_ff, weights.norms.shape[0]
     K = max(D, n_ff, H * hd)
-    # made here, not by a function: numba's parallel loop must see where a named tuple comes from
     s = Scratch(np.zeros((M, max(D, H * hd)), np.float32), np.zeros((M, n_ff), np.float32),
                 np.zeros((M, max(H * hd + 2 * kv_dim, 2 * n_ff, D)), np.float32),
                 np.zeros((M if pre is None else 1, H, n_chunks, hd + 2), np.float32),
                 np.zeros((nt, CHUNK), np.float32),
                 np.zeros((nt, 1, K), np.float32), np.zeros((n_layer * OPS_PER_LAYER, nt), np.int64))
     a = pack_arrays(M, K)
-    p32, pk = Q8Blocks(a[0], a[1], a[2], a[3]), Q8KBlocks(a[4], a[5], a[6], a[7])
-    for t in prange(nt):
-        _worker(t, nt, h, weights, cache, rows, dims, s, p32, pk, sync, pre)
+    return s, Q8Blocks(a[0], a[1], a[2], a[3]), Q8KBlocks(a[4], a[5], a[6], a[7])
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def run_phases(h, weights, cache, rows, dims, sync, nt, span, pre, scratch, p32, pk):
+    """The phases of span (Span) on h [M, D] (changed in place): row m at rows.positions[m], its K
+    and V written into cache slot rows.slots[m]; scratch, p32, pk: scratch_for's (made with the
+    same pre). One parallel region of nt iterations: nt must be numba's thread count
+    (numba.get_num_threads(), read by the caller: inside a cached kernel it cannot be).
+    pre: None, or the prefill stage's Prefill. sync: sync.new_sync(); sync[ARRIVALS] counts the
+    barriers' arrivals, sync[ABORT] is 1 if one gave up, and sync[CLOCK + i], where new_sync made
+    room (phases=OPS_PER_LAYER), phase i's cycles."""
+    scratch.counters[span.first:span.last] = 0
+    if nt == 1:                 # one thread needs no region (its launch costs about as much as a norm)
+        _worker(0, 1, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre)
+    else:
+        for t in prange(nt):
+            _worker(t, nt, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre)
     return h
 
 
@@ -605,10 +634,10 @@ def matmul_rows(x, blob, mats, nt):
     return out
 
 
-__all__ = ["run_layers", "matmul_rows", "matrix_table", "Weights", "Cache", "Rows", "Dims", "Prefill", "MATRIX", "ROWS",
-           "REPACKED", "OPS_PER_LAYER", "PHASES", "CHUNK", "block_rows"]
+__all__ = ["run_layers", "run_phases", "scratch_for", "matmul_rows", "matrix_table", "Weights", "Cache", "Rows", "Dims",
+           "Span", "Prefill", "MATRIX", "ROWS", "REPACKED", "OPS_PER_LAYER", "PHASES", "CHUNK", "block_rows"]
 
-toolkit.guard_cache(__name__, [run_layers, matmul_rows, _worker, _head_worker, _matmul_op, _attend, _merge,
+toolkit.guard_cache(__name__, [run_phases, scratch_for, matmul_rows, _worker, _head_worker, _matmul_op, _attend, _merge,
                                _attend_tiles, _merge_tiles, _norm_rows, _round_f, _chunk_float, _chunk_tiles,
                                _chunk_loops],
                     [int_tiles.__file__, int_dot.__file__, dequant_dot.__file__, sync.__file__, toolkit.__file__,

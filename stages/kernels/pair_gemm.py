@@ -98,8 +98,8 @@ def pair_row(m, K, need32, needk, p32, pk, x32, xk):
 
 @njit(cache=True, inline="always")
 def pairs_take(kind):
-    """Whether pair_gemm runs this type here (PAIR_TYPES, on a CPU with vpdpbusd on zmm)."""
-    return vector_ir.ZMM and (kind == Q4_0 or kind == Q4_1 or kind == Q8_0 or kind == Q4_K or kind == Q6_K)
+    """Whether pair_gemm takes this type (PAIR_TYPES; its caller also needs vector_ir.ZMM)."""
+    return kind == Q4_0 or kind == Q4_1 or kind == Q8_0 or kind == Q4_K or kind == Q6_K
 
 
 # ---- the kernel (LLVM IR through stages/kernels/vector_ir.py) ------------------------------------

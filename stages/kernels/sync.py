@@ -9,19 +9,30 @@ forward pass, with one iteration per thread, and separates the ops inside it by 
     barrier(sync, nt, k)           wait until all nt threads have arrived at barrier k (a counter
                                    that only grows: barrier k is reached at k * nt arrivals)
 
-A barrier spins (`pause` between reads) and, after SPINS reads, yields the core to the OS at each
-read, so a thread waiting for one that the OS has descheduled gives its core back. It needs
-every iteration of the region on its own thread, which numba's workqueue and OpenMP layers do
-with one iteration per thread (TBB may run two on one thread: stages/fused.py chooses the layer).
-If the others never come (sync[2] yields: GIVE_UP unless a test asks for less), it raises the
-abort flag sync[1] and every thread leaves at its next barrier: the caller reports the error
-instead of hanging. `new_sync()` makes the array; with `phases`, it also holds a clock per
-phase (sync[CLOCK + i]: the cycles thread 0 saw phase i take, up to the barrier after it, added
-over the layers: where a call's time went, at the cost of one read of the time-stamp counter per
-phase).
+How a barrier waits decides what happens when the cores are shared. A thread that arrives
+early spins (`pause` between reads): on an idle machine the others come within microseconds,
+and a spin is the quickest way to see them. But when another process runs on the cores, the
+thread it waits for may be off its core for a scheduler's time slice (milliseconds); spinning
+or yielding (sched_yield) then keeps the waiting thread runnable, so it takes its fair share of
+a core to do nothing while the one it waits for queues behind it. So after a bounded spin the
+thread sleeps in the kernel on a futex (the generation word, sync[GEN]), off every run queue,
+and the last to arrive wakes the sleepers (only if there are any: sync[SLEEPERS]). The spin
+bound adapts (sync[SPIN]): a barrier that ended in a sleep halves it, one that ended within the
+spin doubles it back towards SPINS, so a loaded machine stops paying the spin at every barrier.
+(The same rule as glibc's adaptive mutexes and libgomp's GOMP_SPINCOUNT: spin a little, then
+sleep.)
 
-The atomics are LLVM's (atomicrmw add, load/store with acquire/release ordering): numba has none
-for the CPU.
+A barrier needs every iteration of the region on its own thread, which numba's workqueue and
+OpenMP layers do with one iteration per thread (TBB may run two on one thread: stages/fused.py
+chooses the layer). If the others never come (sync[GIVE] sleeps of WAIT_NS: GIVE_UP unless a
+test asks for less), it raises the abort flag sync[ABORT] and every thread leaves at its next
+barrier: the caller reports the error instead of hanging. `new_sync()` makes the array; with
+`phases`, it also holds a clock per phase (sync[CLOCK + i]: the cycles thread 0 saw phase i take,
+up to the barrier after it, added over the layers: where a call's time went, at the cost of one
+read of the time-stamp counter per phase).
+
+The atomics are LLVM's (atomicrmw add, load/store with acquire/release ordering), the futex
+calls Linux's syscall(2) (x86-64): numba has neither for the CPU.
 """
 
 from __future__ import annotations
@@ -32,14 +43,19 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-CLOCK = 3               # sync[CLOCK + i]: phase i's cycles
-SPINS = 1000            # pause-reads (tens of microseconds) before a waiting thread yields its core
-GIVE_UP = 20_000_000    # yields (seconds at the least) before a barrier gives up: the abort flag
+SPINS = 1000            # pause-reads (tens of microseconds) before a waiting thread sleeps, at most
+MIN_SPINS = 16          # the least a loaded machine's barriers spin
+WAIT_NS = 1_000_000     # a sleep's timeout (1 ms): how often a sleeping thread looks at the abort flag
+GIVE_UP = 120_000       # sleeps (two minutes) before a barrier gives up: the abort flag
+# The sync array's words: arrivals, abort flag, sleeps before giving up, the futex's generation,
+# threads asleep, the spin bound now; then, where new_sync made room, phase i's cycles at CLOCK + i.
+ARRIVALS, ABORT, GIVE, GEN, SLEEPERS, SPIN, CLOCK = range(7)
+SYS_FUTEX, FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 202, 128, 129      # x86-64 Linux
 
 
 def new_sync(give_up: int = GIVE_UP, phases: int = 0) -> np.ndarray:
-    """[arrivals, abort flag, yields before giving up, cycles of each of `phases` phases], int64."""
-    return np.array([0, 0, give_up] + [0] * phases, dtype=np.int64)
+    """The words above (with a clock for each of `phases` phases), int64."""
+    return np.array([0, 0, give_up, 0, 0, SPINS] + [0] * phases, dtype=np.int64)
 
 
 def _slot(context, builder, arrty, arr, idx, idxty):
@@ -98,6 +114,15 @@ def cpu_relax(typingctx):
     return types.none(), codegen
 
 
+def _futex(builder, address, op, value, timeout):
+    """syscall(SYS_futex, address, op, value, timeout, NULL, 0), every argument as a 64-bit integer."""
+    i64 = ir.IntType(64)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64], var_arg=True), "syscall")
+    args = [ir.Constant(i64, SYS_FUTEX), builder.ptrtoint(address, i64), ir.Constant(i64, op), value, timeout,
+            ir.Constant(i64, 0), ir.Constant(i64, 0)]
+    return builder.call(fn, args)
+
+
 @intrinsic
 def cycles(typingctx):
     """The time-stamp counter (rdtsc through llvm.readcyclecounter): a clock at a constant rate."""
@@ -109,14 +134,29 @@ def cycles(typingctx):
 
 
 @intrinsic
-def yield_core(typingctx):
-    """sched_yield(2): let the OS run another thread on this core (the symbol is libc's, resolved
-    when numba links the kernel, so the cached machine code holds no address)."""
+def futex_wait(typingctx, arr, idx, expected):
+    """Sleep while the low 32 bits of arr[idx] (an int64 word) equal `expected`'s, at most WAIT_NS;
+    returns at once if they differ already, or when futex_wake is called on the word."""
     def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
-        builder.call(fn, [])
+        i64 = ir.IntType(64)
+        ts = cgutils.alloca_once(builder, ir.LiteralStructType([i64, i64]))     # struct timespec
+        builder.store(ir.Constant(ir.LiteralStructType([i64, i64]), [0, WAIT_NS]), ts)
+        value = builder.and_(context.cast(builder, args[2], sig.args[2], types.int64), ir.Constant(i64, 0xFFFFFFFF))
+        _futex(builder, _slot(context, builder, sig.args[0], args[0], args[1], sig.args[1]), FUTEX_WAIT_PRIVATE,
+               value, builder.ptrtoint(ts, i64))
         return context.get_dummy_value()
-    return types.none(), codegen
+    return types.none(arr, idx, expected), codegen
+
+
+@intrinsic
+def futex_wake(typingctx, arr, idx):
+    """Wake every thread sleeping on arr[idx] (futex_wait)."""
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        _futex(builder, _slot(context, builder, sig.args[0], args[0], args[1], sig.args[1]), FUTEX_WAKE_PRIVATE,
+               ir.Constant(i64, 2**31 - 1), ir.Constant(i64, 0))
+        return context.get_dummy_value()
+    return types.none(arr, idx), codegen
 
 
 @njit(cache=True)
@@ -137,23 +177,48 @@ def next_item(counters, op, t, nt, n):
 
 
 @njit(cache=True)
+def _arrived(sync, target):
+    """The last thread in: the next generation, and the sleepers woken (if any sleep)."""
+    atomic_add(sync, GEN, 1)
+    if atomic_load(sync, SLEEPERS) > 0:
+        futex_wake(sync, GEN)
+    return atomic_load(sync, ABORT) == 0
+
+
+@njit(cache=True)
 def barrier(sync, nt, k):
-    """All nt threads past barrier k (sync[0] counts arrivals), or False if the region aborted."""
-    atomic_add(sync, 0, 1)
+    """All nt threads past barrier k (sync[ARRIVALS] counts arrivals), or False if the region
+    aborted. Spin up to sync[SPIN] reads, then sleep on the futex until the last one wakes us."""
     target = k * nt
+    if atomic_add(sync, ARRIVALS, 1) + 1 == target:
+        return _arrived(sync, target)
+    limit = atomic_load(sync, SPIN)
     spins = 0
-    while atomic_load(sync, 0) < target:
-        if atomic_load(sync, 1) != 0:
-            return False
+    while spins < limit:
+        if atomic_load(sync, ARRIVALS) >= target:
+            if limit < SPINS:                           # it came within the spin: spin longer next time
+                atomic_store(sync, SPIN, min(SPINS, 2 * limit))
+            return atomic_load(sync, ABORT) == 0
+        cpu_relax()
         spins += 1
-        if spins < SPINS:
-            cpu_relax()
-        else:
-            yield_core()
-            if spins > SPINS + sync[2]:
-                atomic_store(sync, 1, 1)
-                return False
-    return atomic_load(sync, 1) == 0
+    atomic_store(sync, SPIN, max(MIN_SPINS, limit // 2))   # it did not: spin less next time
+    sleeps = 0
+    while atomic_load(sync, ARRIVALS) < target:
+        if atomic_load(sync, ABORT) != 0:
+            return False
+        # asleep before reading the generation: a last arrival that misses this thread in
+        # SLEEPERS has moved GEN already, so the read below sees it and the wait returns at once
+        atomic_add(sync, SLEEPERS, 1)
+        gen = atomic_load(sync, GEN)
+        if atomic_load(sync, ARRIVALS) < target:
+            futex_wait(sync, GEN, gen)
+            sleeps += 1
+        atomic_add(sync, SLEEPERS, -1)
+        if sleeps > sync[GIVE]:
+            atomic_store(sync, ABORT, 1)
+            futex_wake(sync, GEN)
+            return False
+    return atomic_load(sync, ABORT) == 0
 
 
 # ---- what a fork/join and a barrier cost (the fused stage's chapter measures them) -------------

@@ -33,13 +33,16 @@ it with, tests/test_vector_ir.py) and the instructions it becomes:
     sums8(vs)          [sum of vs[j]'s 8 lanes for j < 8]:       vunpcklps/hps, vaddps, vperm2f128
                        8 horizontal sums at once
 
-ISA is what numba's code generator offers: 'vnni' (AVX2 + F16C + AVX512-VNNI with VL, or
+ISA is what numba's code generator targets: 'vnni' (AVX2 + F16C + AVX512-VNNI with VL, or
 AVX-VNNI: vpdpbusd on 256-bit registers), 'avx2' (AVX2 + F16C), or None (the kernels that need
 these then refuse to compile, and their callers take the plain loops); ZMM, whether vpdpbusd
-runs on 512-bit registers too (AVX512-VNNI + BW). They are read for the features numba compiles
-for: this CPU's, or NUMBA_CPU_FEATURES's (`NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=+avx2,+fma,
-+f16c` builds the AVX2 kernels on any x86 CPU). numba's cache key includes the features, so a
-cache never carries these kernels to a CPU without them. Pointers are i8* and offsets bytes.
+runs on 512-bit registers too (AVX512-VNNI + BW). By default that is this
+CPU (its /proc/cpuinfo flags); where numba is told to compile for another CPU (NUMBA_CPU_NAME,
+NUMBA_CPU_FEATURES: `NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=` compiles for an AVX2-only CPU
+on any x86 machine), LLVM itself is asked what that target has (target_isa), so the other
+CPU's path is the one compiled and run. It is read when a kernel is compiled: numba's cache
+key includes the target's name and features, so a cache never carries these kernels to a CPU
+without them. Pointers are i8* and offsets bytes throughout.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from __future__ import annotations
 import functools
 import inspect
 import platform
+import subprocess
+import sys
 
 from llvmlite import ir
 from numba import types
@@ -68,36 +73,89 @@ FZ = ir.VectorType(FLOAT, 16)                                       # 16 float32
 _PREFETCH = "llvm.prefetch.p0" if str(I8.as_pointer()) == "ptr" else "llvm.prefetch.p0i8"
 
 
-def target_features() -> set | None:
-    """The features numba compiles for, in /proc/cpuinfo's spelling ('avx2', 'avx512_vnni', ...):
-    this CPU's, or those NUMBA_CPU_FEATURES names (LLVM's '+avx2,+f16c,...', e.g. with
-    NUMBA_CPU_NAME=haswell to build the AVX2 kernels on a newer CPU); None for a target whose
-    features are not named (NUMBA_CPU_NAME alone compiles for this CPU's features: numba passes
-    them on)."""
-    if config.CPU_FEATURES is None:
-        return set(simd_features())
-    named = {f[1:] for f in config.CPU_FEATURES.split(",") if f.startswith("+")}
-    return {_LLVM_NAMES.get(f, f) for f in named} or None
-
-
-# LLVM's names of the features the kernels ask for, where /proc/cpuinfo spells them otherwise
-_LLVM_NAMES = {"avxvnni": "avx_vnni", "avx512vnni": "avx512_vnni"}
-
-
 def named_isa():
-    """'vnni', 'avx2' or None (see the module docstring), for the features numba compiles for
-    (target_features)."""
-    f = target_features()
-    if platform.machine() not in ("x86_64", "AMD64") or f is None or not {"avx2", "f16c"} <= f:
+    """'vnni', 'avx2' or None for the CPU numba compiles for (see the module docstring)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    if config.CPU_NAME is not None or config.CPU_FEATURES is not None:
+        import llvmlite.binding as llvm
+        return target_isa(config.CPU_NAME or llvm.get_host_cpu_name(), config.CPU_FEATURES or "")
+    f = set(simd_features())
+    if not {"avx2", "f16c"} <= f:
         return None
     return "vnni" if "avx_vnni" in f or {"avx512_vnni", "avx512vl"} <= f else "avx2"
 
 
+# Each probe: a module whose instruction selection needs the feature (LLVM stops the process
+# with "Cannot select" where the target lacks it, hence a process of its own), and the assembly
+# text that proves the instruction was chosen (a half -> float conversion compiles everywhere,
+# as a library call where F16C is missing).
+_PROBES = {
+    "avx2": ("declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)\n"
+             "define <16 x i16> @f(<32 x i8> %a, <32 x i8> %b) {\n"
+             "  %r = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %a, <32 x i8> %b)\n"
+             "  ret <16 x i16> %r\n}\n", "vpmaddubsw"),
+    "f16c": ("define <8 x float> @f(<8 x half> %h) {\n  %r = fpext <8 x half> %h to <8 x float>\n"
+             "  ret <8 x float> %r\n}\n", "vcvtph2ps"),
+    "vnni": ("declare <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32>, <8 x i32>, <8 x i32>)\n"
+             "define <8 x i32> @f(<8 x i32> %a, <8 x i32> %b, <8 x i32> %c) {\n"
+             "  %r = call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> %a, <8 x i32> %b, <8 x i32> %c)\n"
+             "  ret <8 x i32> %r\n}\n", "vpdpbusd"),
+    "zmm": ("declare <16 x i32> @llvm.x86.avx512.pmaddw.d.512(<32 x i16>, <32 x i16>)\n"
+            "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)\n"
+            "define <16 x i32> @f(<16 x i32> %a, <32 x i16> %b, <16 x i32> %c) {\n"
+            "  %w = call <16 x i32> @llvm.x86.avx512.pmaddw.d.512(<32 x i16> %b, <32 x i16> %b)\n"
+            "  %r = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> %a, <16 x i32> %w, <16 x i32> %c)\n"
+            "  ret <16 x i32> %r\n}\n", "vpdpbusd"),
+}
+_COMPILE = ("import sys, llvmlite.binding as llvm\n"
+            "llvm.initialize_native_target(); llvm.initialize_native_asmprinter()\n"
+            "cpu, features, text = sys.argv[1:4]\n"
+            "tm = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features)\n"
+            "print(tm.emit_assembly(llvm.parse_assembly(text)))\n")
+
+
+@functools.lru_cache(maxsize=None)
+def target_has(cpu: str, features: str, what: str) -> bool:
+    """Whether LLVM, compiling for CPU `cpu` with `features`, emits the instruction of probe `what`."""
+    text, instruction = _PROBES[what]
+    p = subprocess.run([sys.executable, "-c", _COMPILE, cpu, features, text], capture_output=True, text=True,
+                       timeout=120)
+    return p.returncode == 0 and instruction in p.stdout
+
+
+def target_isa(cpu: str, features: str = "") -> str | None:
+    """'vnni', 'avx2' or None for an LLVM target (a CPU name, e.g. 'haswell', and a feature string,
+    '' for that CPU's own). The answer is kept beside numba's cache (the probes take a second)."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import llvmlite
+    key = hashlib.sha256(f"{cpu}|{features}|{llvmlite.__version__}".encode()).hexdigest()[:16]
+    kept = Path(config.CACHE_DIR or ".") / f"target-isa-{key}.json" if config.CACHE_DIR else None
+    if kept is not None and kept.exists():
+        return json.loads(kept.read_text())["isa"]
+    if not (target_has(cpu, features, "avx2") and target_has(cpu, features, "f16c")):
+        isa = None
+    else:
+        isa = "vnni" if target_has(cpu, features, "vnni") else "avx2"
+    if kept is not None:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps({"cpu": cpu, "features": features, "isa": isa}))
+    return isa
+
+
 def has_zmm() -> bool:
     """vpdpbusd on 512-bit registers (AVX512-VNNI with BW): 16 int32 lanes per instruction, which
-    the prefill stage's pair kernels use (stages/kernels/pair_gemm.py)."""
-    f = target_features() or set()
-    return named_isa() == "vnni" and {"avx512_vnni", "avx512bw", "avx512vl"} <= f
+    the prefill stage's pair kernels use (stages/kernels/pair_gemm.py); for a named target, LLVM's
+    answer (probe 'zmm')."""
+    if named_isa() != "vnni":
+        return False
+    if config.CPU_NAME is not None or config.CPU_FEATURES is not None:
+        import llvmlite.binding as llvm
+        return target_has(config.CPU_NAME or llvm.get_host_cpu_name(), config.CPU_FEATURES or "", "zmm")
+    return {"avx512_vnni", "avx512bw", "avx512vl"} <= set(simd_features())
 
 
 ISA = named_isa()

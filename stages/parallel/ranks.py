@@ -24,7 +24,8 @@ ring algorithms send them (an all-reduce of n bytes: 2 (N-1)/N x n; an all-gathe
 next rank, the last it receives), modelled from the message sizes, not counted on the wire.
 A rank waiting at a collective polls it (as MPI's blocking calls do), yielding its core after
 SPINS tests: where other processes share the cores, a spinning rank would otherwise hold the
-core the rank it waits for needs.
+core the rank it waits for needs; past IDLE_S it sleeps between tests (a server's ranks waiting
+for the next step would otherwise keep their cores busy while nobody asks anything).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import json
+import math
 import os
 import socket
 import sys
@@ -43,8 +45,10 @@ TIMEOUT_ENV = "LLM_TP_TIMEOUT"
 TIMEOUT_S = 60.0          # any collective after the warm-up; MPI_Init and the start's handshake
 JIT_TIMEOUT_S = 900.0     # during the warm-up, a rank may be compiling while another waits
 GRACE_S = 2.0             # how long a rank that timed out listens for the others' notices
+FORWARD_S = 0.5           # how long the rank that says why the run ends waits before it ends it
 TAG_LEAVING, TAG_WAITING = 7101, 7102
 SPINS = 1000              # tests of a collective before a waiting rank starts yielding its core
+IDLE_S, IDLE_SLEEP_S = 0.05, 0.001    # past this wait a rank sleeps between tests (an idle server's ranks)
 # The variables launchers set in each rank's environment (MPICH's hydra, Open MPI, PMIx)
 LAUNCHER_RANK = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 LAUNCHER_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
@@ -174,6 +178,16 @@ class Ranks:
         self._count("gather", t0, out.nbytes, (sum(counts) - counts[(self.rank + 1) % self.size]) * 4)
         return out
 
+    def broadcast(self, x: np.ndarray, where, forever: bool = False) -> np.ndarray:
+        """x (C-contiguous) from rank 0 to every rank, in place. forever: no deadline (a rank that
+        waits for the next step of a server idle for hours), though a rank that leaves still ends it."""
+        if self.size == 1:
+            return x
+        t0 = time.perf_counter()
+        self._wait(self.comm.Ibcast(x, root=0), where, math.inf if forever else None)
+        self._count("broadcast", t0, x.nbytes, x.nbytes if self.rank == 0 else 0)
+        return x
+
     def barrier(self, where):
         if self.size > 1:
             self._wait(self.comm.Ibarrier(), where)
@@ -211,20 +225,24 @@ class Ranks:
         n = 0
         while not req.Test():
             n += 1
-            if n > SPINS:
-                os.sched_yield()               # a rank that waits lets a busy core run the rank it waits for
+            if n > SPINS:                      # a rank that waits lets a busy core run the rank it waits for,
+                if time.monotonic() - start > IDLE_S:
+                    time.sleep(IDLE_SLEEP_S)   # and one that waits long lets it rest
+                else:
+                    os.sched_yield()
             if n & 255:
                 continue
             now = time.monotonic()
             self._read_notices()
-            if self.gone:
-                r, since = min(self.gone.items(), key=lambda kv: kv[1])
-                if now - since > GRACE_S:          # it left, and this collective still lacks it
-                    self._end(f"{self.describe(r)} left the run while {self.describe(self.rank)} waited for it "
-                              f"at {_text(where)} (collective {self.seq}); its own message, if it gave one, "
-                              f"is above", culprits=[r])
+            if self.gone and (now - min(self.gone.values()) > GRACE_S or now - start > limit):
+                self._left(where)                  # it left, and this collective still lacks it
             if now - start > limit:
                 self._timed_out(where, limit)
+
+    def _left(self, where):
+        r = min(self.gone, key=self.gone.get)
+        self._end(f"{self.describe(r)} left the run while {self.describe(self.rank)} waited for it at {_text(where)} "
+                  f"(collective {self.seq}); its own message, if it gave one, is above", culprits=[r])
 
     def _read_notices(self):
         MPI = self.MPI
@@ -250,11 +268,14 @@ class Ranks:
         while time.monotonic() < deadline:
             self._read_notices()
             time.sleep(0.01)
+        if self.gone:                              # one that left while this rank listened
+            self._left(where)
         silent = [r for r in range(self.size) if r != self.rank and r not in self.heard and r not in self.gone]
         if silent:
             who = ", ".join(map(self.describe, silent))
             self._end(f"{who} did not reach {_text(where)} (collective {self.seq}) within {limit:g} s: "
-                      f"{'it' if len(silent) == 1 else 'they'} died or stalled ({TIMEOUT_ENV} sets the deadline)",
+                      f"{'it' if len(silent) == 1 else 'they'} died or stalled, or the network to "
+                      f"{'it' if len(silent) == 1 else 'them'} failed ({TIMEOUT_ENV} sets the deadline)",
                       culprits=silent)
         self._end(f"{_text(where)} (collective {self.seq}) did not complete within {limit:g} s although every "
                   f"rank reached it: the MPI's transport between the ranks failed", culprits=[])
@@ -265,17 +286,24 @@ class Ranks:
         if not alive or self.rank == min(alive):
             print(f"\ntp {self.describe(self.rank)}: {message}; ending all {self.size} ranks", file=sys.stderr,
                   flush=True)
+            time.sleep(FORWARD_S)      # the launcher forwards a rank's output; MPI_Abort may overtake it
         else:
             time.sleep(GRACE_S)        # the lowest rank speaks; then, or if it cannot, this one ends it
         self.comm.Abort(1)
 
     def _leave(self):
-        """At exit: tell the others this rank is gone, then end MPI here."""
+        """At exit: tell the others this rank is gone, then end MPI here. At the end of a run every
+        rank leaves: each reads the others' notices first (for up to GRACE_S), since a message
+        left unread is an error at MPI_Finalize over some transports (UCX over TCP)."""
         MPI = self.MPI
         if MPI.Is_finalized():
             return
         if self.size > 1:
             self._notify(TAG_LEAVING, self.rank, 1.0)
+            deadline = time.monotonic() + GRACE_S
+            while len(self.gone) < self.size - 1 and time.monotonic() < deadline:
+                self._read_notices()
+                time.sleep(0.001)
         MPI.Finalize()
 
 

@@ -1,0 +1,277 @@
+"""The engine loop: one thread runs the steps the scheduler plans; between two steps
+sequences join and leave.
+
+    step:  end the cancelled -> plan (app/serve/scheduler.py) -> build the batch
+           (common/batch.py) -> run it (`forward`) -> the grammars' masks of the rows that
+           draw, all at once (`_fill_masks`) -> settle each sequence's logits: score its
+           prompt (echo), fork its choices, draw its next token, end it
+
+A sequence under a grammar carries its matcher in its sampler (common/constrain/: Constraint);
+the masks of a step's constrained rows are computed together, on llguidance's threads, before
+any row draws; a step without a constrained row does none of it.
+
+The loop owns what is shared between threads: its lock (a Condition), held whenever the
+scheduler's queues change, so another thread may submit, cancel and read the counters at any
+moment; and a snapshot of the state (`stats`, `view`), published after every step, so a
+reader never waits for a step. Each sequence's events go to its `on_event` callback from the
+engine thread, as they happen.
+
+A request cancelled (its client went away, or a stop string matched) gives its pages back at
+the next step boundary. If a step fails, the sequences in it end with an error and their pages
+are returned; the others carry on.
+
+`forward` is the one call that runs a batch (engine.forward_batch by default): give the loop
+one that first hands the batch to other workers, and the rest of the loop is unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import deque
+
+import numpy as np
+
+from app.serve.scheduler import Scheduler
+from app.serve.sequence import Sequence
+from common.batch import Batch
+from common.constrain import fill_masks
+from common.paged_kv import PAGE_SIZE, PagePool
+
+POLL_S = 0.5          # run(): how often an idle loop asks keep_going()
+RECENT_STEPS = 120    # rows of the last steps kept for the live view
+VIEW_ONLY = ("page_owner", "page_shared", "sequences", "recent_rows")     # view(), not stats()
+
+
+class EngineLoop:
+    """The engine, its page pool and scheduler, and the thread that runs them (see the module
+    docstring). `observer`, if given, is told of every step (`step(rows)`) and preemption
+    (`preempted()`), from the engine thread. `scheduler`: the Scheduler class (tests plant
+    bugs in a subclass). `forward`: what runs a Batch and returns its logits rows (default:
+    engine.forward_batch)."""
+
+    def __init__(self, engine, kv_pages: int, max_batch: int = 32, max_queue: int = 64, prefill_chunk: int = 64,
+                 page_size: int = PAGE_SIZE, observer=None, scheduler=Scheduler, forward=None):
+        cfg = engine.config
+        self.engine = engine
+        self.pool = PagePool(cfg.n_layer, cfg.kv_dim, kv_pages, page_size, engine.backend.kv_dtype)
+        self.scheduler = scheduler(self.pool, engine.n_ctx, cfg.n_ctx_train, max_batch=max_batch,
+                                   max_queue=max_queue, prefill_chunk=prefill_chunk)
+        self.forward = forward or engine.forward_batch
+        self.observer = observer
+        self.lock = threading.Condition()
+        self._stop = False
+        self.recent_rows: deque[int] = deque(maxlen=RECENT_STEPS)
+        self.reset_counters(publish=False)
+        self._snapshot = self._stats()
+
+    # ---- called from any thread -----------------------------------------------------------
+    def submit(self, seq: Sequence, followers=()):
+        """Queue a sequence with the other choices of its prompt: ParameterError, ContextError
+        (Scheduler.check), QueueFull."""
+        ask = seq.ask
+        self.scheduler.check(len(ask.prompt), ask.max_tokens, score_only=ask.prompt_logprobs is not None)
+        with self.lock:
+            self._end_cancelled_waiting()
+            self.scheduler.add(seq, followers)
+            self.lock.notify_all()
+
+    def cancel(self, seq: Sequence):
+        """Stop a sequence (and the choices waiting to fork it); its pages are returned at the
+        next step boundary."""
+        with self.lock:
+            seq.cancelled = True
+            self.lock.notify_all()
+
+    def stats(self) -> dict:
+        with self.lock:
+            snap = {k: v for k, v in self._snapshot.items() if k not in VIEW_ONLY}
+            return dict(snap, waiting=self.scheduler.n_waiting())
+
+    def view(self) -> dict:
+        """stats() and the pool page by page (the live page): page_owner[p] is the id of the
+        oldest sequence holding page p, 0 if free, -1 if free but holding a cached prefix;
+        page_shared lists the pages more than one sequence holds; recent_rows the rows of the
+        last steps; sequences the running ones."""
+        with self.lock:
+            return dict(self._snapshot, waiting=self.scheduler.n_waiting())
+
+    def wait_for(self, predicate, timeout: float | None = None) -> bool:
+        """Block until predicate(view()) holds, checked at every published step, submission and
+        cancellation; False if `timeout` seconds pass first."""
+        with self.lock:
+            return self.lock.wait_for(lambda: predicate(self.view()), timeout)
+
+    def stop(self):
+        """Ask run() to return (from any thread) at the next step boundary."""
+        with self.lock:
+            self._stop = True
+            self.lock.notify_all()
+
+    def reset_counters(self, publish: bool = True):
+        self.steps = self.rows = self.failures = self.preemptions = 0
+        self.generated_tokens = 0
+        self.finished = {"stop": 0, "length": 0, "cancelled": 0, "error": 0}
+        self.step_seconds = 0.0
+        self.recent_rows.clear()
+        if publish:
+            self._publish()
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def run(self, keep_going=lambda: True, farewell: str = "the server is shutting down"):
+        """The engine loop, in the calling thread, until stop() or until keep_going() turns
+        false (asked between steps, and at least every POLL_S while idle; never with the lock
+        held). Call it from the thread that loaded and warmed the engine: numba's OpenMP layer
+        gives each thread that opens parallel regions its own team of workers, libgomp counts
+        the workers of every team, and once they outnumber the CPUs they stop spinning between
+        regions and sleep (libgomp's do_spin), so each of a step's hundreds of regions would
+        begin by waking a sleeping thread. What is still running or waiting when it returns
+        ends with the error `farewell`."""
+        try:
+            while not self._stop and keep_going():
+                with self.lock:
+                    if self.scheduler.idle and not self._stop:
+                        self.lock.wait(POLL_S)
+                    if self.scheduler.idle or self._stop:
+                        continue
+                try:
+                    self.step()
+                except Exception:                          # a bug outside the forward pass: the
+                    traceback.print_exc()                  # sequences it touched end, the loop lives
+                    self.failures += 1
+                    for seq in list(self.scheduler.running):
+                        self._finish(seq, "error", "the engine failed; this request was ended")
+                    self._publish()
+        finally:                                           # stopped, or interrupted (Ctrl-C)
+            self.end_all(farewell)
+
+    def end_all(self, message: str):
+        """End every running and waiting sequence with an error (call between steps)."""
+        with self.lock:
+            left = list(self.scheduler.running) + list(self.scheduler.waiting)
+            self.scheduler.waiting.clear()
+        for seq in left:
+            self._finish(seq, "error", message)
+        self._publish()
+
+    def step(self) -> int:
+        """End the cancelled, plan, run the batch, hand out the tokens. Returns the rows computed."""
+        with self.lock:
+            self._end_cancelled_waiting()
+            for seq in [s for s in self.scheduler.running if s.cancelled or (s.leader and s.leader.cancelled)]:
+                self._finish(seq, "done", "cancelled")
+            plan = self.scheduler.schedule()
+        for _ in plan.preempted:
+            self.preemptions += 1
+            if self.observer is not None:
+                self.observer.preempted()
+        segments = [seq.segment(n) for seq, n in plan.rows]
+        if not segments:
+            self._publish()
+            return 0
+        try:
+            t0 = time.perf_counter()
+            batch = Batch(self.pool, segments, self.engine.backend.row_block)
+            logits = self.forward(batch)
+            batch.finish()
+            self.step_seconds += time.perf_counter() - t0
+        except Exception:                                  # a bug, not a user error: contain it
+            self.failures += 1
+            message = traceback.format_exc(limit=3).splitlines()[-1]
+            for seq, _ in plan.rows:
+                self._finish(seq, "error", f"the engine failed on this step: {message}")
+            traceback.print_exc()
+            self._publish()
+            return 0
+        self._fill_masks(segments, plan.rows)
+        row = 0
+        for seg, (seq, _) in zip(segments, plan.rows):
+            n = len(seg.tokens) if seg.all_logits else int(seg.logits)
+            if n:
+                self._settle(seq, logits[row:row + n], len(seg.table) - len(seg.tokens), seg.logits)
+            row += n
+        self.steps += 1
+        self.rows += batch.n_rows
+        self.recent_rows.append(batch.n_rows)
+        if self.observer is not None:
+            self.observer.step(batch.n_rows)
+        self._publish()
+        return batch.n_rows
+
+    @staticmethod
+    def _fill_masks(segments, rows):
+        """The masks of the constrained sequences about to draw (their context complete), in one
+        call (fill_masks); nothing when none is constrained."""
+        constraints = [seq.sampler.constraint for seg, (seq, _) in zip(segments, rows)
+                       if seg.logits and seq.sampler.constraint is not None]
+        if constraints:
+            fill_masks(constraints)
+
+    def _settle(self, seq: Sequence, logits: np.ndarray, start: int, complete: bool):
+        """A step's logits for seq: rows for positions start.. (every row of a scored chunk,
+        else the last). Scores the prompt (echo), sent once every position is; once the
+        context is complete (`complete`: the last row is its end), its waiting choices fork it
+        and each draws its next token from the last row."""
+        if seq.scoring and seq.score(logits, start):
+            seq.emit("prompt", seq.prompt_scores)
+            if seq.ask.max_tokens == 0:                  # the prompt's scores were all it asked for
+                self._finish(seq, "done", "length")
+                return
+        if not complete:
+            return
+        for s in (seq, *seq.fork()):
+            s.emit("token", s.draw(logits[-1]))
+            self.generated_tokens += 1
+            reason = s.end_reason()
+            if reason is not None:
+                self._finish(s, "done", reason)
+
+    def _end_cancelled_waiting(self):
+        for seq in self.scheduler.drop_cancelled():
+            seq.done = True
+            self._count("cancelled")
+            seq.emit("done", "cancelled")
+
+    def _finish(self, seq: Sequence, kind: str, value):
+        """End seq (and the choices that never forked it) with ("done", reason) or ("error",
+        message): its pages go back, its end is counted and sent."""
+        if seq.done:
+            return
+        seq.done = True
+        with self.lock:
+            self.scheduler.release(seq)
+        for f in seq.followers:
+            self._finish(f, kind, value)
+        seq.followers = []
+        self._count(value if kind == "done" else "error")
+        seq.emit(kind, value)
+
+    def _count(self, outcome: str):
+        self.finished[outcome] = self.finished.get(outcome, 0) + 1
+
+    # ---- what the outside sees ------------------------------------------------------------
+    def _stats(self) -> dict:
+        p = self.pool
+        owner = np.zeros(p.n_pages, dtype=np.int64)
+        owner[p.idle_cached_pages()] = -1
+        running = list(self.scheduler.running)
+        for seq in reversed(running):                # the oldest holder wins
+            if seq.table is not None:
+                owner[seq.table.pages] = seq.id
+        return {"kv_pages_total": p.n_pages, "kv_pages_free": p.n_free, "kv_pages_cached": p.n_cached,
+                "kv_pages_shared": p.n_shared, "kv_page_size": p.page_size, "kv_pages_reserved": p.reserved,
+                "running": len(running), "max_batch": self.scheduler.max_batch, "steps": self.steps,
+                "rows": self.rows, "failures": self.failures, "preemptions": self.preemptions,
+                "generated_tokens": self.generated_tokens, "finished": dict(self.finished),
+                "step_seconds": round(self.step_seconds, 6),
+                "recent_rows": list(self.recent_rows), "page_owner": owner.tolist(),
+                "page_shared": np.flatnonzero(p.refs > 1).tolist(),
+                "sequences": [{"id": s.id, "tokens": len(s.context), "pages": len(s.table.pages) if s.table else 0,
+                               "preemptions": s.preemptions} for s in running]}
+
+    def _publish(self):
+        snap = self._stats()
+        with self.lock:
+            self._snapshot = snap
+            self.lock.notify_all()
