@@ -58,6 +58,8 @@ test: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## lint, the test suite (fast tests
 # The vector kernels choose their instructions by CPU feature (stages/kernels/vector_ir.py): this runs
 # their checks (marker isa_paths) compiled for an AVX2-only CPU, the path a CPU without AVX-512 or VNNI
 # takes, whatever CPU runs the tests. An empty NUMBA_CPU_FEATURES: that CPU's features, not this one's.
+# Kernel-level checks only: the layer stacks composed of these kernels are the same code on every CPU,
+# and compiling each stack again for haswell would cost minutes of the test budget.
 AVX2_CPU ?= haswell
 test-avx2: $(STAMP) $(MODEL_FILE)  ## the vector kernels' checks again, compiled for an AVX2-only CPU (haswell)
 	NUMBA_CPU_NAME=$(AVX2_CPU) NUMBA_CPU_FEATURES= $(PY) -m pytest -q -rfEsx -m isa_paths tests

@@ -242,6 +242,22 @@ def versus_run(rec: dict) -> list[tuple[str, list[float]]]:
             ("decode, 1000 / ms between tokens (p50)", [r["itl_ms_p50"] / o["itl_ms_p50"] for o, r in pairs])]
 
 
+# One client through the server decodes what `run` decodes, plus the HTTP and the scheduler's
+# Python per step: below this share of run's decode rate, the server's path costs the stage
+# something its own path does not (fused pads a lone row to its row_block through the tiles).
+SERVE_VS_RUN_FLOOR = 0.8
+
+
+def serving_gaps(rec: dict) -> list[str]:
+    """A sentence for each serve ÷ run decode ratio under SERVE_VS_RUN_FLOOR (none: no gap)."""
+    stage = rec.get("settings", {}).get("stage", "?")
+    slow = [statistics.median(each) for name, each in versus_run(rec)
+            if name.startswith("decode") and statistics.median(each) < SERVE_VS_RUN_FLOOR]
+    return [f"The server decodes one client at {ratio:.2f}x `run`'s rate with the {stage} stage (under "
+            f"{SERVE_VS_RUN_FLOOR}x): its path through the server costs something `run`'s does not; profile "
+            f"one step (app/serve/engine_loop.py) before trusting these figures." for ratio in slow]
+
+
 def measure(args, log_dir: Path) -> tuple[dict[str, list[dict]], dict | None]:
     """Every level: both servers started (each idle while the other runs), then --rounds
     rounds in alternating order (ours first, then theirs first, ...). At one client each
@@ -389,6 +405,7 @@ def draw(rec: dict, chart: Path = CHART, table: Path = TABLE):
                   "| measure | server ÷ run | each round |", "|---|---:|---|"]
         for name, each in paired:
             lines.append(f"| {name} | {statistics.median(each):.2f}x | {', '.join(f'{x:.2f}' for x in each)} |")
+        lines += ["", *(f"**{gap}**" for gap in serving_gaps(rec))]
     table.write_text("\n".join(lines) + "\n")
 
 
@@ -460,6 +477,8 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rec, indent=1, default=float))
     draw(rec, chart, table)
+    for gap in serving_gaps(rec):
+        print(f"warning: {gap}", file=sys.stderr)
     print(f"wrote {args.out}, {chart} and {table}", file=sys.stderr)
     return 0
 

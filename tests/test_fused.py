@@ -232,7 +232,6 @@ def tiny_path(tmp_path_factory):
                              "attn_output": GGMLType.Q4_0, "ffn_up": GGMLType.Q4_1})
 
 
-@pytest.mark.isa_paths
 def test_tiny_model_of_every_type_against_the_reference(tiny_path):
     """Every integer type and float weights inside the layers (attn_v F16) and around them (F16
     embedding, BF16 output), prefill then decode, 1 thread and all: against float64 within the

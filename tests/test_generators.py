@@ -129,3 +129,17 @@ def test_the_load_tests_ratios_pair_the_rounds():
     assert loadtest.round_ratios(ours, theirs) == [2.0, 3.0, 0.5]
     with pytest.raises(ValueError, match="4 clients: 3 rounds of ours and 2 of llama-server's"):
         loadtest.round_ratios(ours, dict(theirs, rounds=theirs["rounds"][:2]))
+
+
+def test_the_load_test_names_a_server_slower_than_run():
+    """One client through the server against `run`, paired round by round: a decode ratio under
+    SERVE_VS_RUN_FLOOR is named (fused padded a lone row to 8 rows through its tiles, 5x slower
+    in the server than in run); at the floor and above, nothing is said."""
+    def rec(server_ms, run_ms):
+        one = {"clients": 1, "rounds": [{"tokens_per_s": 1.0, "itl_ms_p50": ms} for ms in server_ms]}
+        return {"engines": {loadtest.OURS: [one]}, "settings": {"stage": "fused"},
+                "run": {"rounds": [{"tokens_per_s": 1.0, "itl_ms_p50": ms} for ms in run_ms]}}
+    floor = loadtest.SERVE_VS_RUN_FLOOR
+    assert loadtest.serving_gaps(rec([10.0, 10.0, 10.0], [10 * floor] * 3)) == []
+    gaps = loadtest.serving_gaps(rec([50.0, 40.0, 10.0], [10.0, 10.0, 10.0]))       # 0.2, 0.25, 1.0: median 0.25
+    assert len(gaps) == 1 and "0.25x" in gaps[0] and "fused" in gaps[0]

@@ -115,7 +115,6 @@ def tiny_path(tmp_path_factory):
                              "attn_output": GGMLType.Q4_0, "ffn_up": GGMLType.Q4_1, "output": GGMLType.Q6_K})
 
 
-@pytest.mark.isa_paths
 @needs_isa
 def test_tiny_model_of_every_type_against_the_reference(tiny_path):
     """Every integer type in the layers, a float one among them (attn_v F16, left as the file has
@@ -165,7 +164,6 @@ def crowd_differences(engine, prompts, crowds):
     return bad
 
 
-@pytest.mark.isa_paths
 @needs_isa
 def test_batch_invariance_with_a_negative_control(tiny_path):
     """A sequence's logits in a batched step (one compiled call, each row over its own pages) are

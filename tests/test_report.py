@@ -194,14 +194,21 @@ def test_extrapolation_is_linear_in_the_layers(default_model_path, monkeypatch):
         L = len(engine.layers)
         return dataclasses.replace(gen, ttft_ms=10 + 3 * L, decode_ms=[2 + 0.5 * L] * len(gen.decode_ms)), counters
     monkeypatch.setattr(bench, "counted_generate", made_up)
+    # how many layers layers_to_measure picks follows the last-level cache; pinned here to what
+    # two layers' weights fill, whatever this machine's cache is (a large one picks every layer)
+    layer_bytes = sum(engine.backend.weight_bytes(w) for w in vars(engine.layers[0]).values())
+    monkeypatch.setattr(bench.roofline, "cache_bytes", lambda: {"L3": 2 * layer_bytes})
+    assert bench.layers_to_measure(engine) == 4                         # twice the cache: 4 layers
     rec = bench.measure_extrapolated(engine, "tiling", 8, 3)
     e, n = rec["extrapolated"], len(engine.layers)
-    assert e["n_layer"] == n == 30 and 1 <= e["layers_measured"] < n
+    assert e["n_layer"] == n == 30 and e["layers_measured"] == 4
     k = e["layers_measured"]
     assert set(e["measured"]) == {"0", str(k)}
     assert e["measured"]["0"]["ttft_ms"] == 10 and e["measured"][str(k)]["ttft_ms"] == 10 + 3 * k
     assert rec["ttft_ms"] == pytest.approx(10 + 3 * n) and rec["decode_ms"] == pytest.approx(2 + 0.5 * n)
     assert len(engine.layers) == n                                      # the engine is whole again
+    monkeypatch.setattr(bench.roofline, "cache_bytes", lambda: {"L3": 64 * n * layer_bytes})
+    assert bench.layers_to_measure(engine) == n                         # a cache larger than the model: all
 
 
 # ---- the roofline ----------------------------------------------------------------------------
