@@ -150,7 +150,6 @@ def tiny_path(tmp_path_factory):
                              "output": GGMLType.Q6_K})
 
 
-@pytest.mark.isa_paths
 @needs_isa
 def test_tiny_model_against_the_reference(tiny_path):
     """Prefill then decode within the relative size int8 is held to, 1 thread and N the same bits,

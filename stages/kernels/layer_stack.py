@@ -515,9 +515,11 @@ def _work(s, p32, pk):
 
 
 @njit(cache=True)
-def _worker(t, nt, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre):
-    """Thread t of nt: every phase of the span, its share of each, a barrier between two; thread 0
-    adds each phase's cycles to sync[CLOCK + i] where new_sync made room."""
+def _worker(t, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre):
+    """Thread t of the nt the scratch was made for: every phase of the span, its share of each, a
+    barrier between two; thread 0 adds each phase's cycles to sync[CLOCK + i] where new_sync made
+    room."""
+    nt = scratch.counters.shape[1]
     s = _work(scratch, p32, pk)
     timed = t == 0 and sync.shape[0] >= CLOCK + OPS_PER_LAYER
     bar = 0
@@ -591,10 +593,10 @@ def run_phases(h, weights, cache, rows, dims, sync, nt, span, pre, scratch, p32,
     room (phases=OPS_PER_LAYER), phase i's cycles."""
     scratch.counters[span.first:span.last] = 0
     if nt == 1:                 # one thread needs no region (its launch costs about as much as a norm)
-        _worker(0, 1, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre)
+        _worker(0, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre)
     else:
         for t in prange(nt):
-            _worker(t, nt, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre)
+            _worker(t, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre)
     return h
 
 
