@@ -1,6 +1,6 @@
-"""What the kernels need to know about this CPU: how many cores they may use and which vector
-instructions it has. (The application's machine probe, app/measure/machine.py, builds the
-record every measurement carries on top of this.)"""
+"""What the kernels need to know about this CPU: how many cores they may use, which vector
+instructions it has and how large its caches are. (The application's machine probe,
+app/measure/machine.py, builds the record every measurement carries on top of this.)"""
 
 from __future__ import annotations
 
@@ -65,6 +65,29 @@ def simd_features(info: dict | None = None) -> list[str]:
               "avx_vnni", "avx512_bf16", "amx_int8", "neon", "asimd"]
     flags = cpu_flags(info)
     return [f for f in wanted if f in flags]
+
+
+# Sizes assumed where sysfs does not say (a container without /sys, another OS): a small core's.
+CACHE_FALLBACK = {"L1d": 32 << 10, "L2": 512 << 10}
+
+
+def cache_sizes() -> dict[str, int]:
+    """Bytes of each cache level of the first core, from sysfs: {'L1d': .., 'L2': .., 'L3': ..}
+    (L1d and L2 per core; CACHE_FALLBACK where sysfs does not say)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    out = dict(CACHE_FALLBACK)
+    for idx in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level = (idx / "level").read_text().strip()
+            kind = (idx / "type").read_text().strip()
+            size = (idx / "size").read_text().strip()
+        except OSError:
+            continue
+        if kind == "Instruction" or not size:
+            continue
+        n = int(size.rstrip("KMG")) * units.get(size[-1], 1)
+        out[f"L{level}" + ("d" if kind == "Data" else "")] = n
+    return out
 
 
 def isa_level(features) -> str:

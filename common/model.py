@@ -128,9 +128,11 @@ class LlamaConfig:
 
 
 def context_size(cfg: LlamaConfig, requested: int | None = None) -> int:
-    """Positions the KV cache and RoPE tables hold: as asked, else min(trained, 2048);
-    never more than the model was trained on."""
-    return min(requested or min(cfg.n_ctx_train, 2048), cfg.n_ctx_train)
+    """Positions the KV cache and RoPE tables hold: as asked, else min(trained, 2048). Asked for
+    more than the model was trained on, it gets it, as llama.cpp gives it (with a warning there):
+    positions past the trained ones are ones the model never saw, so its text may degrade; a
+    benchmark of long prompts on a model's geometry needs them."""
+    return requested or min(cfg.n_ctx_train, 2048)
 
 
 # The per-layer tensors the graph reads (blk.N.<name>.weight).
@@ -418,3 +420,11 @@ def flops_per_token(cfg: LlamaConfig, context: int) -> float:
     attn = cfg.n_layer * cfg.n_head * cfg.head_dim * context * 2
     return 2.0 * (matmul + attn)
 
+
+
+def prompt_matmul_ops(cfg: LlamaConfig, n_prompt: int) -> float:
+    """Operations (2 per multiply-add) of a prompt's matmuls: every layer matrix on every prompt
+    row, the output matrix on the last row only (the next token's logits). Integer operations in
+    the stages that round activations to int8: what the roofline's integer peak bounds."""
+    layer_matrices = n_params(cfg) - cfg.n_vocab * cfg.n_embd - cfg.n_embd * (2 * cfg.n_layer + 1)
+    return 2.0 * (layer_matrices * n_prompt + cfg.n_vocab * cfg.n_embd)

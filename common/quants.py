@@ -33,7 +33,7 @@ from common.gguf import BLOCK_SIZES, GGMLType, GGUFError, TensorInfo, type_nbyte
 QK = 32        # values per block in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 QK_K = 256     # values per super-block in the K-quants
 
-F32 = np.float32
+f32 = np.float32
 
 
 class UnsupportedTypeError(GGUFError):
@@ -158,7 +158,7 @@ def q3_k_scales(scales: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 def _f16(field: np.ndarray) -> np.ndarray:
-    return field.astype(F32)
+    return field.astype(f32)
 
 
 def _split_nibbles(qs: np.ndarray, out: np.ndarray):
@@ -314,15 +314,15 @@ def dequantize(raw: np.ndarray, ggml_type, shape) -> np.ndarray:
         raise GGUFError(f"dequantize: {raw.nbytes} bytes given, {t.name} {shape} needs {nbytes}")
 
     if t == GGMLType.F32:
-        return raw.view(F32).reshape(shape).copy()
+        return raw.view(f32).reshape(shape).copy()
     if t == GGMLType.F16:
-        return raw.view("<f2").astype(F32).reshape(shape)
+        return raw.view("<f2").astype(f32).reshape(shape)
     if t == GGMLType.BF16:
-        return (raw.view("<u2").astype(np.uint32) << 16).view(F32).reshape(shape)
+        return (raw.view("<u2").astype(np.uint32) << 16).view(f32).reshape(shape)
 
     block = BLOCK_SIZES[t][0]
     blocks = raw.view(BLOCK_DTYPES[t])
-    out = np.empty((len(blocks), block), F32)
+    out = np.empty((len(blocks), block), f32)
     step = max(1, _CHUNK_VALUES // block)
     decode = _DEQUANTIZERS[t]
     for start in range(0, len(blocks), step):
@@ -361,7 +361,7 @@ def nearest_int(f: np.ndarray) -> np.ndarray:
     so the FPU's own round-to-nearest-even does the rounding; the integer then sits in the low
     23 mantissa bits. Valid for |f| <= 4194303, like the C (outside it, the same garbage).
     """
-    v = (np.asarray(f, F32) + F32(12582912.0)).view(np.int32)
+    v = (np.asarray(f, f32) + f32(12582912.0)).view(np.int32)
     return (v & 0x007FFFFF) - 0x00400000
 
 
@@ -369,7 +369,7 @@ def round_half_away(f: np.ndarray) -> np.ndarray:
     """C's roundf (halves away from zero), exactly, for float32 (f + 0.5 would round twice)."""
     whole = np.trunc(f)
     frac = np.abs(f - whole)                                # exact: no bits are lost
-    return whole + np.where(frac >= 0.5, np.sign(f), F32(0)).astype(f.dtype)
+    return whole + np.where(frac >= 0.5, np.sign(f), f32(0)).astype(f.dtype)
 
 
 def sum_in_order(terms: np.ndarray, start_at_zero: bool = True) -> np.ndarray:
@@ -378,14 +378,14 @@ def sum_in_order(terms: np.ndarray, start_at_zero: bool = True) -> np.ndarray:
     np.sum adds pairwise (more accurate, differently rounded); a running sum is strictly left
     to right. The final + 0 reproduces C's +0.0 start when every term is -0.0.
     """
-    s = np.add.accumulate(terms, axis=-1, dtype=F32)[..., -1]
-    return s + F32(0) if start_at_zero else s
+    s = np.add.accumulate(terms, axis=-1, dtype=f32)[..., -1]
+    return s + f32(0) if start_at_zero else s
 
 
 def _to_f16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> the 2 bytes of its float16 (round to nearest even, like GGML_FP32_TO_FP16)."""
     with np.errstate(over="ignore"):
-        return np.asarray(x, F32).astype("<f2")
+        return np.asarray(x, f32).astype("<f2")
 
 
 def _pack_blocks(ggml_type: GGMLType, **fields) -> np.ndarray:
@@ -413,9 +413,9 @@ def _pack_nibbles_halves(q: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 def _quantize_q8_0(x):                                      # x [n, 32] float32
-    d = np.abs(x).max(axis=-1) / F32(127)
+    d = np.abs(x).max(axis=-1) / f32(127)
     with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, F32(0), F32(1) / d)
+        inv = np.where(d == 0, f32(0), f32(1) / d)
     qs = round_half_away(x * inv[:, None]).astype(np.int8)
     return _pack_blocks(GGMLType.Q8_0, d=_to_f16_bits(d), qs=qs)
 
@@ -425,19 +425,19 @@ def _quantize_q4_0(x):
     # lands in -8..7, shifted to 0..15. +8.5 then truncation = round half up.
     # (One corner where gguf-py, followed here, and ggml differ: a block of only -0.0 gets
     # d = +0.0 here and -0.0 from ggml, whose running maximum starts at +0.0.)
-    d = _abs_max_signed(x) / F32(-8)
+    d = _abs_max_signed(x) / f32(-8)
     with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, F32(0), F32(1) / d)
-    q = np.minimum(np.trunc(x * inv[:, None] + F32(8.5)).astype(np.uint8), 15)
+        inv = np.where(d == 0, f32(0), f32(1) / d)
+    q = np.minimum(np.trunc(x * inv[:, None] + f32(8.5)).astype(np.uint8), 15)
     return _pack_blocks(GGMLType.Q4_0, d=_to_f16_bits(d), qs=_pack_nibbles_halves(q))
 
 
 def _quantize_q4_1(x):
     lo, hi = x.min(axis=-1), x.max(axis=-1)
-    d = (hi - lo) / F32(15)
+    d = (hi - lo) / f32(15)
     with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, F32(0), F32(1) / d)
-    q = np.minimum(np.trunc((x - lo[:, None]) * inv[:, None] + F32(0.5)).astype(np.uint8), 15)
+        inv = np.where(d == 0, f32(0), f32(1) / d)
+    q = np.minimum(np.trunc((x - lo[:, None]) * inv[:, None] + f32(0.5)).astype(np.uint8), 15)
     return _pack_blocks(GGMLType.Q4_1, d=_to_f16_bits(d), m=_to_f16_bits(lo),
                         qs=_pack_nibbles_halves(q))
 
@@ -455,29 +455,29 @@ def make_qkx2_quants(x, w, nmax: int, rmin: float, rdelta: float, nstep: int):
     As in ggml, an accepted fit's min becomes the origin of the grids tried after it.
     Returns (scale [S], the_min = -min [S], L [S, n] uint8).
     """
-    lo = np.minimum(x.min(axis=1), F32(0))                  # "if (min > 0) min = 0"
+    lo = np.minimum(x.min(axis=1), f32(0))                  # "if (min > 0) min = 0"
     hi = x.max(axis=1)
     flat = hi == lo                                         # all values equal (and <= 0)
     sum_w = sum_in_order(w, start_at_zero=False)            # the C starts these at term 0
     sum_x = sum_in_order(w * x, start_at_zero=False)
 
     def grid(iscale, mn):                                   # [S], [S] -> L [S, n] as float32
-        return np.clip(nearest_int(iscale[:, None] * (x - mn[:, None])), 0, nmax).astype(F32)
+        return np.clip(nearest_int(iscale[:, None] * (x - mn[:, None])), 0, nmax).astype(f32)
 
     def error(scale, mn, L):                                # sum w * (scale*L + min - x)^2
         diff = (scale[:, None] * L + mn[:, None]) - x
         return sum_in_order(w * (diff * diff))
 
     def span(mn):                                           # max - min; 1 on flat rows (unused)
-        return np.where(flat, F32(1), hi - mn)
+        return np.where(flat, f32(1), hi - mn)
 
     mn = lo
-    iscale = F32(nmax) / span(mn)
-    scale = F32(1) / iscale
+    iscale = f32(nmax) / span(mn)
+    scale = f32(1) / iscale
     L = grid(iscale, mn)
     best = error(scale, mn, L)
     for step in range(nstep + 1):
-        iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / span(mn)
+        iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / span(mn)
         La = grid(iscale, mn)
         wl = w * La
         sum_l = sum_in_order(wl)
@@ -489,43 +489,43 @@ def make_qkx2_quants(x, w, nmax: int, rmin: float, rdelta: float, nstep: int):
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
             positive = this_min > 0                         # a min above 0 is not allowed:
             this_scale = np.where(positive, sum_xl / sum_l2, this_scale)   # refit scale alone
-            this_min = np.where(positive, F32(0), this_min)
+            this_min = np.where(positive, f32(0), this_min)
             cur = error(this_scale, this_min, La)
         better = (D > 0) & (cur < best) & ~flat
         L = np.where(better[:, None], La, L)
         best = np.where(better, cur, best)
         scale = np.where(better, this_scale, scale)
         mn = np.where(better, this_min, mn)
-    scale = np.where(flat, F32(0), scale)                   # flat rows: L = 0, scale 0
-    L = np.where(flat[:, None], F32(0), L)
+    scale = np.where(flat, f32(0), scale)                   # flat rows: L = 0, scale 0
+    L = np.where(flat[:, None], f32(0), L)
     return scale, -mn, L.astype(np.uint8)
 
 
 def _quantize_q4_k(x):                                      # x [n, 256] float32
     nb = len(x)
     xs = x.reshape(nb * 8, 32)                              # sub-blocks of 32
-    av_x = np.sqrt(sum_in_order(xs * xs) / F32(32))
+    av_x = np.sqrt(sum_in_order(xs * xs) / f32(32))
     w = av_x[:, None] + np.abs(xs)                          # weights: favour large values
     scales, mins, L = make_qkx2_quants(xs, w, 15, rmin=-1.0, rdelta=0.1, nstep=20)
     scales, mins, L = scales.reshape(nb, 8), mins.reshape(nb, 8), L.reshape(nb, 8, 32)
 
     # The eight sub-block scales and mins become 6-bit integers relative to the largest.
-    max_scale = np.maximum(scales.max(axis=1), F32(0))
-    max_min = np.maximum(mins.max(axis=1), F32(0))
+    max_scale = np.maximum(scales.max(axis=1), f32(0))
+    max_min = np.maximum(mins.max(axis=1), f32(0))
     with np.errstate(divide="ignore"):
-        inv_scale = np.where(max_scale > 0, F32(63) / max_scale, F32(0))
-        inv_min = np.where(max_min > 0, F32(63) / max_min, F32(0))
+        inv_scale = np.where(max_scale > 0, f32(63) / max_scale, f32(0))
+        inv_min = np.where(max_min > 0, f32(63) / max_min, f32(0))
     ls = np.minimum(nearest_int(inv_scale[:, None] * scales) & 0xFF, 63).astype(np.uint8)  # C: uint8_t
     lm = np.minimum(nearest_int(inv_min[:, None] * mins) & 0xFF, 63).astype(np.uint8)
     packed = np.concatenate([ls[:, :4] | ((ls[:, 4:] >> 4) << 6),       # see k4_scale_min
                              lm[:, :4] | ((lm[:, 4:] >> 4) << 6),
                              (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)], axis=1)
-    d16 = _to_f16_bits(max_scale / F32(63))
-    dmin16 = _to_f16_bits(max_min / F32(63))
+    d16 = _to_f16_bits(max_scale / f32(63))
+    dmin16 = _to_f16_bits(max_min / f32(63))
 
     # Second pass: requantize every value against the scales as they were actually stored.
-    d = d16.astype(F32)[:, None] * ls                       # [nb, 8]: d * sc
-    dm = dmin16.astype(F32)[:, None] * lm
+    d = d16.astype(f32)[:, None] * ls                       # [nb, 8]: d * sc
+    dm = dmin16.astype(f32)[:, None] * lm
     with np.errstate(divide="ignore", invalid="ignore"):
         requant = np.clip(nearest_int((x.reshape(nb, 8, 32) + dm[:, :, None]) / d[:, :, None]), 0, 15)
     L = np.where((d != 0)[:, :, None], requant, L).astype(np.uint8)      # d == 0: keep the fit
@@ -535,7 +535,7 @@ def _quantize_q4_k(x):                                      # x [n, 256] float32
     return _pack_blocks(GGMLType.Q4_K, d=d16, dmin=dmin16, scales=packed, qs=qs)
 
 
-GROUP_MAX_EPS = F32(1e-15)
+GROUP_MAX_EPS = f32(1e-15)
 
 
 def make_qx_quants(x, nmax: int):
@@ -548,21 +548,21 @@ def make_qx_quants(x, nmax: int):
     """
     amax_signed = _abs_max_signed(x)
     zero = np.abs(amax_signed) < GROUP_MAX_EPS
-    top = np.where(zero, F32(1), amax_signed)
+    top = np.where(zero, f32(1), amax_signed)
     w = x * x
 
     def fit(iscale):                                        # -> l [S, n] float32, sum w x l, sum w l l
-        l = np.clip(nearest_int(iscale[:, None] * x), -nmax, nmax - 1).astype(F32)
+        l = np.clip(nearest_int(iscale[:, None] * x), -nmax, nmax - 1).astype(f32)
         return l, sum_in_order((w * x) * l), sum_in_order((w * l) * l)
 
-    l, sumlx, suml2 = fit(F32(-nmax) / top)
+    l, sumlx, suml2 = fit(f32(-nmax) / top)
     with np.errstate(divide="ignore", invalid="ignore"):
-        scale = np.where(suml2 != 0, sumlx / suml2, F32(0))
+        scale = np.where(suml2 != 0, sumlx / suml2, f32(0))
     best = scale * sumlx
     for step in range(-9, 10):
         if step == 0:
             continue
-        lt, sumlx, suml2 = fit(-(F32(nmax) + F32(0.1) * F32(step)) / top)
+        lt, sumlx, suml2 = fit(-(f32(nmax) + f32(0.1) * f32(step)) / top)
         with np.errstate(over="ignore"):
             take = (suml2 > 0) & (sumlx * sumlx > best * suml2)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -571,7 +571,7 @@ def make_qx_quants(x, nmax: int):
         scale = np.where(take, new_scale, scale)
         best = np.where(take, scale * sumlx, best)
     L = np.where(zero[:, None], 0, l.astype(np.int32) + nmax).astype(np.uint8)
-    return np.where(zero, F32(0), scale), L
+    return np.where(zero, f32(0), scale), L
 
 
 def _quantize_q6_k(x):                                      # x [n, 256] float32
@@ -582,12 +582,12 @@ def _quantize_q6_k(x):                                      # x [n, 256] float32
     # The sub-block scale of largest magnitude maps to -128; d = 1/iscale keeps its sign.
     max_scale = _abs_max_signed(scales)
     zero_block = np.abs(max_scale) < GROUP_MAX_EPS          # -> an all-zero block
-    iscale = F32(-128) / np.where(zero_block, F32(1), max_scale)
-    d16 = _to_f16_bits(F32(1) / iscale)
+    iscale = f32(-128) / np.where(zero_block, f32(1), max_scale)
+    d16 = _to_f16_bits(f32(1) / iscale)
     sc = np.minimum(nearest_int(iscale[:, None] * scales), 127).astype(np.int8)
 
     # Second pass against the stored scales.
-    d = d16.astype(F32)[:, None] * sc                       # [nb, 16]
+    d = d16.astype(f32)[:, None] * sc                       # [nb, 16]
     with np.errstate(divide="ignore", invalid="ignore"):
         requant = np.clip(nearest_int(x.reshape(nb, 16, 16) / d[:, :, None]), -32, 31) + 32
     L = np.where((d != 0)[:, :, None], requant, L).astype(np.uint8).reshape(nb, 2, 4, 32)
@@ -631,7 +631,7 @@ def quantize(x: np.ndarray, ggml_type) -> np.ndarray:
     if t not in QUANTIZE_TYPES:
         raise UnsupportedTypeError(f"quantize: ggml type {t.name} is not supported "
                                    f"(supported: {', '.join(x.name for x in QUANTIZE_TYPES)})")
-    x = np.ascontiguousarray(x, dtype=F32)
+    x = np.ascontiguousarray(x, dtype=f32)
     if x.ndim == 0:
         raise ValueError("quantize: need at least one axis (the row)")
     block, size = BLOCK_SIZES[t]

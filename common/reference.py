@@ -24,7 +24,7 @@ from common.gguf import GGMLType, GGUFFile
 from common.model import LlamaConfig, rope_angles
 from common.quants import blocks_of, dequantize_rows, dequantize_tensor, nearest_int, round_half_away
 
-F32 = np.float32
+f32 = np.float32
 ACTIVATIONS = ("float", "q8")
 # ggml's vec_dot_type of each quantized weight type: the activation blocks it is multiplied with
 Q8_ACTIVATIONS = {GGMLType.Q4_0: "q8_0", GGMLType.Q5_0: "q8_0", GGMLType.Q8_0: "q8_0",
@@ -45,27 +45,27 @@ def round_q8(x: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray | None]:
     q8_1 adds s = float16(d * sum q) with the float32 d. q8_k (256 values): max = the value of
     largest |x| (the first on ties), iscale = -127 / max, q = min(127, nearest_int(iscale * x)),
     d = 1 / iscale in float32."""
-    x = np.ascontiguousarray(x, dtype=F32)
+    x = np.ascontiguousarray(x, dtype=f32)
     m, k = x.shape
     qk = 256 if kind == "q8_k" else 32
     b = x.reshape(m, k // qk, qk)
     if kind == "q8_k":
         big = np.take_along_axis(b, np.abs(b).argmax(axis=2)[..., None], axis=2)      # signed, first on ties
         with np.errstate(divide="ignore"):
-            iscale = np.where(big == 0, F32(0), F32(-127) / big).astype(F32)
-            d = np.where(big == 0, F32(0), F32(1) / iscale).astype(F32)
+            iscale = np.where(big == 0, f32(0), f32(-127) / big).astype(f32)
+            d = np.where(big == 0, f32(0), f32(1) / iscale).astype(f32)
         q = np.minimum(127, nearest_int(iscale * b))
         return (d.astype(np.float64) * q).reshape(m, k), None
-    d = (np.abs(b).max(axis=2, keepdims=True) / F32(127)).astype(F32)
+    d = (np.abs(b).max(axis=2, keepdims=True) / f32(127)).astype(f32)
     with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, F32(0), F32(1) / d).astype(F32)
-    q = round_half_away((b * inv).astype(F32)).astype(np.int64)
+        inv = np.where(d == 0, f32(0), f32(1) / d).astype(f32)
+    q = round_half_away((b * inv).astype(f32)).astype(np.int64)
     d16 = d.astype(np.float16).astype(np.float64)
     values = (d16 * q).reshape(m, k)
     if kind == "q8_0":
         return values, None
     total = q.sum(axis=2, keepdims=True)
-    s = (total.astype(F32) * d).astype(np.float16).astype(np.float64)
+    s = (total.astype(f32) * d).astype(np.float16).astype(np.float64)
     return values, (s - d16 * total)[..., 0]
 
 

@@ -54,7 +54,7 @@ from stages.kernels.layer_stack import (
     matrix_table,
     run_layers,
 )
-from stages.kernels.sync import new_sync
+from stages.kernels.sync import ABORT, ARRIVALS, CLOCK, new_sync
 from stages.quantized import QuantMatrix
 
 __all__ = ["FusedBackend", "LOGIT_TOLERANCE", "OPS_PER_LAYER", "BARRIER_LAYERS"]
@@ -130,6 +130,7 @@ class FusedBackend(Int8Backend):
         self._heads = {}                # id(weight) -> (its blocks as a blob, its one MATRIX record)
         self.kernel_seconds = 0.0       # time inside the compiled calls, for Python's share
         self.barriers = 0               # barriers crossed in the last call (counted by the threads)
+        self.phase_seconds = np.zeros(OPS_PER_LAYER)    # time in each phase (layer_stack.PHASES), summed
 
     def layout_of(self, w) -> int:
         """How a matrix's rows are stored (layer_stack.MATRIX.layout): as the file stores them."""
@@ -150,9 +151,9 @@ class FusedBackend(Int8Backend):
         """The layer stack over the rows `tokens` [M]: h [M, D] before the final norm."""
         h = self.embed(model.token_embd, tokens)
         weights, dims, nt = self._compiled(model)
-        sync = new_sync()
+        sync = new_sync(phases=OPS_PER_LAYER)
         t0 = time.perf_counter()
-        run_layers(h, weights, cache, rows, dims, sync, nt)
+        run_layers(h, weights, cache, rows, dims, sync, nt, self._prefill(model, rows, cache))
         self._ran(sync, nt, t0)
         return h
 
@@ -163,12 +164,23 @@ class FusedBackend(Int8Backend):
         return self._plan.weights, self._dims(model), self._threads()
 
     def _ran(self, sync, nt: int, t0: float):
-        """After a compiled call begun at t0: its time and barriers counted, a barrier that gave up raised."""
-        self.kernel_seconds += time.perf_counter() - t0
-        self.barriers = int(sync[0]) // nt
-        if sync[1]:
+        """After a compiled call begun at t0: its time counted (shared out over the phases as the
+        time-stamp counter saw it, where sync has clocks) and its barriers, a barrier that gave up
+        raised."""
+        seconds = time.perf_counter() - t0
+        self.kernel_seconds += seconds
+        clock = sync[CLOCK:].astype(np.float64)
+        if clock.shape[0] == OPS_PER_LAYER and clock.sum() > 0:
+            self.phase_seconds += clock / clock.sum() * seconds
+        self.barriers = int(sync[ARRIVALS]) // nt
+        if sync[ABORT]:
             raise RuntimeError(f"the {self.name} stage's {nt} threads did not all run (a barrier gave up): "
                                "numba's threading layer must give each parallel iteration its own thread")
+
+    def _prefill(self, model, rows: Rows, cache: Cache):
+        """The prefill stage's choices and arrays for a call (layer_stack.Prefill); None: this
+        stage's kernels."""
+        return None
 
     def forward_layers(self, model, tokens, start_pos: int):
         """One sequence: its arena is one page of n_ctx positions, row m at start_pos + m."""

@@ -18,7 +18,7 @@ weight per token. This stage streams the file's bits instead:
   weight's float32 value exists only in a register (or a one-row buffer that stays in L1).
   Intensity: 2 flops per weight, about 3.5 flops per byte for Q4_K against 0.5 for float32.
 * Prefill (M prompt rows): each weight serves M rows, so it is worth decoding once: a panel of
-  PREFILL_ROWS weight rows is decoded into a float32 buffer and the simd stage's 4 x 4 kernel
+  PANEL_ROWS weight rows is decoded into a float32 buffer and the simd stage's 4 x 4 kernel
   runs all M rows over it. Decode does 2 flops per weight fetched, prefill 2M: the article's
   point about arithmetic intensity.
 * A type without a kernel (IQ*, Q2_K, Q3_K, ...) stops the load with an error naming the tensor.
@@ -45,7 +45,7 @@ from stages.simd import PANEL, matmul_panels
 # Prefill: weight rows decoded per panel (a multiple of the simd kernel's PANEL). 64 rows of
 # K floats stay within L2 (at most 1.4 MiB, for TinyLlama's 5632-wide ffn_down) and cost
 # one Python iteration per 64 rows, small next to the panel's arithmetic.
-PREFILL_ROWS = 64
+PANEL_ROWS = 64
 X_CHUNK_BYTES = 1 << 20
 
 
@@ -104,7 +104,7 @@ class QuantizedBackend(KVCacheBackend):
         return self._prefill(x, w)
 
     def _prefill(self, x, w):
-        """Decode PREFILL_ROWS weight rows once, use them for all M rows of x."""
+        """Decode PANEL_ROWS weight rows once, use them for all M rows of x."""
         M, K = x.shape
         N = w.shape[0]
         # rows of x per kernel call: at most 1 MiB of them (half of a 2 MiB L2), so they stay
@@ -112,9 +112,9 @@ class QuantizedBackend(KVCacheBackend):
         # TinyLlama's 5632-wide ffn_down at long prompts; the other matrices fit whole)
         chunk = max(PANEL, X_CHUNK_BYTES // (4 * K) // PANEL * PANEL)
         y = np.empty((M, N), dtype=np.float32)
-        panel = np.zeros((PREFILL_ROWS, K), dtype=np.float32)     # [rows, K] floats, reused
-        for n0 in range(0, N, PREFILL_ROWS):
-            rows = min(PREFILL_ROWS, N - n0)
+        panel = np.zeros((PANEL_ROWS, K), dtype=np.float32)     # [rows, K] floats, reused
+        for n0 in range(0, N, PANEL_ROWS):
+            rows = min(PANEL_ROWS, N - n0)
             dequantize_rows(w.kind, w.data, n0, panel[:rows], F16_TO_F32)     # once per M rows
             padded = -(-rows // PANEL) * PANEL                    # the kernel takes 4-row panels
             panel[rows:padded] = 0.0

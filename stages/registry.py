@@ -5,7 +5,7 @@ Adding a stage is one entry here plus its module (a Backend subclass of the stag
 
 Numbers follow the article's chapters (1-6, cuda being its sixth), then ours (7 on); `STAGES`
 is in that order, and a stage's chapter is notebooks/<its number>_<its name> (chapters that are no
-stage take numbers no stage has: 00, and 12 on). `builds_on` is the stage a stage's backend
+stage take numbers no stage has: 00, and 13 on). `builds_on` is the stage a stage's backend
 inherits from: the stage it is compared with ("vs previous" in the report). A variant is the same lesson with one part
 swapped (e.g. int8 with its plain loops instead of the named instructions), loadable by name
 for side-by-side measurements but not a stage of its own.
@@ -102,6 +102,10 @@ REGISTRY = {s.name: s for s in (
     Stage("tp", 11, "stages.tp", "TensorParallelBackend", "repack",
           "split every layer across N processes (MPI ranks): two all-reduces per layer",
           kv_cache=True, chapter="11_tp", parallel=True, ranks=True),
+    Stage("prefill", 12, "stages.prefill", "PrefillBackend", "repack",
+          "the prompt is compute-bound: more multiply-adds per loaded byte (attention in tiles, two rows "
+          "per register)",
+          kv_cache=True, chapter="12_prefill", parallel=True),
 )}
 
 STAGES = [s.name for s in sorted(REGISTRY.values(), key=lambda s: s.number) if s.variant_of is None]

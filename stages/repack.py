@@ -69,6 +69,7 @@ class RepackedMatrix:
 class RepackBackend(FusedBackend):
     name = "repack"
     row_block = 1                        # the kernels give a row the same bits in any batch
+    kv_dtype = np.float16                # K and V as llama.cpp keeps them (LLM_KV_TYPE=f32: float32)
 
     def __init__(self, threads: int | None = None, kv_type: str | None = None):
         super().__init__(threads)

@@ -15,7 +15,7 @@ What changes, and nothing else:
 
 * Decode (one activation row): the rows of a weight are split into --threads contiguous
   ranges, one per iteration of a numba `prange`, each running the quantized stage's fused
-  kernel for the weight's type (stages/kernels/parallel.py). The threads share nothing but the
+  kernel for the weight's type (stages/kernels/threaded.py). The threads share nothing but the
   activation row (a few KiB): each streams its own rows' blocks.
 * Prefill (M prompt rows): the 64-row panels are split the same way; each thread decodes its
   own panels into its own buffer and runs the simd stage's 4 x 4 kernel on them.
@@ -42,9 +42,9 @@ import numba
 import numpy as np
 
 from common.cpu import physical_cores
-from stages.kernels.parallel import attention_paged_parallel, attention_parallel, matvec_parallel, prefill_parallel
+from stages.kernels.threaded import attention_paged_parallel, attention_parallel, matvec_parallel, prefill_parallel
 from stages.kernels.toolkit import F16_TO_F32
-from stages.quantized import PREFILL_ROWS, X_CHUNK_BYTES, QuantizedBackend, QuantMatrix
+from stages.quantized import PANEL_ROWS, X_CHUNK_BYTES, QuantizedBackend, QuantMatrix
 from stages.simd import PANEL
 
 
@@ -78,7 +78,7 @@ class ThreadsBackend(QuantizedBackend):
             return matvec_parallel(x[0], w.data, w.kind, F16_TO_F32, self.threads)[None, :]
         K = x.shape[1]                                        # prefill: the panels split
         chunk = max(PANEL, X_CHUNK_BYTES // (4 * K) // PANEL * PANEL)
-        return prefill_parallel(x, w.data, w.kind, F16_TO_F32, self.threads, PREFILL_ROWS, chunk)
+        return prefill_parallel(x, w.data, w.kind, F16_TO_F32, self.threads, PANEL_ROWS, chunk)
 
     def attention(self, q, k, v, n_head: int, n_head_kv: int, start_pos: int):
         """One fused kernel per layer instead of four numba calls per head."""

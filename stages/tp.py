@@ -45,7 +45,7 @@ from common.cpu import physical_cores
 from common.paged_kv import PagePool
 from stages import StageError
 from stages.kernels.layer_stack import DOWN_OP, OPS_PER_LAYER, PHASES, WO_OP, Span, run_phases, scratch_for
-from stages.kernels.sync import new_sync
+from stages.kernels.sync import ARRIVALS, new_sync
 from stages.parallel import steps
 from stages.parallel.ranks import mpi_missing, world
 from stages.parallel.shards import copy_columns, map_rows
@@ -166,15 +166,16 @@ class TensorParallelBackend(RepackBackend):
         so every object a call touches is a miss.)"""
         h = self.embed(model.token_embd, tokens)
         weights, dims, nt = self._compiled(model)
-        work = scratch_for(h, weights, cache, rows, dims, nt)
+        pre = self._prefill(model, rows, cache)                      # None: repack's kernels
+        work = scratch_for(h, weights, cache, rows, dims, nt, pre)
         part, sync = np.empty_like(h), new_sync()                    # part [M, D]: this rank's partial sums
         for il in range(model.config.n_layer):
             for first, last, where in PIECES:
                 part[:] = 0
-                sync[0] = 0
+                sync[ARRIVALS] = 0
                 t0 = time.perf_counter()
                 run_phases(h, weights, cache, rows, dims, sync, nt,
-                           Span(il * OPS_PER_LAYER + first, il * OPS_PER_LAYER + last, part), *work)
+                           Span(il * OPS_PER_LAYER + first, il * OPS_PER_LAYER + last, part), pre, *work)
                 self._ran(sync, nt, t0)
                 h += self.ranks.allreduce(part, (where, il))          # the row-parallel matmul, complete
         return h

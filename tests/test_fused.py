@@ -256,7 +256,7 @@ def test_a_barrier_gives_up_instead_of_hanging(tiny_path, monkeypatch):
     the stage says why instead of hanging."""
     import stages.fused as fused_stage
     engine = load("fused", tiny_path, threads=1)
-    monkeypatch.setattr(fused_stage, "new_sync", lambda: new_sync(give_up=1000))
+    monkeypatch.setattr(fused_stage, "new_sync", lambda **kw: new_sync(give_up=1000, **kw))
     monkeypatch.setattr(type(engine.backend), "_threads", lambda self: 2)
     numba.set_num_threads(1)
     with pytest.raises(RuntimeError, match="barrier gave up"):

@@ -18,7 +18,7 @@ from app.report import lessons
 ROOT = Path(__file__).resolve().parent.parent
 IDS = ["ram_balloon", "page_faults", "ipc_naive", "tiling_speedup", "simd_speedup", "kv_decode_speedup",
        "kv_ttft_unchanged", "quantized_ttft_speedup", "cuda_decode_speedup", "cuda_ttft_slower", "end_to_end",
-       "precision_loss_small"]
+       "ttft_decode_different", "precision_loss_small"]
 KEYS = {"id", "article", "measured", "unit", "verdict", "why", "records"}
 
 
@@ -142,6 +142,18 @@ def test_verdicts_follow_the_bands(tmp_path, default_dir):
     assert rows["end_to_end"].to_stage == "int8"                           # the fastest recorded stage
     assert rows["end_to_end"].measured == pytest.approx(8000 / 67)
     assert rows["end_to_end"].verdict == "reproduced"
+
+
+def test_ttft_and_decode_as_different_problems(tmp_path, default_dir):
+    """The prefill stage's TTFT gain over repack against its decode gain: 2x against 1x is two
+    problems; the same gain in both (planted) is refuted; without a prefill record, not measured."""
+    write(default_dir, [record("repack", 100, 20)])
+    assert rows_of(tmp_path)["ttft_decode_different"].verdict == "not measured here"
+    write(default_dir, [record("repack", 100, 20), record("prefill", 50, 20)])
+    row = rows_of(tmp_path)["ttft_decode_different"]
+    assert row.verdict == "reproduced" and row.measured == pytest.approx(2.0)
+    write(default_dir, [record("repack", 100, 20), record("prefill", 50, 10)])
+    assert rows_of(tmp_path)["ttft_decode_different"].verdict == "refuted"
 
 
 def test_missing_records_are_not_measured_and_say_which(tmp_path, default_dir):

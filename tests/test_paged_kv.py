@@ -17,7 +17,7 @@ import pytest
 from common.batch import Batch, Segment
 from common.paged_kv import PagePool, PagesExhausted, PageTable
 from stages import backend_class
-from stages.kernels.parallel import attention_paged_parallel, attention_parallel
+from stages.kernels.threaded import attention_paged_parallel, attention_parallel
 from tests.util import attention_numpy, cpu_stages, thread_counts
 
 P = 4                                    # positions per page: small, so a few tokens span pages

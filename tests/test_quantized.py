@@ -147,7 +147,8 @@ def fresh_asm(dispatcher, *args) -> str:
 def write_tiny_llama(path, types: dict, seed: int = 0, vocab=None, n_ctx: int = 64):
     """A 2-layer llama with 256-wide embeddings whose matrices use the given ggml types
     (tensor role -> type), random weights; no tokenizer (the tests feed token ids), or
-    `vocab`'s (a GGUFFile: its tokenizer and chat template, and so its vocabulary size)."""
+    `vocab`'s (a GGUFFile: its tokenizer and chat template, and so its vocabulary size); trained
+    on `n_ctx` positions."""
     rng = np.random.default_rng(seed)
     n_embd, n_ff, n_head, n_head_kv, n_vocab, n_layer = 256, 512, 4, 2, 64, 2
     if vocab is not None:

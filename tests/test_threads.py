@@ -18,9 +18,9 @@ import pytest
 from common.gguf import GGMLType
 from stages import load
 from stages.kernels.dequant_dot import CPU_KERNEL_TYPES, MATVEC, matvec_rows
-from stages.kernels.parallel import attention_parallel, matvec_parallel, prefill_parallel
+from stages.kernels.threaded import attention_parallel, matvec_parallel, prefill_parallel
 from stages.kernels.toolkit import F16_TO_F32
-from stages.quantized import PREFILL_ROWS, QuantizedBackend
+from stages.quantized import PANEL_ROWS, QuantizedBackend
 from stages.threads import ThreadsBackend, default_threads
 from tests.test_quantized import n_cols_for, random_blocks
 from tests.util import attention_numpy, tensor_from_raw, thread_counts
@@ -44,7 +44,7 @@ def test_parallel_kernels_against_the_serial_ones(ggml_type):
     from common import quants as Q
     rng = np.random.default_rng(int(ggml_type))
     K = n_cols_for(ggml_type)
-    raw = random_blocks(rng, ggml_type, 2 * PREFILL_ROWS + 5, K)
+    raw = random_blocks(rng, ggml_type, 2 * PANEL_ROWS + 5, K)
     w = QuantizedBackend().prepare_matrix(tensor_from_raw(raw, ggml_type, raw.shape[:1] + (K,)))
     w64 = Q.dequantize(raw, ggml_type, w.shape).astype(np.float64)
     x = rng.standard_normal((1, K)).astype(np.float32)
@@ -55,7 +55,7 @@ def test_parallel_kernels_against_the_serial_ones(ggml_type):
     assert close(got[0][None], want[None], x, w64)
     xs = rng.standard_normal((7, K)).astype(np.float32)
     want = QuantizedBackend().matmul(xs, w)
-    got = [prefill_parallel(xs, w.data, w.kind, F16_TO_F32, chunks, PREFILL_ROWS, 4) for chunks in (1, 2, 3)]
+    got = [prefill_parallel(xs, w.data, w.kind, F16_TO_F32, chunks, PANEL_ROWS, 4) for chunks in (1, 2, 3)]
     assert all(np.array_equal(g, got[0]) for g in got)
     assert close(got[0], want, xs, w64)
 

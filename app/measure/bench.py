@@ -47,7 +47,7 @@ from app.measure.machine import machine_id, machine_info, rusage
 from app.measure.provenance import provenance
 from app.models import resolve
 from common.generate import Generation, Sampler, generate
-from common.model import LlamaConfig, flops_per_token, n_params
+from common.model import LlamaConfig, flops_per_token, n_params, prompt_matmul_ops
 from stages import info, load, logit_tolerance
 from stages.registry import REPORT_PROMPT_TOKENS
 
@@ -101,6 +101,7 @@ def run_record(engine, stage, gen, text, jit_s, counters: dict | None = None) ->
         "stop_reason": gen.stop_reason,
         # for the roofline: what one forward pass computes and reads
         "flops_per_token": flops_per_token(engine.config, len(gen.prompt_tokens)),
+        "prompt_matmul_ops": prompt_matmul_ops(engine.config, len(gen.prompt_tokens)),
         "weights_stream_bytes": engine.weight_stream_bytes(),
         "kv_bytes_per_position": 2 * engine.config.n_layer * engine.config.kv_dim * 4,
     }

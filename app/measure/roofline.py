@@ -13,7 +13,12 @@ float32 weights that is 0.5 FLOP/byte, deep in the memory-bound region on any CP
 Both ceilings are measured here with small numba kernels, single-threaded and on all cores:
 - bandwidth: summing a 512 MiB float32 array (far larger than any cache), vectorized;
 - peak: a register-blocked matmul (the simd stage's 4x4 kernel) on data that stays in L1/L2,
-  i.e. the best FLOP/s this numba code reaches when memory is not in the way.
+  i.e. the best FLOP/s this numba code reaches when memory is not in the way;
+- integer peak: the dot-product instruction the prefill stage's matmuls use on this CPU, back to
+  back on registers (vpdpbusd on 512-bit registers with AVX512-VNNI, on 256-bit ones with
+  AVX-VNNI; vpmaddubsw + vpmaddwd + vpaddd with AVX2 alone): 2 integer ops per multiply-add. The
+  int8 stages' FLOP are these integer ops, so it is their ceiling, and `make report` says what
+  share of it the prefill stage's prompt reaches (prefill_int_share).
 
 Where a stage sits on it: by default its intensity counts the fewest bytes a forward pass can
 read (every weight once, plus the KV cache). The textbook loop orders of naive and tiling read
@@ -30,18 +35,24 @@ import statistics
 import time
 
 import numpy as np
-from numba import get_num_threads, njit, parallel_chunksize, prange, set_num_threads
+from llvmlite import ir
+from numba import get_num_threads, njit, parallel_chunksize, prange, set_num_threads, types
 
 from app.measure.machine import machine_info
 from common.cpu import physical_cores
+from stages.kernels import vector_ir
 from stages.kernels.toolkit import FASTMATH
+from stages.kernels.vector_ir import B32, B64, D8, D16, I32, vector_intrinsic
 from stages.simd import matmul_panels
 from stages.tiling import TILE_I
 
 CACHE_LINE = 64
 METHOD = ["- bandwidth: summing a 512 MiB float32 array (far larger than any cache), vectorized;",
           "- peak: a register-blocked matmul (the simd stage's 4x4 kernel) on data that stays in L1/L2,",
-          "  i.e. the best FLOP/s this numba code reaches when memory is not in the way."]
+          "  i.e. the best FLOP/s this numba code reaches when memory is not in the way;",
+          "- integer peak: the prefill stage's dot-product instruction back to back on registers",
+          "  (int_instruction), 2 ops per multiply-add."]
+INT_CHAINS = 12          # independent accumulators: more than the instruction's latency times its issue rate
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -72,6 +83,68 @@ def _peak_parallel(A, W, reps, n_threads):
             acc += matmul_panels(A, W)[0, 0]
         out[t] = acc
     return out
+
+
+def int_instruction() -> str | None:
+    """The dot-product instruction the prefill stage's matmuls use here (vector_ir's ISA), or None."""
+    if vector_ir.ISA is None:
+        return None
+    if vector_ir.ISA == "avx2":
+        return "vpmaddubsw + vpmaddwd + vpaddd (ymm)"
+    return "vpdpbusd (zmm)" if vector_ir.ZMM else "vpdpbusd (ymm)"
+
+
+@vector_intrinsic
+def _int_dots(typingctx, reps):
+    """reps rounds of INT_CHAINS dot products (Emit.dpbusd: 4 byte products per int32 lane) on
+    registers as wide as the prefill stage's; returns a lane of their sum (so none is dropped)."""
+    vector_ir.need_isa("the integer peak")
+
+    def body(g, a):
+        b = g.b
+        acc_ty, byte_ty = (D16, B64) if vector_ir.ZMM else (D8, B32)
+        accs = [g.slot(acc_ty, g.splat_const(acc_ty, i)) for i in range(INT_CHAINS)]
+        u = g.slot(acc_ty, g.splat_const(acc_ty, 0x01020304))
+        s = b.bitcast(g.splat_const(acc_ty, 0x05FB07F9), byte_ty)
+        with g.loop(a.reps) as i:
+            uu = b.add(b.load(u), g.splat(acc_ty, b.trunc(i, I32)))      # a new operand each round
+            b.store(uu, u)
+            for acc in accs:
+                b.store(g.dpbusd(b.load(acc), b.bitcast(uu, byte_ty), s), acc)
+        total = b.load(accs[0])
+        for acc in accs[1:]:
+            total = b.add(total, b.load(acc))
+        return b.sext(b.extract_element(total, ir.Constant(I32, 0)), ir.IntType(64))
+    return types.int64(reps), body
+
+
+@njit(cache=True)
+def _int_peak_one(reps):
+    return _int_dots(reps)
+
+
+@njit(cache=True, parallel=True)
+def _int_peak_parallel(reps, n_threads):
+    out = np.zeros(n_threads, dtype=np.int64)
+    for t in prange(n_threads):
+        out[t] = _int_dots(reps)
+    return out
+
+
+def int_peak_gops(threads: int = 1, reps: int = 2_000_000) -> tuple[float, float]:
+    """(best, median) integer Gop/s of int_instruction() on that many threads, 2 ops per multiply-add."""
+    lanes = 16 if vector_ir.ZMM else 8
+    ops = 2 * 4 * lanes * INT_CHAINS * reps * threads
+    if threads == 1:
+        best, med = _best(lambda: _int_peak_one(reps), 5)
+    else:
+        old = get_num_threads()
+        set_num_threads(threads)
+        try:
+            best, med = _best(lambda: _int_peak_parallel(reps, threads), 5)
+        finally:
+            set_num_threads(old)
+    return ops / best / 1e9, ops / med / 1e9
 
 
 def _best(fn, reps: int = 5) -> tuple[float, float]:
@@ -105,7 +178,8 @@ def bandwidth_gbs(a: np.ndarray, threads: int = 1, reps: int = 5) -> tuple[float
 
 
 def measure(threads: int | None = None, size_mib: int = 512) -> dict:
-    """{'bandwidth_gbs': {'1': .., 'N': ..}, 'peak_gflops': {...}} measured now."""
+    """{'bandwidth_gbs': {'1': .., 'N': ..}, 'peak_gflops': {...}, 'int_peak_gops': {...}} measured now
+    (int_peak_gops empty, int_instruction None, on a CPU without AVX2)."""
     threads = threads or physical_cores()
     a = np.ones(size_mib * 2**20 // 4, dtype=np.float32)
     # 16 rows x 64 outputs x 512: x is 32 KiB (L1), W 128 KiB (L2); each 4-row panel of W
@@ -115,7 +189,10 @@ def measure(threads: int | None = None, size_mib: int = 512) -> dict:
     flops_one = 2 * 16 * 64 * 512
     reps = 2000
     out = {"bandwidth_gbs": {}, "peak_gflops": {}, "bandwidth_gbs_median": {}, "peak_gflops_median": {},
-           "method": METHOD}
+           "int_peak_gops": {}, "int_peak_gops_median": {}, "int_instruction": int_instruction(), "method": METHOD}
+    if out["int_instruction"]:
+        for t in sorted({1, threads}):
+            out["int_peak_gops"][str(t)], out["int_peak_gops_median"][str(t)] = int_peak_gops(t)
     out["bandwidth_gbs"]["1"], out["bandwidth_gbs_median"]["1"] = bandwidth_gbs(a, 1)
 
     def peak1():

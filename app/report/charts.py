@@ -315,6 +315,10 @@ def roofline_chart(res: Results, path):
         peak = m["peak_gflops"].get(threads)
         ax.plot(xs, [min(peak, bw * x) for x in xs], style, color="black", lw=1.2,
                 label=f"{threads} thread(s): {bw:.1f} GB/s, {peak:.0f} GFLOP/s")
+        ints = (m.get("int_peak_gops") or {}).get(threads)
+        if ints:                        # the int8 stages' ceiling: their multiply-adds are integer ones
+            ax.plot(xs, [min(ints, bw * x) for x in xs], style, color="tab:red", lw=1.0,
+                    label=f"{threads} thread(s): integer peak, {m['int_instruction']}: {ints:.0f} Gop/s")
     markers = {"prefill": "o", "decode": "^"}
     for i, rec in enumerate(res.stages):
         color = f"C{i}"
@@ -326,7 +330,7 @@ def roofline_chart(res: Results, path):
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP per byte of weights + KV read; naive and tiling: the bytes their "
                   "loop order moves, modelled, where recorded)", fontsize=8)
-    ax.set_ylabel("achieved GFLOP/s")
+    ax.set_ylabel("achieved GFLOP/s (int8 stages: integer Gop/s)")
     ax.grid(which="both", alpha=0.2)
     ax.legend(fontsize=7, ncol=2, loc="lower right")
     ax.set_title(f"Roofline: {_title(res)}\n{_code(res)}", fontsize=10)
@@ -378,9 +382,27 @@ def results_table(res: Results) -> str:
         lines.append(f"\n_extrapolated: {', '.join(r['stage'] for r in extrapolated)} ran {e['layers_measured']} "
                      f"of {e['n_layer']} layers (and none), their times extrapolated to every layer (the records "
                      f"say how)_")
+    share = prefill_int_share(res)
+    if share:
+        lines.append(f"\n_{share}_")
     for p in res.problems:
         lines.append(f"\n_{p}_")
     return "\n".join(lines) + "\n"
+
+
+def prefill_int_share(res: Results) -> str | None:
+    """The prefill stage's prompt on the integer ceiling: its matmuls' operations (common/model.py,
+    prompt_matmul_ops) over its TTFT, as a share of the integer peak at its thread count
+    (machine.json, app/measure/roofline.py); None without both."""
+    rec = next((r for r in res.stages if r["stage"] == "prefill" and r.get("prompt_matmul_ops")), None)
+    m = res.machine or {}
+    threads = str(((rec or {}).get("settings") or {}).get("threads") or (rec or {}).get("threads") or 1)
+    peak = (m.get("int_peak_gops") or {}).get(threads)
+    if not (rec and peak and _finite(rec.get("ttft_ms"))):
+        return None
+    gops = rec["prompt_matmul_ops"] / (rec["ttft_ms"] / 1e3) / 1e9
+    return (f"prefill's {rec['n_prompt']}-token prompt: its matmuls at {gops:,.0f} integer Gop/s, {gops / peak:.0%} of "
+            f"the integer peak ({m['int_instruction']}, {threads} thread(s): {peak:,.0f} Gop/s, machine.json)")
 
 
 def caption(res: Results, shown_folder: str) -> str:

@@ -37,6 +37,7 @@ from notebooks.nb.measure import (
     profile,
     prompt_ids,
     recorded,
+    recorded_ttft,
     recorded_vs_llama,
     step_ms,
 )
@@ -75,6 +76,6 @@ __all__ = [
     "matmul_work", "md", "md_table", "measure", "measure_in_subprocess", "measure_live", "memory_now", "missing_stage",
     "model_path",
     "module_kernels", "ops_chart", "ops_chart_with_records", "print_profile", "profile", "prompt_ids", "recorded",
-    "recorded_vs_llama", "rel", "roofline_chart", "settings", "show", "show_class_from_file", "show_file_excerpt",
-    "show_image", "show_source", "show_table", "stage_chart", "step_ms",
+    "recorded_ttft", "recorded_vs_llama", "rel", "roofline_chart", "settings", "show", "show_class_from_file",
+    "show_file_excerpt", "show_image", "show_source", "show_table", "stage_chart", "step_ms",
 ]

@@ -53,15 +53,20 @@ def hot_loop(asm: str, max_lines: int = 40, work: str | None = None) -> str:
 
 def integer_kernel_asm(kind: int, kernel: str = "repacked", rows: int = 1) -> str:
     """The assembly of one integer matmul kernel for ggml type `kind`, compiled now: the repack
-    stage's group kernel ("repacked") or the fused stage's row kernel ("rows"), on `rows`
-    activation rows."""
+    stage's group kernel ("repacked"), the prefill stage's pair kernel ("pairs", AVX512-VNNI) or
+    the fused stage's row kernel ("rows"), on `rows` activation rows."""
     import numpy as np
 
-    from stages.kernels import int_tiles, repacked
+    from stages.kernels import int_tiles, pair_gemm, repacked
     from stages.kernels.q8 import new_packs
     from stages.kernels.toolkit import BLOCK_BYTES, BLOCK_VALUES
 
-    if kernel == "repacked":
+    if kernel == "pairs":
+        @njit
+        def run(kind, w, rb, nb, p32, pk, out):
+            x32, xk = pair_gemm.new_pairs(out.shape[0], nb * 256)
+            pair_gemm.pair_gemm(kind, w, 0, rb, x32, xk, 0, out.shape[0], out, 0, 0, out.shape[1])
+    elif kernel == "repacked":
         @njit
         def run(kind, w, rb, nb, p32, pk, out):
             repacked.group_gemm(kind, w, 0, rb, p32, pk, out.shape[0], out, 0, 0, out.shape[1])

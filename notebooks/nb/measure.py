@@ -260,3 +260,20 @@ def recorded_vs_llama(engines) -> list[tuple[str, str, str, str]]:
                 rows.append((record["model"], row, f"{f['decode_ms_over_llama_cpp']:.2f}",
                              f"{f['ttft_ms_over_llama_cpp']:.2f}"))
     return rows
+
+
+def recorded_ttft() -> list[tuple]:
+    """(model, engine, prompt, TTFT / llama.cpp's better, decode / llama.cpp's better) of every
+    committed prompt-length sweep (profiles/bench/ttft_*.json, scripts/bench_vs_llama.py --ttft-lengths)."""
+    from app.measure import ttft
+    rows = []
+    for path in sorted((ROOT / "profiles" / "bench").glob("ttft_*.json")):
+        record = json.loads(path.read_text())
+        if record.get("kind") != "ttft_sweep":
+            continue
+        for engine, by_length in ttft.summary(record).items():
+            for n, f in by_length.items():
+                if "ttft_ms_over_llama" in f:
+                    rows.append((record["model"], engine, n, f"{f['ttft_ms_over_llama']:.2f}",
+                                 f"{f['decode_ms_over_llama']:.2f}"))
+    return rows

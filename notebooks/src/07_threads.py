@@ -52,7 +52,7 @@ nb.md(f"Here {max(bw)} threads read memory **{gain:.2f}x** as fast as one, and c
 if missing["threads"]:
     nb.md(f"_Skipped: {missing['threads']}._")
 else:
-    import stages.kernels.parallel as tk
+    import stages.kernels.threaded as tk
     import stages.threads as st
     nb.show_source(st.ThreadsBackend.matmul, st.ThreadsBackend.attention)
     nb.show_source(tk.matvec_parallel)

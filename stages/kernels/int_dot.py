@@ -240,7 +240,7 @@ def _dot_row(kind, row, a, da, sa, sums, f16, buf):
 def matvec_int8_auto(a, da, sa, sums, w, kind, f16, n_chunks):
     """Decode: y [N] = W x with x given as one quantized activation row (a int8 [K] and its
     block fields da, sa, sums from quantize_q8). W's rows in n_chunks contiguous ranges, one
-    per iteration of the parallel loop, as in stages/kernels/parallel.py."""
+    per iteration of the parallel loop, as in stages/kernels/threaded.py."""
     N = w.shape[0]
     K = a.shape[0]
     y = np.empty(N, dtype=np.float32)
@@ -295,7 +295,7 @@ def f16_at(typingctx, w, o):
     vector_ir.need_isa("f16_at")
 
     def body(g, a):
-        return g.b.fpext(g.load(a.w, a.o, vector_ir.F16), vector_ir.F32)
+        return g.b.fpext(g.load(a.w, a.o, vector_ir.HALF), vector_ir.FLOAT)
     return types.float32(w, o), body
 
 

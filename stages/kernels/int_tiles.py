@@ -7,7 +7,7 @@ Two kernels, each one compiled function for every integer ggml type (a `switch` 
         out[m0 + c, n0 + r] = sum over the row's blocks of (weight block r) . (activation block c)
     decode_rows(kind, w, w_off, row_bytes, nb, p32, pk, m0, out, n0, n_rows)
         n_rows weight rows one after another against activation row m0 (one sequential stream
-        for the memory prefetchers, and a software prefetch PREFETCH_BYTES ahead)
+        for the memory prefetchers, and a software prefetch ROW_PREFETCH_BYTES ahead)
 
 w is the whole mapped file (uint8), w_off the byte offset of the first row; the activation rows
 are llama.cpp's 8-bit blocks (stages/kernels/q8.py): p32 (Q8Blocks, for Q4_0 Q4_1 Q5_0 Q5_1
@@ -40,11 +40,10 @@ from numba import types
 
 from stages.kernels import vector_ir
 from stages.kernels.int_dot import q6_top_bits
-from stages.kernels.toolkit import BLOCK_BYTES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
-from stages.kernels.vector_ir import B16, B32, D8, F8, F32, I1, I8, I32, W8, W16, vector_intrinsic
+from stages.kernels.toolkit import BLOCK_BYTES, FIELDS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TYPES_K
+from stages.kernels.vector_ir import B16, B32, D8, F8, FLOAT, I1, I8, I32, W8, W16, vector_intrinsic
 
 TYPES_32 = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
-TYPES_K = (Q4_K, Q5_K, Q6_K)
 
 # Prefill's tile shapes, R weight rows x C activation rows, the fastest of those timed on the
 # machine first measured (Zen 4, SmolLM2's and TinyLlama's matrices, 128 prompt rows): 4 x 4 for
@@ -52,10 +51,10 @@ TYPES_K = (Q4_K, Q5_K, Q6_K)
 # (sub-block scales, 6-bit values) and whose integer block sums need registers of their own, so
 # one unpacked row serving 8 activation rows beat 2 x 4 and 4 x 4.
 TILE = {**{k: (4, 4) for k in TYPES_32}, **{k: (1, 8) for k in TYPES_K}}
-PREFETCH_BYTES = 1024        # decode asks for the weight bytes this far ahead of the block it multiplies
+ROW_PREFETCH_BYTES = 1024    # decode asks for the weight bytes this far ahead of the block it multiplies
 
 
-class _Rows:
+class _TilePointers:
     """Where a kernel reads and writes: the weight rows' pointers, and for each of the C
     activation rows m0 + c a pointer into every array of its pack (pack[field][c])."""
 
@@ -75,7 +74,7 @@ class _Rows:
     def store(self, c, r, value):
         g, b = self.g, self.g.b
         dst = b.add(b.mul(self.act[c], g.stride0(self.a.arrays["out"])), b.mul(b.add(self.a.n0, r), g.const(4)))
-        b.store(value, b.bitcast(g.at(self.a.out, dst), F32.as_pointer()))
+        b.store(value, b.bitcast(g.at(self.a.out, dst), FLOAT.as_pointer()))
 
 
 def pack_fields(kind):
@@ -88,13 +87,13 @@ def _unpack32(g, kind, row, o):
     """The 32 unsigned weight values of the block at row+o as <32 x i8> (Q8_0: the signed bytes),
     in the activation's order (byte j: value j low nibble, value j + 16 high)."""
     b = g.b
+    f = FIELDS[kind]
     if kind == Q8_0:
-        return g.load(row, b.add(o, g.const(2)), B32)
-    size = BLOCK_BYTES[kind]
-    packed = g.load(row, b.add(o, g.const(size - 16)), B16)
+        return g.load(row, b.add(o, g.const(f["qs"][0])), B32)
+    packed = g.load(row, b.add(o, g.const(f["qs"][0])), B16)
     u = g.shuffle(g.nibbles(packed, False), g.nibbles(packed, True), range(32))
     if kind in (Q5_0, Q5_1):                                 # bit j of qh is value j's fifth bit
-        qh = g.load(row, b.add(o, g.const(size - 20)), I32)
+        qh = g.load(row, b.add(o, g.const(f["qh"][0])), I32)
         bits = b.zext(b.bitcast(qh, ir.VectorType(I1, 32)), B32)
         u = b.or_(u, b.shl(bits, g.splat_const(B32, 4)))
     return u
@@ -119,16 +118,16 @@ def _block32(g, kind, rows, at, blk, accs):
     o = b.mul(blk, g.const(size))
     o4 = b.mul(blk, g.const(4))
     avec = [g.load(p, b.mul(blk, g.const(32)), B32) for p in q_rows]
-    dav = [g.splat(F8, g.load(p, o4, F32)) for p in d_rows]
+    dav = [g.splat(F8, g.load(p, o4, FLOAT)) for p in d_rows]
     if with_m:
-        sav = [g.splat(F8, b.fmul(g.load(p, o4, F32), ir.Constant(F32, 0.125))) for p in s_rows]
+        sav = [g.splat(F8, b.fmul(g.load(p, o4, FLOAT), ir.Constant(FLOAT, 0.125))) for p in s_rows]
     init = [ir.Constant(D8, None)] * len(q_rows)
     if offset:
         init = [g.splat(D8, b.mul(g.load(p, o4, I32), ir.Constant(I32, -offset))) for p in a_rows]
     for r, row in enumerate(rows):
         u = _unpack32(g, kind, row, o)
-        dwv = g.half(row, o)
-        mv = g.half(row, b.add(o, g.const(2))) if with_m else None
+        dwv = g.half(row, b.add(o, g.const(FIELDS[kind]["d"][0])))
+        mv = g.half(row, b.add(o, g.const(FIELDS[kind]["m"][0]))) if with_m else None
         if kind == Q8_0:
             neg = b.icmp_signed("<", u, ir.Constant(B32, None))
             u = b.select(neg, b.neg(u), u)                   # |w|: -128 -> 128 unsigned
@@ -142,15 +141,14 @@ def _block32(g, kind, rows, at, blk, accs):
 
 # ---- the K-quants ----------------------------------------------------------------------------
 
-def k4_scales(g, row, o):
-    """Q4_K/Q5_K's 12 scale bytes at row+o+4 -> (scales, mins) as <8 x i16> (6 bits each):
+def row_k4_scales(g, row, o):
+    """Q4_K/Q5_K's 12 scale bytes in the block at row+o -> (scales, mins) as <8 x i16> (6 bits each):
     j < 4: sc = b[j] & 63, m = b[j+4] & 63; j >= 4: sc = (b[j+4] & 15) | (b[j-4] >> 6) << 4,
     m = (b[j+4] >> 4) | (b[j] >> 6) << 4 (its scalar twin: common.quants.k4_scale_min)."""
     b = g.b
     v4 = ir.VectorType(I8, 4)
-    lo = g.load(row, b.add(o, g.const(4)), v4)
-    mid = g.load(row, b.add(o, g.const(8)), v4)
-    hi = g.load(row, b.add(o, g.const(12)), v4)
+    at = FIELDS[Q4_K]["scales"][0]                     # the same place in a Q5_K block
+    lo, mid, hi = (g.load(row, b.add(o, g.const(at + 4 * i)), v4) for i in range(3))
     c = lambda n: g.splat_const(v4, n)
     top = lambda v: b.shl(b.lshr(v, c(6)), c(4))
     sc = g.shuffle(b.and_(lo, c(63)), b.or_(b.and_(hi, c(15)), top(lo)), range(8))
@@ -168,14 +166,15 @@ def _blockK(g, kind, rows, at, blk, accs):
     C = len(q_rows)
     o = b.mul(blk, g.const(size))
     k = b.mul(blk, g.const(256))
-    dav = [g.splat(F8, g.load(p, b.mul(blk, g.const(4)), F32)) for p in d_rows]
+    dav = [g.splat(F8, g.load(p, b.mul(blk, g.const(4)), FLOAT)) for p in d_rows]
     for r, row in enumerate(rows):
         terms = [[] for _ in range(C)]
+        f = FIELDS[kind]
         if kind == Q6_K:
-            scales = b.sext(g.load(row, b.add(o, g.const(192)), B16), W16)
+            scales = b.sext(g.load(row, b.add(o, g.const(f["scales"][0])), B16), W16)
             for half in range(2):
-                ql = b.add(o, g.const(64 * half))
-                top = q6_top_bits(g, g.load(row, b.add(o, g.const(128 + 32 * half)), B32))
+                ql = b.add(o, g.const(f["ql"][0] + 64 * half))
+                top = q6_top_bits(g, g.load(row, b.add(o, g.const(f["qh"][0] + 32 * half)), B32))
                 lo0 = g.load(row, ql, B32)
                 lo1 = g.load(row, b.add(ql, g.const(32)), B32)
                 low = [g.nibbles(lo0, False), g.nibbles(lo1, False), g.nibbles(lo0, True), g.nibbles(lo1, True)]
@@ -190,14 +189,14 @@ def _blockK(g, kind, rows, at, blk, accs):
                 sums16 = g.load(s16_rows[c], b.mul(blk, g.const(32)), W16)
                 isum = b.sub(_tree(b, terms[c]), b.shl(g.madd(scales, sums16), g.splat_const(D8, 5)))
                 scaled = b.fmul(g.to_float(isum), dav[c])
-                dwv = g.half(row, b.add(o, g.const(208)))
+                dwv = g.half(row, b.add(o, g.const(f["d"][0])))
                 b.store(g.fma(scaled, dwv, b.load(accs[r][c])), accs[r][c])
             continue
-        scales, mins = k4_scales(g, row, o)
+        scales, mins = row_k4_scales(g, row, o)
         if kind == Q5_K:
-            qh = g.load(row, b.add(o, g.const(16)), B32)
+            qh = g.load(row, b.add(o, g.const(f["qh"][0])), B32)
         for ch in range(4):
-            packed = g.load(row, b.add(o, g.const((48 if kind == Q5_K else 16) + 32 * ch)), B32)
+            packed = g.load(row, b.add(o, g.const(f["qs"][0] + 32 * ch)), B32)
             for high in (0, 1):
                 u = g.nibbles(packed, high)
                 if kind == Q5_K:
@@ -207,8 +206,8 @@ def _blockK(g, kind, rows, at, blk, accs):
                 for c in range(C):
                     av = g.load(q_rows[c], b.add(k, g.const(64 * ch + 32 * high)), B32)
                     terms[c].append(g.madd(g.pairs(u, av), sc))
-        dwv = g.half(row, o)
-        dminv = b.fneg(g.half(row, b.add(o, g.const(2))))
+        dwv = g.half(row, b.add(o, g.const(f["d"][0])))
+        dminv = b.fneg(g.half(row, b.add(o, g.const(f["dmin"][0]))))
         for c in range(C):
             scaled = b.fmul(g.to_float(_tree(b, terms[c])), dav[c])
             acc = g.fma(scaled, dwv, b.load(accs[r][c]))
@@ -222,7 +221,7 @@ def _widen4(g, v4):
     return g.shuffle(v4, ir.Constant(ir.VectorType(I32, 4), None), list(range(8)))
 
 
-def _block(g, kind, rows, at, blk, accs):
+def _tile_block(g, kind, rows, at, blk, accs):
     (_blockK if kind in TYPES_K else _block32)(g, kind, rows, at, blk, accs)
 
 
@@ -230,11 +229,11 @@ def _block(g, kind, rows, at, blk, accs):
 
 def _tile_body(g, a, kind):
     R, C = TILE[kind]
-    at = _Rows(g, a, kind, C)
+    at = _TilePointers(g, a, kind, C)
     rows = [at.row(g.const(r)) for r in range(R)]
     accs = [[g.slot(F8) for _ in range(C)] for _ in range(R)]
     with g.loop(a.nb) as blk:
-        _block(g, kind, rows, at, blk, accs)
+        _tile_block(g, kind, rows, at, blk, accs)
     for r in range(R):
         for c in range(C):
             at.store(c, g.const(r), g.hsum(g.b.load(accs[r][c])))
@@ -255,7 +254,7 @@ def _rows_body(g, a, kind):
     """Two accumulators take alternate blocks, so consecutive blocks' multiply-adds do not wait
     for each other."""
     b = g.b
-    at = _Rows(g, a, kind, 1)
+    at = _TilePointers(g, a, kind, 1)
     accs = [[[g.slot(F8)]] for _ in range(2)]
     two = g.const(2)
     with g.loop(a.n_rows) as r:
@@ -264,11 +263,11 @@ def _rows_body(g, a, kind):
             b.store(ir.Constant(F8, None), accs[i][0][0])
         with g.loop(b.udiv(a.nb, two)) as pair:
             blk = b.mul(pair, two)
-            g.prefetch(row, b.add(b.mul(blk, g.const(BLOCK_BYTES[kind])), g.const(PREFETCH_BYTES)))
-            _block(g, kind, [row], at, blk, accs[0])
-            _block(g, kind, [row], at, b.add(blk, g.const(1)), accs[1])
+            g.prefetch(row, b.add(b.mul(blk, g.const(BLOCK_BYTES[kind])), g.const(ROW_PREFETCH_BYTES)))
+            _tile_block(g, kind, [row], at, blk, accs[0])
+            _tile_block(g, kind, [row], at, b.add(blk, g.const(1)), accs[1])
         with b.if_then(b.icmp_unsigned("!=", b.urem(a.nb, two), g.const(0))):
-            _block(g, kind, [row], at, b.sub(a.nb, g.const(1)), accs[0])
+            _tile_block(g, kind, [row], at, b.sub(a.nb, g.const(1)), accs[0])
         at.store(0, r, g.hsum(b.fadd(b.load(accs[0][0][0]), b.load(accs[1][0][0]))))
 
 

@@ -1,7 +1,8 @@
 """The small ops of the one-call layer stack (stages/kernels/layer_stack.py): per row, inlined.
 
     rms_norm_row(x, w, eps, out)              out = x / sqrt(mean(x^2) + eps) * w
-    rope_rows(y, r0, r1, hd, cos, sin, pos)   columns r0..r1 of every row y[m] rotated at pos[m]
+    rope_rows(y, r0, r1, hd, cos, sin, pos, m0, m1)    columns r0..r1 of rows m0..m1 of y
+                                              rotated, row m at pos[m]
     silu_mul(g, u), fast_exp(x)               the FFN gate; exp in plain arithmetic
     attend_chunk(...)                         one head of one query row over one chunk of
                                               positions: flash-decoding's partial result
@@ -72,9 +73,9 @@ def rms_norm_row(x, w, eps, out):
 
 
 @njit(cache=True, fastmath=FASTMATH, inline="always")
-def rope_rows(y, r0, r1, hd, cos, sin, pos, M):
-    """Rotate the adjacent pairs of columns r0..r1 of y [M, *], row m at position pos[m]."""
-    for m in range(M):
+def rope_rows(y, r0, r1, hd, cos, sin, pos, m0, m1):
+    """Rotate the adjacent pairs of columns r0..r1 of rows m0..m1 of y, row m at position pos[m]."""
+    for m in range(m0, m1):
         p = pos[m]
         for r in range(r0, r1, 2):
             i = (r % hd) // 2

@@ -1,13 +1,13 @@
 """The layer stack in one compiled call (stages/fused.py tells the story; stages/repack.py reuses it).
 
-    run_layers(h, weights, cache, rows, dims, sync, nt)   every op of every layer, in ONE parallel
-                                                          region: nt threads (one prange iteration
-                                                          each) walk the same ops and meet at a
-                                                          barrier between two that depend on each other
-    run_phases(..., span, *scratch_for(...))              the phases span.first..span.last-1 only,
+    run_layers(h, weights, cache, rows, dims, sync, nt, pre)   every op of every layer, in ONE
+                                                          parallel region: nt threads (one prange
+                                                          iteration each) walk the same ops and meet at
+                                                          a barrier between two that depend on each other
+    run_phases(..., span, pre, *scratch_for(...))         the phases span.first..span.last-1 only,
                                                           Wo and W_down adding into span.sums (the tp
                                                           stage: it stops after each, to all-reduce)
-    matmul_rows(x, blob, mat, f16, nt)                    one weight matrix (the output head)
+    matmul_rows(x, blob, mats, nt)                        one weight matrix (the output head)
 
 The ops of one layer are the table PHASES (OPS_PER_LAYER of them, a barrier after each; the
 region's fork and join once per call). Each is split into work items that the threads take from
@@ -43,6 +43,15 @@ What it reads, as named records (numba compiles named tuples of arrays):
                                  layers, first a norm (the others read what the phase before left
                                  in the call's scratch); sums [M, D]: where WO and DOWN add their
                                  products (h itself, or a zeroed array that receives them)
+    Prefill(...)                 None, or the prefill stage's choices and arrays (stages/prefill.py):
+                                 then the matmuls take blocks of rows that fit L2 and run two rows to a
+                                 512-bit register where they can (pair_gemm.py), and ATTEND / MERGE are
+                                 the tiled attention's (tiled_attention.py: query tiles, decode rows'
+                                 chunks); None compiles none of it (numba prunes `pre is None` branches,
+                                 as it prunes the pair kernel's on a CPU without it: `if ZMM`)
+
+sync may carry a clock per phase (sync.new_sync(phases=OPS_PER_LAYER)): thread 0's time-stamp
+counter at each barrier, summed per phase over the layers (where a call's time went).
 
 A matrix's `layout` says how its rows are stored: ROWS as the file stores them (the fused stage:
 stages/kernels/int_tiles.py), REPACKED in interleaved groups (the repack stage:
@@ -61,7 +70,19 @@ from collections import namedtuple
 import numpy as np
 from numba import njit, prange
 
-from stages.kernels import dequant_dot, int_dot, int_tiles, layer_ops, q8, repacked, sync, toolkit, vector_ir
+from stages.kernels import (
+    dequant_dot,
+    int_dot,
+    int_tiles,
+    layer_ops,
+    pair_gemm,
+    q8,
+    repacked,
+    sync,
+    tiled_attention,
+    toolkit,
+    vector_ir,
+)
 from stages.kernels.dequant_dot import dequantize_rows
 from stages.kernels.int_dot import _dot_row
 from stages.kernels.layer_ops import (
@@ -74,12 +95,15 @@ from stages.kernels.layer_ops import (
     rope_rows,
     silu_mul,
 )
+from stages.kernels.pair_gemm import Pairs32, PairsK, pair_row, pairs_take
 from stages.kernels.q8 import Q8Blocks, Q8KBlocks, pack_arrays, quantize_row
-from stages.kernels.sync import barrier, next_item
+from stages.kernels.sync import CLOCK, barrier, cycles, next_item
+from stages.kernels.tiled_attention import LANES, Workspace, attend_rows, finish_rows, merge_parts
 from stages.kernels.toolkit import BF16, F16, F32, Q4_K, Q5_K, Q6_K, block_bytes, block_values
+from stages.kernels.vector_ir import ZMM
 
 DECODE_WEIGHTS = 65536  # weights per decode work item: a few microseconds, many items per op
-PREFILL_ROWS = 16       # weight rows per prefill work item (times every prompt row)
+PREFILL_ITEM_ROWS = 16  # weight rows per prefill work item (times every prompt row, or a block of them)
 f32 = np.float32
 
 # How a matrix's rows are stored in the blob.
@@ -95,6 +119,17 @@ Weights = namedtuple("Weights", "blob mats norms")
 Cache = namedtuple("Cache", "k v tables page_size")
 Rows = namedtuple("Rows", "positions slots seq")
 Dims = namedtuple("Dims", "n_head n_head_kv n_ff eps scale cos sin")
+# The prefill stage's choices for one call (stages/prefill.py makes it; None elsewhere, and then
+# numba compiles none of what reads it):
+#   act_bytes    bytes of activation rows one matmul work item takes (a block that stays in L2)
+#   tiles        int64 [n, 2]: (first row, rows) of each query tile: consecutive rows of one sequence
+#   decode_rows  int64 [k]: the rows attended alone (their chunks split between threads);
+#   decode_of    int64 [M]: each row's index in decode_rows, or -1
+#   qs .. oc     tiled_attention.Workspace's arrays, one per thread (leading axis)
+#   pm, pl, po   the decode rows' chunk results [k, n_head_kv, chunks, groups, 8 (, hd)]
+#   q32 .. b16k  the pair packs (pair_gemm.Pairs32, PairsK) of the rows
+Prefill = namedtuple("Prefill", "act_bytes tiles decode_rows decode_of qs pos kf vf st m l o mc lc oc pm pl po "
+                          "q32 d32 s32 sums32 qk dk b32k b16k")
 Span = namedtuple("Span", "first last sums")
 # A call's scratch arrays, and the same with the rounded activations (numba's parallel loop takes
 # no tuple inside a tuple, so the packs join inside each thread's call).
@@ -169,13 +204,13 @@ _chunk_ints = _chunk_tiles if vector_ir.ISA else _chunk_loops
 
 
 @njit(cache=True)
-def _chunk_float(kind, w, off, rb, r0, r1, M, xf, out, col, fbuf):
-    """Float weights (F32/F16/BF16): each row decoded once, dotted with every float row of xf."""
+def _chunk_float(kind, w, off, rb, r0, r1, m0, m1, xf, out, col, fbuf):
+    """Float weights (F32/F16/BF16): each row decoded once, dotted with float rows m0..m1 of xf."""
     K = fbuf.shape[1]
     w2 = w[off + r0 * rb: off + r1 * rb].reshape((r1 - r0, rb))
     for r in range(r1 - r0):
         dequantize_rows(kind, w2, r, fbuf, toolkit.F16_TO_F32)
-        for m in range(M):
+        for m in range(m0, m1):
             acc = f32(0.0)
             for k in range(K):
                 acc += fbuf[0, k] * xf[m, k]
@@ -183,20 +218,45 @@ def _chunk_float(kind, w, off, rb, r0, r1, M, xf, out, col, fbuf):
 
 
 @njit(cache=True, inline="always")
-def chunk(mat, blob, r0, r1, M, xf, s, out, col, fs):
-    """Rows r0..r1 of one matrix (a MATRIX record) times every activation row into out[:, col..]."""
+def _rows(p32, pk, m0, m1):
+    """Activation rows m0..m1 of both packs."""
+    return (Q8Blocks(p32.q[m0:m1], p32.d[m0:m1], p32.s[m0:m1], p32.sums[m0:m1]),
+            Q8KBlocks(pk.q[m0:m1], pk.d[m0:m1], pk.b16[m0:m1], pk.b32[m0:m1]))
+
+
+@njit(cache=True, inline="always")
+def _pairs(pre):
+    return (Pairs32(pre.q32, pre.d32, pre.s32, pre.sums32), PairsK(pre.qk, pre.dk, pre.b32k, pre.b16k))
+
+
+@njit(cache=True, inline="always")
+def chunk(mat, blob, r0, r1, m0, m1, xf, s, out, col, fs, pre):
+    """Rows r0..r1 of one matrix (a MATRIX record) times activation rows m0..m1 into out[m, col..].
+    With `pre`, the types pair_gemm takes run there, two rows to a register (an odd last row
+    through repack's kernel: the same bits)."""
     if is_float(mat.kind):
-        _chunk_float(mat.kind, blob, mat.offset, mat.row_bytes, r0, r1, M, xf, out, col, fs[:, :xf.shape[1]])
-    elif mat.layout == REPACKED:
-        repacked.chunk(mat.kind, blob, mat.offset, mat.row_bytes, r0, r1, M, s.p32, s.pk, out, col)
+        _chunk_float(mat.kind, blob, mat.offset, mat.row_bytes, r0, r1, m0, m1, xf, out, col, fs[:, :xf.shape[1]])
+        return
+    if pre is not None:
+        if ZMM:                         # a constant: without 512-bit vpdpbusd the pair kernel is not compiled
+            if mat.layout == REPACKED and pairs_take(mat.kind):
+                x32, xk = _pairs(pre)
+                even = m1 - (m1 - m0) % 2
+                pair_gemm.pair_gemm(mat.kind, blob, mat.offset, mat.row_bytes, x32, xk, m0, even, out, col, r0, r1)
+                m0 = even
+                if m0 == m1:
+                    return
+    p32, pk = _rows(s.p32, s.pk, m0, m1)
+    if mat.layout == REPACKED:
+        repacked.group_gemm(mat.kind, blob, mat.offset, mat.row_bytes, p32, pk, m1 - m0, out[m0:m1], col, r0, r1)
     else:
-        _chunk_ints(mat.kind, blob, mat.offset, mat.row_bytes, r0, r1, M, s.p32, s.pk, out, col)
+        _chunk_ints(mat.kind, blob, mat.offset, mat.row_bytes, r0, r1, m1 - m0, p32, pk, out[m0:m1], col)
 
 
 @njit(cache=True, inline="always")
 def rows_per_item(K, M, multiple):
     if M > 1:
-        return max(multiple, PREFILL_ROWS // multiple * multiple)
+        return max(multiple, PREFILL_ITEM_ROWS // multiple * multiple)
     return max(multiple, DECODE_WEIGHTS // K // multiple * multiple)
 
 
@@ -222,8 +282,18 @@ def _needs(mats, j0, j1):
     return n32, nk
 
 
+@njit(cache=True, inline="always")
+def _quantize(x, m, K, n32, nk, s, pre):
+    """Row m of the packs (and of the pair packs, with `pre`) from x [K]."""
+    quantize_row(x, m, K, n32, nk, s.p32, s.pk)
+    if pre is not None:
+        if ZMM:                         # the pair packs feed the pair kernel only
+            x32, xk = _pairs(pre)
+            pair_row(m, K, n32, nk, s.p32, s.pk, x32, xk)
+
+
 @njit(cache=True)
-def _norm_rows(h, il, which, eps, weights, s, ph, t, nt):
+def _norm_rows(h, il, which, eps, weights, s, ph, t, nt, pre):
     """x = rms_norm(h) * norm `which` of layer il, row by row, rounded for the matrices after it."""
     M, D = h.shape
     base = il * MATS_PER_LAYER
@@ -234,11 +304,11 @@ def _norm_rows(h, il, which, eps, weights, s, ph, t, nt):
         if m < 0:
             break
         rms_norm_row(h[m], weights.norms[il, which], eps, s.xin[m, :D])
-        quantize_row(s.xin[m], m, D, n32, nk, s.p32, s.pk)
+        _quantize(s.xin[m], m, D, n32, nk, s, pre)
 
 
 @njit(cache=True)
-def _round_f(il, weights, s, ph, t, nt):
+def _round_f(il, weights, s, ph, t, nt, pre):
     """f = silu(gate) * up, rounded for W_down."""
     M, n_ff = s.fbuf.shape
     j = il * MATS_PER_LAYER + DOWN
@@ -247,13 +317,21 @@ def _round_f(il, weights, s, ph, t, nt):
         m = next_item(s.counters, ph, t, nt, M)
         if m < 0:
             break
-        quantize_row(s.fbuf[m], m, n_ff, n32, nk, s.p32, s.pk)
+        _quantize(s.fbuf[m], m, n_ff, n32, nk, s, pre)
+
+
+@njit(cache=True, inline="always")
+def block_rows(act_bytes, K, M):
+    """Activation rows per matmul work item: all M, or (with `pre`) as many as act_bytes of their
+    8-bit values hold, in pairs."""
+    return max(2, min(M, act_bytes // K) // 2 * 2)
 
 
 @njit(cache=True)
-def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ph, t, nt):
+def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ph, t, nt, pre):
     """One thread's share of a matmul phase of layer il: work items from counters[ph], each a chunk
-    of weight rows times every activation row into s.y, then the phase's epilogue:
+    of weight rows times a block of activation rows (all of them without `pre`) into s.y, then
+    the phase's epilogue on those rows:
 
         QKV      Wq | Wk | Wv rows -> y[:, :nq + 2 nkv]; RoPE on q and k, k and v into the cache
         WO_OP    Wo rows -> y, added into sums [M, D] (h itself, or Span.sums)
@@ -271,49 +349,54 @@ def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ph, t, nt):
     mats = weights.mats
     y = s.y
     if op == QKV:
+        K = D
         per = rows_per_item(D, M, multiple_of(mats[base + WQ]))
         nq_items, nkv_items = (nq + per - 1) // per, (nkv + per - 1) // per
-        n_items = nq_items + 2 * nkv_items
+        n_row_items = nq_items + 2 * nkv_items
         xf = s.xin[:, :D]
     else:
         j = WO if op == WO_OP else (GATE if op == GATE_UP else DOWN)
         K = nq if op == WO_OP else (D if op == GATE_UP else n_ff)
         N = n_ff if op == GATE_UP else D
         per = rows_per_item(2 * K if op == GATE_UP else K, M, multiple_of(mats[base + j]))
-        n_items = (N + per - 1) // per
+        n_row_items = (N + per - 1) // per
         xf = s.xin[:, :nq] if op == WO_OP else (s.xin[:, :D] if op == GATE_UP else s.fbuf)
+    mb = M if pre is None else block_rows(pre.act_bytes, K, M)
+    n_items = n_row_items * ((M + mb - 1) // mb)
     while True:
         item = next_item(s.counters, ph, t, nt, n_items)
         if item < 0:
             break
+        ri, m0 = item % n_row_items, item // n_row_items * mb          # a block's items one after another
+        m1 = min(M, m0 + mb)
         if op == QKV:
-            if item < nq_items:
-                j, r0, n, col = WQ, item * per, nq, 0
-            elif item < nq_items + nkv_items:
-                j, r0, n, col = WK, (item - nq_items) * per, nkv, nq
+            if ri < nq_items:
+                j, r0, n, col = WQ, ri * per, nq, 0
+            elif ri < nq_items + nkv_items:
+                j, r0, n, col = WK, (ri - nq_items) * per, nkv, nq
             else:
-                j, r0, n, col = WV, (item - nq_items - nkv_items) * per, nkv, nq + nkv
+                j, r0, n, col = WV, (ri - nq_items - nkv_items) * per, nkv, nq + nkv
         else:
-            r0, n, col = item * per, N, 0
+            r0, n, col = ri * per, N, 0
         r1 = min(n, r0 + per)
         for part in range(2 if op == GATE_UP else 1):
-            chunk(mats[base + j + part], weights.blob, r0, r1, M, xf, s, y, col + part * n_ff, s.fs[t])
+            chunk(mats[base + j + part], weights.blob, r0, r1, m0, m1, xf, s, y, col + part * n_ff, s.fs[t], pre)
         if op == QKV:
             if j != WV:
-                rope_rows(y, col + r0, col + r1, hd, dims.cos, dims.sin, rows.positions, M)
+                rope_rows(y, col + r0, col + r1, hd, dims.cos, dims.sin, rows.positions, m0, m1)
             if j != WQ:
                 dst = cache.k if j == WK else cache.v
-                for m in range(M):
+                for m in range(m0, m1):
                     slot = rows.slots[m]
                     if slot >= 0:
                         for r in range(r0, r1):
                             dst[il, slot, r] = kv_value(y[m, col + r], dst)
         elif op == GATE_UP:
-            for m in range(M):
+            for m in range(m0, m1):
                 for r in range(r0, r1):
                     s.fbuf[m, r] = silu_mul(y[m, r], y[m, n_ff + r])
         else:
-            for m in range(M):
+            for m in range(m0, m1):
                 for r in range(r0, r1):
                     sums[m, r] += y[m, r]
 
@@ -362,73 +445,158 @@ def _merge(il, weights, cache, rows, dims, s, ph, t, nt):
 
 
 @njit(cache=True, inline="always")
+def _workspace(pre, t):
+    """Thread t's arrays of the tiled attention."""
+    return Workspace(pre.qs[t], pre.pos[t], pre.kf[t], pre.vf[t], pre.st[t], pre.m[t], pre.l[t],
+                     pre.o[t], pre.mc[t], pre.lc[t], pre.oc[t])
+
+
+@njit(cache=True)
+def _attend_tiles(il, cache, rows, dims, s, pre, ph, t, nt):
+    """With `pre`: work items (query tile, KV head), each tile's result straight into s.xin; then
+    (decode row, KV head, chunk), each chunk's result into pre.pm, pl, po (tiled_attention.py)."""
+    Hkv = dims.n_head_kv
+    hd = cache.k.shape[2] // Hkv
+    G = dims.n_head // Hkv
+    w = _workspace(pre, t)
+    n_tile_items = pre.tiles.shape[0] * Hkv
+    n_chunks = pre.pm.shape[2]
+    n_items = n_tile_items + pre.decode_rows.shape[0] * Hkv * n_chunks
+    while True:
+        item = next_item(s.counters, ph, t, nt, n_items)
+        if item < 0:
+            break
+        if item < n_tile_items:
+            m0, n = pre.tiles[item // Hkv, 0], pre.tiles[item // Hkv, 1]
+            kvh = item % Hkv
+            attend_rows(s.y, m0, n, kvh, 0, chunks_of(rows.positions[m0 + n - 1]), il, cache, rows, dims, w)
+            finish_rows(w, m0, n, kvh, G, hd, s.xin)
+            continue
+        item -= n_tile_items
+        k, kvh, c = item // (Hkv * n_chunks), item // n_chunks % Hkv, item % n_chunks
+        m = pre.decode_rows[k]
+        if c < chunks_of(rows.positions[m]):
+            attend_rows(s.y, m, 1, kvh, c, c + 1, il, cache, rows, dims, w)
+            groups = (G + LANES - 1) // LANES
+            pre.pm[k, kvh, c] = w.m[:groups]
+            pre.pl[k, kvh, c] = w.l[:groups]
+            pre.po[k, kvh, c] = w.o[:groups]
+
+
+@njit(cache=True)
+def _merge_tiles(il, weights, cache, rows, dims, s, pre, ph, t, nt):
+    """With `pre`: each decode row's chunks merged in order (the tiles' rows are done), every row
+    rounded for Wo."""
+    M = s.xin.shape[0]
+    Hkv = dims.n_head_kv
+    hd = cache.k.shape[2] // Hkv
+    G = dims.n_head // Hkv
+    j = il * MATS_PER_LAYER + WO
+    n32, nk = _needs(weights.mats, j, j + 1)
+    w = _workspace(pre, t)
+    while True:
+        m = next_item(s.counters, ph, t, nt, M)
+        if m < 0:
+            break
+        k = pre.decode_of[m]
+        if rows.slots[m] < 0:
+            s.xin[m, :dims.n_head * hd] = 0.0           # a padding row: nothing to attend to
+        elif k >= 0:
+            for kvh in range(Hkv):
+                merge_parts(w, pre.pm[k, kvh], pre.pl[k, kvh], pre.po[k, kvh], chunks_of(rows.positions[m]),
+                            (G + LANES - 1) // LANES, hd)
+                finish_rows(w, m, 1, kvh, G, hd, s.xin)
+        _quantize(s.xin[m], m, dims.n_head * hd, n32, nk, s, pre)
+
+
+@njit(cache=True, inline="always")
 def _work(s, p32, pk):
     return Work(s.xin, s.fbuf, s.y, s.part, s.scores, s.fs, s.counters, p32, pk)
 
 
 @njit(cache=True)
-def _worker(t, nt, h, weights, cache, rows, dims, scratch, p32, pk, sync, span):
-    """Thread t of nt: every phase of the span, its share of each, a barrier between two."""
+def _worker(t, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre):
+    """Thread t of the nt the scratch was made for: every phase of the span, its share of each, a
+    barrier between two; thread 0 adds each phase's cycles to sync[CLOCK + i] where new_sync made
+    room."""
+    nt = scratch.counters.shape[1]
     s = _work(scratch, p32, pk)
+    timed = t == 0 and sync.shape[0] >= CLOCK + OPS_PER_LAYER
     bar = 0
     for ph in range(span.first, span.last):            # ph: also this phase's row of work counters
-        il, op = ph // OPS_PER_LAYER, _PHASES[ph % OPS_PER_LAYER]
+        start = cycles() if timed else 0
+        il, i = ph // OPS_PER_LAYER, ph % OPS_PER_LAYER
+        op = _PHASES[i]
         if op == NORM_ATTN or op == NORM_FFN:
-            _norm_rows(h, il, 0 if op == NORM_ATTN else 1, dims.eps, weights, s, ph, t, nt)
+            _norm_rows(h, il, 0 if op == NORM_ATTN else 1, dims.eps, weights, s, ph, t, nt, pre)
         elif op == ATTEND:
-            _attend(il, cache, rows, dims, s, ph, t, nt)
+            if pre is None:
+                _attend(il, cache, rows, dims, s, ph, t, nt)
+            else:
+                _attend_tiles(il, cache, rows, dims, s, pre, ph, t, nt)
         elif op == MERGE:
-            _merge(il, weights, cache, rows, dims, s, ph, t, nt)
+            if pre is None:
+                _merge(il, weights, cache, rows, dims, s, ph, t, nt)
+            else:
+                _merge_tiles(il, weights, cache, rows, dims, s, pre, ph, t, nt)
         elif op == ROUND_F:
-            _round_f(il, weights, s, ph, t, nt)
+            _round_f(il, weights, s, ph, t, nt, pre)
         else:
-            _matmul_op(op, il, span.sums, weights, cache, rows, dims, s, ph, t, nt)
+            _matmul_op(op, il, span.sums, weights, cache, rows, dims, s, ph, t, nt, pre)
         if ph + 1 < span.last:
             bar += 1
             if not barrier(sync, nt, bar):
                 return
+        if timed:
+            sync[CLOCK + i] += cycles() - start
 
 
-def run_layers(h, weights, cache, rows, dims, sync, nt):
+def run_layers(h, weights, cache, rows, dims, sync, nt, pre=None):
     """Every layer on h [M, D] (changed in place): run_phases over all of them, Wo and W_down
-    adding into h itself."""
-    work = scratch_for(h, weights, cache, rows, dims, nt)
-    return run_phases(h, weights, cache, rows, dims, sync, nt, Span(0, len(weights.norms) * OPS_PER_LAYER, h), *work)
+    adding into h itself. pre: None, or the prefill stage's Prefill (its choices and arrays: its
+    kernels run)."""
+    work = scratch_for(h, weights, cache, rows, dims, nt, pre)
+    span = Span(0, len(weights.norms) * OPS_PER_LAYER, h)
+    return run_phases(h, weights, cache, rows, dims, sync, nt, span, pre, *work)
 
 
 @njit(cache=True)
-def scratch_for(h, weights, cache, rows, dims, nt):
+def scratch_for(h, weights, cache, rows, dims, nt, pre):
     """The arrays a call of run_phases works in, for these rows (their positions: attention's
     chunks): (Scratch, Q8Blocks, Q8KBlocks). Made once, they serve every call of a step."""
     M, D = h.shape
     kv_dim = cache.k.shape[2]
     hd = kv_dim // dims.n_head_kv
     n_chunks = 1
-    for m in range(M):
-        n_chunks = max(n_chunks, chunks_of(rows.positions[m]))
+    if pre is None:                    # the tiled attention keeps its chunks in pre's arrays
+        for m in range(M):
+            n_chunks = max(n_chunks, chunks_of(rows.positions[m]))
     H, n_ff, n_layer = dims.n_head, dims.n_ff, weights.norms.shape[0]
     K = max(D, n_ff, H * hd)
     s = Scratch(np.zeros((M, max(D, H * hd)), np.float32), np.zeros((M, n_ff), np.float32),
                 np.zeros((M, max(H * hd + 2 * kv_dim, 2 * n_ff, D)), np.float32),
-                np.zeros((M, H, n_chunks, hd + 2), np.float32), np.zeros((nt, CHUNK), np.float32),
+                np.zeros((M if pre is None else 1, H, n_chunks, hd + 2), np.float32),
+                np.zeros((nt, CHUNK), np.float32),
                 np.zeros((nt, 1, K), np.float32), np.zeros((n_layer * OPS_PER_LAYER, nt), np.int64))
     a = pack_arrays(M, K)
     return s, Q8Blocks(a[0], a[1], a[2], a[3]), Q8KBlocks(a[4], a[5], a[6], a[7])
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def run_phases(h, weights, cache, rows, dims, sync, nt, span, scratch, p32, pk):
+def run_phases(h, weights, cache, rows, dims, sync, nt, span, pre, scratch, p32, pk):
     """The phases of span (Span) on h [M, D] (changed in place): row m at rows.positions[m], its K
-    and V written into cache slot rows.slots[m]; scratch, p32, pk: scratch_for's. One parallel region
-    of nt iterations: nt must be numba's thread count (numba.get_num_threads(), read by the caller:
-    inside a cached kernel it cannot be). sync: sync.new_sync(); sync[0] counts the barriers'
-    arrivals, sync[1] is 1 if one gave up."""
+    and V written into cache slot rows.slots[m]; scratch, p32, pk: scratch_for's (made with the
+    same pre). One parallel region of nt iterations: nt must be numba's thread count
+    (numba.get_num_threads(), read by the caller: inside a cached kernel it cannot be).
+    pre: None, or the prefill stage's Prefill. sync: sync.new_sync(); sync[ARRIVALS] counts the
+    barriers' arrivals, sync[ABORT] is 1 if one gave up, and sync[CLOCK + i], where new_sync made
+    room (phases=OPS_PER_LAYER), phase i's cycles."""
     scratch.counters[span.first:span.last] = 0
     if nt == 1:                 # one thread needs no region (its launch costs about as much as a norm)
-        _worker(0, 1, h, weights, cache, rows, dims, scratch, p32, pk, sync, span)
+        _worker(0, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre)
     else:
         for t in prange(nt):
-            _worker(t, nt, h, weights, cache, rows, dims, scratch, p32, pk, sync, span)
+            _worker(t, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre)
     return h
 
 
@@ -445,7 +613,7 @@ def _head_worker(x, blob, mats, scratch, p32, pk, out, per, t, nt):
         if item < 0:
             break
         r0 = item * per
-        chunk(mat, blob, r0, min(mat.rows, r0 + per), M, x, s, out, 0, s.fs[t])
+        chunk(mat, blob, r0, min(mat.rows, r0 + per), 0, M, x, s, out, 0, s.fs[t], None)
 
 
 @njit(cache=True, parallel=True, nogil=True)
@@ -469,9 +637,11 @@ def matmul_rows(x, blob, mats, nt):
 
 
 __all__ = ["run_layers", "run_phases", "scratch_for", "matmul_rows", "matrix_table", "Weights", "Cache", "Rows", "Dims",
-           "Span", "MATRIX", "ROWS", "REPACKED", "OPS_PER_LAYER", "PHASES", "CHUNK"]
+           "Span", "Prefill", "MATRIX", "ROWS", "REPACKED", "OPS_PER_LAYER", "PHASES", "CHUNK", "block_rows"]
 
 toolkit.guard_cache(__name__, [run_phases, scratch_for, matmul_rows, _worker, _head_worker, _matmul_op, _attend, _merge,
-                               _norm_rows, _round_f, _chunk_float, _chunk_tiles, _chunk_loops],
+                               _attend_tiles, _merge_tiles, _norm_rows, _round_f, _chunk_float, _chunk_tiles,
+                               _chunk_loops],
                     [int_tiles.__file__, int_dot.__file__, dequant_dot.__file__, sync.__file__, toolkit.__file__,
-                     q8.__file__, layer_ops.__file__, repacked.__file__, vector_ir.__file__])
+                     q8.__file__, layer_ops.__file__, repacked.__file__, vector_ir.__file__, pair_gemm.__file__,
+                     tiled_attention.__file__])

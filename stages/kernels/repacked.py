@@ -30,9 +30,10 @@ the activation block's sum taken off once per block: llama.cpp moves each weight
 activation instead, which a broadcast serving 8 rows cannot do.
 
     repack(raw, kind) / unpack(packed, kind, rows)     numpy, at load; unpack(repack(x)) == x
-    chunk(kind, blob, off, row_bytes, r0, r1, M, p32, pk, out, col)
+    group_gemm(kind, blob, off, row_bytes, p32, pk, M, out, col, r0, r1)
         rows r0..r1 (r0 a multiple of GROUP) of the repacked matrix at blob[off:] times the M
         activation rows of the 8-bit packs (stages/kernels/q8.py) -> out[:, col + r0 .. col + r1]
+    GROUP_AT[kind][field]                              where a field starts in a group block
 
 One kernel for decode and prefill: C activation rows at a time (TILE_ROWS), every (weight row,
 activation row) pair computed by the same instructions in the same order whatever C is, so a row's
@@ -43,16 +44,18 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 
 from stages.kernels import vector_ir
 from stages.kernels.int_dot import q6_top_bits
-from stages.kernels.toolkit import BLOCK_BYTES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
-from stages.kernels.vector_ir import B32, D8, F8, F32, I16, I32, vector_intrinsic
+from stages.kernels.toolkit import BLOCK_BYTES, FIELDS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TYPES_K
+from stages.kernels.vector_ir import B32, D8, F8, FLOAT, I16, I32, vector_intrinsic
 
 GROUP = 8                                    # rows per group: one int32 or float32 lane each (ymm)
 REPACK_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
-TYPES_K = (Q4_K, Q5_K, Q6_K)
+# what each stored value is short of the signed value (q - 8, q - 16, Q8_0's q + 128 - 128): taken
+# off once per block as offset * sum(q_a)
+OFFSETS = {Q4_0: 8, Q5_0: 16, Q8_0: 128}
 
 
 # ---- the layout (numpy) ----------------------------------------------------------------------
@@ -69,21 +72,38 @@ def _unpieces(p):
     return s.reshape(*s.shape[:-2], s.shape[-2] * 4)
 
 
+# A group block's fields, in order: each a field of the ggml block (common/quants.py's BLOCK_DTYPES,
+# by name) and how the 8 rows' copies of it are laid out: 'rows' (one row's copy after another),
+# 'planes' (byte k of the 8 rows together), 'pieces' (4-byte pieces taken from the rows in turn),
+# 'pieces^128' (Q8_0) or 'bits' (Q5_0/Q5_1's fifth bits, see _bits).
+GROUP_FIELDS = {
+    Q4_0: [("d", "rows"), ("qs", "pieces")],
+    Q4_1: [("d", "rows"), ("m", "rows"), ("qs", "pieces")],
+    Q5_0: [("d", "rows"), ("qh", "bits"), ("qs", "pieces")],
+    Q5_1: [("d", "rows"), ("m", "rows"), ("qh", "bits"), ("qs", "pieces")],
+    Q8_0: [("d", "rows"), ("qs", "pieces^128")],
+    Q4_K: [("d", "rows"), ("dmin", "rows"), ("scales", "planes"), ("qs", "pieces")],
+    Q5_K: [("d", "rows"), ("dmin", "rows"), ("scales", "planes"), ("qh", "pieces"), ("qs", "pieces")],
+    Q6_K: [("d", "rows"), ("scales", "planes"), ("ql", "pieces"), ("qh", "pieces")],
+}
+
+
 def _fields(kind):
-    """The byte ranges of one ggml block, in group-block order: [(start, end, how)], how being
-    'rows' (the 8 rows' copies one after another), 'planes' (byte k of the 8 rows together),
-    'pieces' (4-byte pieces in turn), 'pieces^128' (Q8_0) or 'bits' (Q5_0/Q5_1's fifth bits, see
-    _bits)."""
-    return {
-        Q4_0: [(0, 2, "rows"), (2, 18, "pieces")],
-        Q4_1: [(0, 2, "rows"), (2, 4, "rows"), (4, 20, "pieces")],
-        Q5_0: [(0, 2, "rows"), (2, 6, "bits"), (6, 22, "pieces")],
-        Q5_1: [(0, 2, "rows"), (2, 4, "rows"), (4, 8, "bits"), (8, 24, "pieces")],
-        Q8_0: [(0, 2, "rows"), (2, 34, "pieces^128")],
-        Q4_K: [(0, 2, "rows"), (2, 4, "rows"), (4, 16, "planes"), (16, 144, "pieces")],
-        Q5_K: [(0, 2, "rows"), (2, 4, "rows"), (4, 16, "planes"), (16, 48, "pieces"), (48, 176, "pieces")],
-        Q6_K: [(208, 210, "rows"), (192, 208, "planes"), (0, 128, "pieces"), (128, 192, "pieces")],
-    }[kind]
+    """The byte ranges of one ggml block, in group-block order: [(start, end, how)]."""
+    return [(*FIELDS[kind][name], how) for name, how in GROUP_FIELDS[kind]]
+
+
+def _offsets(kind) -> dict:
+    """Where each field starts in a group block: after GROUP copies of every field before it."""
+    at, o = {}, 0
+    for name, _ in GROUP_FIELDS[kind]:
+        at[name] = o
+        start, end = FIELDS[kind][name]
+        o += GROUP * (end - start)
+    return at
+
+
+GROUP_AT = {kind: _offsets(kind) for kind in GROUP_FIELDS}     # GROUP_AT[Q6_K]["qh"] == 1168
 
 
 def _bits(qh):
@@ -185,7 +205,7 @@ def tile_rows(kind, isa):
 # (prefetcht0): one thread otherwise waits on memory for part of each block. Timed on the machine
 # first measured (Ice Lake, one thread, a 300 MB Q4_K / Q6_K / Q4_1 matrix): 2 to 8 KiB ahead
 # were alike and about a fifth faster than the hardware prefetchers alone.
-PREFETCH_BYTES = 4096
+GROUP_PREFETCH_BYTES = 4096
 
 
 class _Acts:
@@ -207,15 +227,16 @@ def _splat_q(g, acts, c, off):
 
 
 def _splat_f32(g, p, index):
-    return g.splat(F8, g.load(p, g.b.mul(index, g.const(4)), F32))
+    return g.splat(F8, g.load(p, g.b.mul(index, g.const(4)), FLOAT))
 
 
-def _k4_scales(g, gb):
-    """The 8 rows' 6-bit scales and mins of a Q4_K/Q5_K group block (12 byte planes at gb + 32,
-    plane k = byte k of the rows' 12 scale bytes): ([sc_j as <8 x i32>], [m_j]) for j < 8,
-    by ggml's rule (common.quants.k4_scale_min) on all 8 rows at once."""
+def group_k4_scales(g, gb):
+    """The 8 rows' 6-bit scales and mins of a Q4_K/Q5_K group block (12 byte planes, plane k =
+    byte k of the rows' 12 scale bytes): ([sc_j as <8 x i32>], [m_j]) for j < 8, by ggml's rule
+    (common.quants.k4_scale_min) on all 8 rows at once."""
     b = g.b
-    v0, v1, v2 = (g.load(gb, g.const(32 + 32 * i), B32) for i in range(3))     # planes 0-3, 4-7, 8-11
+    at = GROUP_AT[Q4_K]["scales"]                       # the same place in Q5_K's group block
+    v0, v1, v2 = (g.load(gb, g.const(at + 32 * i), B32) for i in range(3))     # planes 0-3, 4-7, 8-11
     c = lambda n: g.splat_const(B32, n)
     top = lambda v: b.shl(b.lshr(v, c(6)), c(4))
     sc_lo, mn_lo = b.and_(v0, c(63)), b.and_(v1, c(63))
@@ -233,32 +254,35 @@ def _block_k4(g, kind, gb, blk, acts, accs):
     """Q4_K / Q5_K: per row lane, isum = sum_s sc_s * (dot of sub-block s), msum = sum_s m_s * b32_s;
     acc += float(isum) * d_a * d_w - float(msum) * d_a * dmin_w."""
     b, C = g.b, acts.C
-    sc, mn = _k4_scales(g, gb)
-    qs = 128 if kind == Q4_K else 384
+    sc, mn = group_k4_scales(g, gb)
+    lay = GROUP_AT[kind]
     k = b.mul(blk, g.const(256))
     isum = [ir.Constant(D8, None)] * C
+    most = 31 if kind == Q5_K else 15
     for ch in range(4):
-        lo_acc = [ir.Constant(D8, None)] * C
-        hi_acc = [ir.Constant(D8, None)] * C
+        lo, hi = [], []
         for j in range(8):
-            w = g.load(gb, g.const(qs + (ch * 8 + j) * 32), B32)
-            lo, hi = g.nibbles(w, False), g.nibbles(w, True)
+            w = g.load(gb, g.const(lay["qs"] + (ch * 8 + j) * 32), B32)
+            lo.append(g.nibbles(w, False))
+            hi.append(g.nibbles(w, True))
             if kind == Q5_K:                                    # bit 2ch (+1) of qh: the fifth bits
-                qh = g.load(gb, g.const(128 + j * 32), B32)
+                qh = g.load(gb, g.const(lay["qh"] + j * 32), B32)
                 one = g.splat_const(B32, 1)
-                lo = b.or_(lo, b.shl(b.and_(b.lshr(qh, g.splat_const(B32, 2 * ch)), one), g.splat_const(B32, 4)))
-                hi = b.or_(hi, b.shl(b.and_(b.lshr(qh, g.splat_const(B32, 2 * ch + 1)), one), g.splat_const(B32, 4)))
-            for c in range(C):
-                lo_acc[c] = g.dpbusd(lo_acc[c], lo, _splat_q(g, acts, c, b.add(k, g.const(64 * ch + 4 * j))))
-                hi_acc[c] = g.dpbusd(hi_acc[c], hi, _splat_q(g, acts, c, b.add(k, g.const(64 * ch + 32 + 4 * j))))
+                lo[j] = b.or_(lo[j], b.shl(b.and_(b.lshr(qh, g.splat_const(B32, 2 * ch)), one), g.splat_const(B32, 4)))
+                hi[j] = b.or_(hi[j], b.shl(b.and_(b.lshr(qh, g.splat_const(B32, 2 * ch + 1)), one),
+                                           g.splat_const(B32, 4)))
         for c in range(C):
-            isum[c] = b.add(isum[c], b.add(b.mul(lo_acc[c], sc[2 * ch]), b.mul(hi_acc[c], sc[2 * ch + 1])))
-    dw, dmin = g.halves(gb, g.const(0)), b.fneg(g.halves(gb, g.const(16)))
+            a_lo = [_splat_q(g, acts, c, b.add(k, g.const(64 * ch + 4 * j))) for j in range(8)]
+            a_hi = [_splat_q(g, acts, c, b.add(k, g.const(64 * ch + 32 + 4 * j))) for j in range(8)]
+            isum[c] = g.scaled_dots(isum[c], lo, a_lo, sc[2 * ch], most)
+            isum[c] = g.scaled_dots(isum[c], hi, a_hi, sc[2 * ch + 1], most)
+    dw, dmin = g.halves(gb, g.const(lay["d"])), b.fneg(g.halves(gb, g.const(lay["dmin"])))
+    mins = [b.or_(mn[2 * u], b.shl(mn[2 * u + 1], g.splat_const(D8, 16))) for u in range(4)]   # int16 pairs
     for c in range(C):
         msum = ir.Constant(D8, None)
-        for s in range(8):
-            b32 = b.sext(g.load(acts.b32[c], b.mul(b.add(b.mul(blk, g.const(8)), g.const(s)), g.const(2)), I16), I32)
-            msum = b.add(msum, b.mul(mn[s], g.splat(D8, b32)))
+        for u in range(4):                  # sub-blocks 2u, 2u + 1: their b32 side by side, one dpwssd
+            b32 = g.splat_i32(acts.b32[c], b.mul(b.add(b.mul(blk, g.const(4)), g.const(u)), g.const(4)))
+            msum = g.dpwssd(msum, mins[u], b32)
         da = _splat_f32(g, acts.d[c], blk)
         acc = g.fma(b.fmul(g.to_float(isum[c]), da), dw, b.load(accs[c]))
         b.store(g.fma(b.fmul(g.to_float(msum), da), dmin, acc), accs[c])
@@ -268,31 +292,31 @@ def _block_q6(g, gb, blk, acts, accs):
     """Q6_K: 16 sub-blocks of 16 values, int8 scales; the -32 of every value taken off each
     sub-block's sum as 32 * b16_s before its scale multiplies it; acc += float(isum) * d_a * d_w."""
     b, C = g.b, acts.C
+    lay = GROUP_AT[Q6_K]
     k = b.mul(blk, g.const(256))
     isum = [ir.Constant(D8, None)] * C
     for h in range(2):
         for jh in range(2):                                     # positions l < 16, then l >= 16
-            sub = [[ir.Constant(D8, None)] * 4 for _ in range(C)]
+            vals = [[], [], [], []]                             # vals[i][jj]: values 128 h + 32 i + 4 j ..
             for jj in range(4):
                 j = 4 * jh + jj
-                qla = g.load(gb, g.const(144 + (h * 16 + j) * 32), B32)
-                qlb = g.load(gb, g.const(144 + (h * 16 + 8 + j) * 32), B32)
-                top = q6_top_bits(g, g.load(gb, g.const(1168 + (h * 8 + j) * 32), B32))
+                qla = g.load(gb, g.const(lay["ql"] + (h * 16 + j) * 32), B32)
+                qlb = g.load(gb, g.const(lay["ql"] + (h * 16 + 8 + j) * 32), B32)
+                top = q6_top_bits(g, g.load(gb, g.const(lay["qh"] + (h * 8 + j) * 32), B32))
                 low = [g.nibbles(qla, False), g.nibbles(qlb, False), g.nibbles(qla, True), g.nibbles(qlb, True)]
                 for i in range(4):
-                    v = b.or_(low[i], top[i])
-                    at = b.add(k, g.const(128 * h + 32 * i + 4 * j))
-                    for c in range(C):
-                        sub[c][i] = g.dpbusd(sub[c][i], v, _splat_q(g, acts, c, at))
+                    vals[i].append(b.or_(low[i], top[i]))
             for i in range(4):
                 s = 8 * h + 2 * i + jh
-                scale = g.widen_s8(gb, g.const(16 + 8 * s))
+                scale = g.widen_s8(gb, g.const(lay["scales"] + GROUP * s))
                 for c in range(C):
+                    acts_q = [_splat_q(g, acts, c, b.add(k, g.const(128 * h + 32 * i + 4 * (4 * jh + jj))))
+                              for jj in range(4)]
                     b16 = b.sext(g.load(acts.b16[c], b.mul(b.add(b.mul(blk, g.const(16)), g.const(s)), g.const(2)),
                                         I16), I32)
                     offset = g.splat(D8, b.shl(b16, ir.Constant(I32, 5)))
-                    isum[c] = b.add(isum[c], b.mul(b.sub(sub[c][i], offset), scale))
-    dw = g.halves(gb, g.const(0))
+                    isum[c] = b.sub(g.scaled_dots(isum[c], vals[i], acts_q, scale, 63), b.mul(offset, scale))
+    dw = g.halves(gb, g.const(lay["d"]))
     for c in range(C):
         da = _splat_f32(g, acts.d[c], blk)
         b.store(g.fma(b.fmul(g.to_float(isum[c]), da), dw, b.load(accs[c])), accs[c])
@@ -311,9 +335,9 @@ def _block_32(g, kind, gb, blk, acts, accs):
     offsets (-8, -16, Q8_0's -128 of q + 128) started in the integer sum as -offset * sum(q_a)."""
     b, C = g.b, acts.C
     with_m = kind in (Q4_1, Q5_1)
-    qh_at = {Q5_0: 16, Q5_1: 32}.get(kind)
-    qs = {Q4_0: 16, Q4_1: 32, Q5_0: 48, Q5_1: 64, Q8_0: 16}[kind]
-    offset = {Q4_0: 8, Q5_0: 16, Q8_0: 128}.get(kind, 0)
+    lay = GROUP_AT[kind]
+    qh_at, qs = lay.get("qh"), lay["qs"]
+    offset = OFFSETS.get(kind, 0)
     k = b.mul(blk, g.const(32))
     isum = []
     for c in range(C):
@@ -328,17 +352,20 @@ def _block_32(g, kind, gb, blk, acts, accs):
             for c in range(C):
                 isum[c] = g.dpbusd_bytes(isum[c], w, _splat_q(g, acts, c, b.add(k, g.const(4 * j))))
     else:
+        values, at = [], []                         # the 4 pieces' low nibbles (values 4j..), then high (16 + 4j..)
         for j in range(4):
             w = g.load(gb, g.const(qs + 32 * j), B32)
             lo, hi = g.nibbles(w, False), g.nibbles(w, True)
             if qh_at:
                 lo = b.or_(lo, _fifth_bits(g, gb, qh_at + 8 * j))
                 hi = b.or_(hi, _fifth_bits(g, gb, qh_at + 8 * j + 4))
-            for c in range(C):
-                isum[c] = g.dpbusd(isum[c], lo, _splat_q(g, acts, c, b.add(k, g.const(4 * j))))
-                isum[c] = g.dpbusd(isum[c], hi, _splat_q(g, acts, c, b.add(k, g.const(16 + 4 * j))))
-    dw = g.halves(gb, g.const(0))
-    mw = g.halves(gb, g.const(16)) if with_m else None
+            values += [lo, hi]
+            at += [4 * j, 16 + 4 * j]
+        for c in range(C):
+            isum[c] = g.scaled_dots(isum[c], values, [_splat_q(g, acts, c, b.add(k, g.const(o))) for o in at],
+                                    most=31 if qh_at else 15)
+    dw = g.halves(gb, g.const(lay["d"]))
+    mw = g.halves(gb, g.const(lay["m"])) if with_m else None
     for c in range(C):
         acc = g.fma(b.fmul(g.to_float(isum[c]), _splat_f32(g, acts.d[c], blk)), dw, b.load(accs[c]))
         if with_m:
@@ -346,7 +373,7 @@ def _block_32(g, kind, gb, blk, acts, accs):
         b.store(acc, accs[c])
 
 
-def _block(g, kind, gb, blk, acts, accs):
+def _group_block(g, kind, gb, blk, acts, accs):
     if kind == Q6_K:
         _block_q6(g, gb, blk, acts, accs)
     elif kind in (Q4_K, Q5_K):
@@ -387,8 +414,8 @@ def _gemm_body(g, a, kind):
             with g.loop(nb) as blk:
                 gb = g.at(base, b.mul(blk, gbytes))
                 for line in range(0, GROUP * BLOCK_BYTES[kind], 64):
-                    g.prefetch(gb, g.const(PREFETCH_BYTES + line))
-                _block(g, kind, gb, blk, acts, accs)
+                    g.prefetch(gb, g.const(GROUP_PREFETCH_BYTES + line))
+                _group_block(g, kind, gb, blk, acts, accs)
             for c in range(width):
                 _store(g, a, acts.rows[c], b.add(a.col, r), lanes, b.load(accs[c]))
 
@@ -412,10 +439,4 @@ def group_gemm(typingctx, kind, w, off, row_bytes, p32, pk, M, out, col, r0, r1)
     return types.none(kind, w, off, row_bytes, p32, pk, M, out, col, r0, r1), body
 
 
-@njit(cache=True, inline="always")
-def chunk(kind, blob, off, row_bytes, r0, r1, M, p32, pk, out, col):
-    """Rows r0..r1 (r0 a multiple of GROUP) times every activation row: see the module docstring."""
-    group_gemm(kind, blob, off, row_bytes, p32, pk, M, out, col, r0, r1)
-
-
-__all__ = ["GROUP", "REPACK_TYPES", "repack", "unpack", "repacked_bytes", "chunk", "group_gemm"]
+__all__ = ["GROUP", "REPACK_TYPES", "GROUP_FIELDS", "GROUP_AT", "repack", "unpack", "repacked_bytes", "group_gemm"]

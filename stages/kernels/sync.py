@@ -26,7 +26,10 @@ A barrier needs every iteration of the region on its own thread, which numba's w
 OpenMP layers do with one iteration per thread (TBB may run two on one thread: stages/fused.py
 chooses the layer). If the others never come (sync[GIVE] sleeps of WAIT_NS: GIVE_UP unless a
 test asks for less), it raises the abort flag sync[ABORT] and every thread leaves at its next
-barrier: the caller reports the error instead of hanging. `new_sync()` makes the array.
+barrier: the caller reports the error instead of hanging. `new_sync()` makes the array; with
+`phases`, it also holds a clock per phase (sync[CLOCK + i]: the cycles thread 0 saw phase i take,
+up to the barrier after it, added over the layers: where a call's time went, at the cost of one
+read of the time-stamp counter per phase).
 
 The atomics are LLVM's (atomicrmw add, load/store with acquire/release ordering), the futex
 calls Linux's syscall(2) (x86-64): numba has neither for the CPU.
@@ -45,14 +48,14 @@ MIN_SPINS = 16          # the least a loaded machine's barriers spin
 WAIT_NS = 1_000_000     # a sleep's timeout (1 ms): how often a sleeping thread looks at the abort flag
 GIVE_UP = 120_000       # sleeps (two minutes) before a barrier gives up: the abort flag
 # The sync array's words: arrivals, abort flag, sleeps before giving up, the futex's generation,
-# threads asleep, the spin bound now.
-ARRIVALS, ABORT, GIVE, GEN, SLEEPERS, SPIN = range(6)
+# threads asleep, the spin bound now; then, where new_sync made room, phase i's cycles at CLOCK + i.
+ARRIVALS, ABORT, GIVE, GEN, SLEEPERS, SPIN, CLOCK = range(7)
 SYS_FUTEX, FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 202, 128, 129      # x86-64 Linux
 
 
-def new_sync(give_up: int = GIVE_UP) -> np.ndarray:
-    """The words above, int64."""
-    return np.array([0, 0, give_up, 0, 0, SPINS], dtype=np.int64)
+def new_sync(give_up: int = GIVE_UP, phases: int = 0) -> np.ndarray:
+    """The words above (with a clock for each of `phases` phases), int64."""
+    return np.array([0, 0, give_up, 0, 0, SPINS] + [0] * phases, dtype=np.int64)
 
 
 def _slot(context, builder, arrty, arr, idx, idxty):
@@ -118,6 +121,16 @@ def _futex(builder, address, op, value, timeout):
     args = [ir.Constant(i64, SYS_FUTEX), builder.ptrtoint(address, i64), ir.Constant(i64, op), value, timeout,
             ir.Constant(i64, 0), ir.Constant(i64, 0)]
     return builder.call(fn, args)
+
+
+@intrinsic
+def cycles(typingctx):
+    """The time-stamp counter (rdtsc through llvm.readcyclecounter): a clock at a constant rate."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "llvm.readcyclecounter")
+        return builder.call(fn, [])
+    return types.int64(), codegen
 
 
 @intrinsic

@@ -2,10 +2,12 @@
 block readers every format's kernel calls, and a guard for numba's on-disk cache.
 
     FASTMATH        the floating-point liberties the kernels take (the simd stage's lesson)
-    Q4_0 ... BF16   ggml type ids as plain ints (numba compiles them in as constants)
+    Q4_0 ... BF16   ggml type ids as plain ints (numba compiles them in as constants); TYPES_K
     BLOCK_BYTES, BLOCK_VALUES, block_bytes(kind), block_values(kind)
                     bytes and values of one block of each type (common/gguf.py's table, the one
                     definition), as dicts for IR and as compiled lookups for jitted code
+    FIELDS          where each field of a block starts and ends, by name (common/quants.py's
+                    BLOCK_DTYPES, the one definition): FIELDS[Q6_K]["scales"] == (192, 208)
     F16_TO_F32      every float16 bit pattern -> its float32 value: how a kernel reads a scale
     read_f16(row, o, table), read_u32(row, o)    little-endian fields inside a block
     guard_cache     empty a module's cached kernels when a file they call into has changed
@@ -20,6 +22,7 @@ import numpy as np
 from numba import njit
 
 from common.gguf import BLOCK_SIZES, GGMLType
+from common.quants import BLOCK_DTYPES
 
 # Reassociation (so a sum may be split across the lanes of a vector register), contraction
 # into fused multiply-adds, and ignoring the sign of zero: what vectorizing a sum needs, and
@@ -30,9 +33,12 @@ F32, F16, BF16 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16)
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (int(GGMLType.Q4_0), int(GGMLType.Q4_1), int(GGMLType.Q5_0),
                                 int(GGMLType.Q5_1), int(GGMLType.Q8_0))
 Q4_K, Q5_K, Q6_K = int(GGMLType.Q4_K), int(GGMLType.Q5_K), int(GGMLType.Q6_K)
+TYPES_K = (Q4_K, Q5_K, Q6_K)          # the K-quants: 256-value blocks, activations in Q8_K
 
 BLOCK_VALUES = {int(t): v for t, (v, _) in BLOCK_SIZES.items()}
 BLOCK_BYTES = {int(t): n for t, (_, n) in BLOCK_SIZES.items()}
+FIELDS = {int(t): {name: (off, off + dt.fields[name][0].itemsize) for name, (_, off) in dt.fields.items()}
+          for t, dt in BLOCK_DTYPES.items() if dt.fields}
 # indexed by type id (a global array is a constant to numba)
 _BLOCK_VALUES = np.zeros(max(BLOCK_VALUES) + 1, np.int64)
 _BLOCK_BYTES = np.zeros(max(BLOCK_BYTES) + 1, np.int64)

@@ -8,22 +8,35 @@ trick is named once, here, with the scalar code it stands for (its twin: what th
 it with, tests/test_vector_ir.py) and the instructions it becomes:
 
     helper             twin (per lane i)                         x86
-    dpbusd(acc, u, s)  acc[i] + sum_j<4 u[4i+j] s[4i+j]          vpdpbusd (VNNI); else vpmaddubsw,
-                       (u unsigned up to 128; s signed bytes)   vpmaddwd with ones, vpaddd (AVX2)
+    dpbusd(acc, u, s)  acc[i] + sum_j<4 u[4i+j] s[4i+j]          vpdpbusd (VNNI; ymm, or zmm for 16
+                       (u unsigned up to 128; s signed bytes)   lanes); else vpmaddubsw, vpmaddwd
+                                                                 with ones, vpaddd (AVX2)
+    dpwssd(acc, a, b)  acc[i] + a[2i] b[2i] + a[2i+1] b[2i+1]    vpdpwssd (VNNI); else vpmaddwd,
+                       (int16 pairs)                             vpaddd
+    scaled_dots(acc, us, ss, scale, most)                        VNNI: a vpdpbusd chain, one vpmulld;
+                       acc[i] + scale[i] sum_j dpbusd(us[j], ss[j])[i]   AVX2: vpmaddubsw summed in int16
+                       (us[j] unsigned up to most)               while none can overflow, one vpmaddwd
+                                                                 with the scale per run (no vpmulld)
     dpbusd_bytes       the same for u up to 255                  vpdpbusd; AVX2: u in nibbles
     pairs(u, s)        u[2i] s[2i] + u[2i+1] s[2i+1] (int16)     vpmaddubsw
     madd(a, b)         a[2i] b[2i] + a[2i+1] b[2i+1] (int32)     vpmaddwd
     nibbles(v, high)   v[i] & 15, or v[i] >> 4                   vpand / vpsrlw + vpand
     splat_i32(p, o)    the int32 at p+o in every lane            vpbroadcastd (often folded into
                                                                  vpdpbusd's memory operand {1to8})
+    splat_i64(p, o)    the 8 bytes at p+o in every 64-bit lane   vpbroadcastq (a load, no shuffle)
     halves(p, o, n)    n float16 at p+o as float32               vcvtph2ps (F16C)
     half(p, o)         one float16 at p+o in every lane          vpbroadcastw + vcvtph2ps
     fma(a, b, c)       a[i] * b[i] + c[i], one rounding          vfmadd231ps
+    fmax(a, b)         a[i] > b[i] ? a[i] : b[i]                 vmaxps
+    exp(v)             e^v[i] (layer_ops.fast_exp's polynomial)  vroundps, vfmadd231ps, vpslld
     hsum(v)            v[0] + ... + v[7], as a fixed tree        vextractf128, vaddps, vhaddps
+    sums8(vs)          [sum of vs[j]'s 8 lanes for j < 8]:       vunpcklps/hps, vaddps, vperm2f128
+                       8 horizontal sums at once
 
 ISA is what numba's code generator targets: 'vnni' (AVX2 + F16C + AVX512-VNNI with VL, or
 AVX-VNNI: vpdpbusd on 256-bit registers), 'avx2' (AVX2 + F16C), or None (the kernels that need
-these then refuse to compile, and their callers take the plain loops). By default that is this
+these then refuse to compile, and their callers take the plain loops); ZMM, whether vpdpbusd
+runs on 512-bit registers too (AVX512-VNNI + BW). By default that is this
 CPU (its /proc/cpuinfo flags); where numba is told to compile for another CPU (NUMBA_CPU_NAME,
 NUMBA_CPU_FEATURES: `NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=` compiles for an AVX2-only CPU
 on any x86 machine), LLVM itself is asked what that target has (target_isa), so the other
@@ -48,11 +61,13 @@ from numba.extending import intrinsic
 from common.cpu import simd_features
 
 I1, I8, I16, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-F16, F32 = ir.HalfType(), ir.FloatType()
+HALF, FLOAT = ir.HalfType(), ir.FloatType()
 B32, B16 = ir.VectorType(I8, 32), ir.VectorType(I8, 16)             # 32 / 16 bytes
 W16, W8 = ir.VectorType(I16, 16), ir.VectorType(I16, 8)             # 16 / 8 int16
 D8, D4 = ir.VectorType(I32, 8), ir.VectorType(I32, 4)               # 8 / 4 int32
-F8 = ir.VectorType(F32, 8)                                          # 8 float32: one ymm register
+F8 = ir.VectorType(FLOAT, 8)                                        # 8 float32: one ymm register
+B64, W32, D16 = ir.VectorType(I8, 64), ir.VectorType(I16, 32), ir.VectorType(I32, 16)    # one zmm register
+FZ = ir.VectorType(FLOAT, 16)                                       # 16 float32: one zmm register
 # The prefetch intrinsic's name carries its pointer type: "ptr" where llvmlite writes opaque
 # pointers (LLVM 15 and later), "i8*" before.
 _PREFETCH = "llvm.prefetch.p0" if str(I8.as_pointer()) == "ptr" else "llvm.prefetch.p0i8"
@@ -86,6 +101,12 @@ _PROBES = {
              "define <8 x i32> @f(<8 x i32> %a, <8 x i32> %b, <8 x i32> %c) {\n"
              "  %r = call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> %a, <8 x i32> %b, <8 x i32> %c)\n"
              "  ret <8 x i32> %r\n}\n", "vpdpbusd"),
+    "zmm": ("declare <16 x i32> @llvm.x86.avx512.pmaddw.d.512(<32 x i16>, <32 x i16>)\n"
+            "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)\n"
+            "define <16 x i32> @f(<16 x i32> %a, <32 x i16> %b, <16 x i32> %c) {\n"
+            "  %w = call <16 x i32> @llvm.x86.avx512.pmaddw.d.512(<32 x i16> %b, <32 x i16> %b)\n"
+            "  %r = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> %a, <16 x i32> %w, <16 x i32> %c)\n"
+            "  ret <16 x i32> %r\n}\n", "vpdpbusd"),
 }
 _COMPILE = ("import sys, llvmlite.binding as llvm\n"
             "llvm.initialize_native_target(); llvm.initialize_native_asmprinter()\n"
@@ -125,7 +146,20 @@ def target_isa(cpu: str, features: str = "") -> str | None:
     return isa
 
 
+def has_zmm() -> bool:
+    """vpdpbusd on 512-bit registers (AVX512-VNNI with BW): 16 int32 lanes per instruction, which
+    the prefill stage's pair kernels use (stages/kernels/pair_gemm.py); for a named target, LLVM's
+    answer (probe 'zmm')."""
+    if named_isa() != "vnni":
+        return False
+    if config.CPU_NAME is not None or config.CPU_FEATURES is not None:
+        import llvmlite.binding as llvm
+        return target_has(config.CPU_NAME or llvm.get_host_cpu_name(), config.CPU_FEATURES or "", "zmm")
+    return {"avx512_vnni", "avx512bw", "avx512vl"} <= set(simd_features())
+
+
 ISA = named_isa()
+ZMM = has_zmm()
 
 
 def need_isa(what: str):
@@ -252,6 +286,13 @@ class Emit:
         v = self.b.insert_element(ir.Constant(ty, None), scalar, ir.Constant(I32, 0))
         return self.shuffle(v, ir.Constant(ty, None), [0] * ty.count)
 
+    def splat_i64(self, p, off, ty):
+        """The 8 bytes at p+off in every 64-bit lane of ty (vpbroadcastq from memory: a load, no
+        shuffle): two int32 (or float) side by side, alternating across the lanes."""
+        n = ty.count * (32 if ty.element == FLOAT else ty.element.width) // 64
+        v = self.splat(ir.VectorType(I64, n), self.load(p, off, I64))
+        return self.b.bitcast(v, ty)
+
     def splat_i32(self, p, off, ty=D8):
         """The int32 at p+off in every lane; as a byte vector (ty=B32) for dpbusd's signed operand.
         x86: vpbroadcastd ymm, m32 (a load; LLVM folds it into vpdpbusd's {1to8} operand)."""
@@ -265,12 +306,12 @@ class Emit:
         h = self.b.insert_element(ir.Constant(ir.VectorType(I16, n), None), self.load(p, off, I16),
                                   ir.Constant(I32, 0))
         hn = self.shuffle(h, ir.Constant(h.type, None), [0] * n)
-        return self.b.fpext(self.b.bitcast(hn, ir.VectorType(F16, n)), ir.VectorType(F32, n))
+        return self.b.fpext(self.b.bitcast(hn, ir.VectorType(HALF, n)), ir.VectorType(FLOAT, n))
 
     def halves(self, p, off, n=8):
         """n consecutive float16 at p+off as float32 lanes (vcvtph2ps ymm, m128): one scale per row
         of a repacked group."""
-        return self.b.fpext(self.load(p, off, ir.VectorType(F16, n)), ir.VectorType(F32, n))
+        return self.b.fpext(self.load(p, off, ir.VectorType(HALF, n)), ir.VectorType(FLOAT, n))
 
     def widen_u8(self, p, off, n=8):
         """n unsigned bytes at p+off as int32 lanes (vpmovzxbd ymm, m64)."""
@@ -295,19 +336,31 @@ class Emit:
 
     def madd(self, a, b):
         """vpmaddwd: lane i = a[2i] b[2i] + a[2i+1] b[2i+1], as int32 (<16 x i16> -> <8 x i32>,
-        <8 x i16> -> <4 x i32>)."""
-        name = "llvm.x86.avx2.pmadd.wd" if a.type.count == 16 else "llvm.x86.sse2.pmadd.wd"
-        return self.call(name, ir.VectorType(I32, a.type.count // 2), a, b)
+        <8 x i16> -> <4 x i32>, <32 x i16> -> <16 x i32>)."""
+        name = {16: "llvm.x86.avx2.pmadd.wd", 8: "llvm.x86.sse2.pmadd.wd", 32: "llvm.x86.avx512.pmaddw.d.512"}
+        return self.call(name[a.type.count], ir.VectorType(I32, a.type.count // 2), a, b)
 
     def dpbusd(self, acc, u, s):
-        """acc + <8 x i32>, lane i += the sum of the 4 products u[4i..4i+3] s[4i..4i+3] (u unsigned
-        bytes, s signed bytes, 32 of each). VNNI: vpdpbusd ymm_acc, ymm_u, ymm_s (one instruction;
-        the <8 x i32> operand form: LLVM 15 to 22 accept it). AVX2: vpmaddubsw, vpmaddwd with ones,
-        vpaddd (the same sums: no 16-bit pair sum of |u| <= 128, |s| <= 127 saturates)."""
+        """acc + <8 x i32> (or <16 x i32>), lane i += the sum of the 4 products u[4i..4i+3]
+        s[4i..4i+3] (u unsigned bytes, s signed bytes). VNNI: vpdpbusd ymm_acc, ymm_u, ymm_s (zmm
+        for 16 lanes; one instruction; the i32 operand form: LLVM 15 to 22 accept it). AVX2:
+        vpmaddubsw, vpmaddwd with ones, vpaddd (the same sums: no 16-bit pair sum of |u| <= 128,
+        |s| <= 127 saturates)."""
+        n = acc.type.count
         if self.isa == "vnni":
-            cast = lambda v: self.b.bitcast(v, D8)
-            return self.call("llvm.x86.avx512.vpdpbusd.256", D8, acc, cast(u), cast(s))
-        return self.b.add(acc, self.madd(self.pairs(u, s), self.splat_const(W16, 1)))
+            cast = lambda v: self.b.bitcast(v, acc.type)
+            return self.call(f"llvm.x86.avx512.vpdpbusd.{32 * n}", acc.type, acc, cast(u), cast(s))
+        return self.b.add(acc, self.madd(self.pairs(u, s), self.splat_const(ir.VectorType(I16, 2 * n), 1)))
+
+    def dpwssd(self, acc, a, b):
+        """acc + lane i: a[2i] b[2i] + a[2i+1] b[2i+1] (int16 pairs, given as int32 lanes). VNNI:
+        vpdpwssd (one instruction); else vpmaddwd + vpaddd."""
+        n = acc.type.count
+        w = ir.VectorType(I16, 2 * n)
+        if self.isa == "vnni":
+            cast = lambda v: self.b.bitcast(v, acc.type)
+            return self.call(f"llvm.x86.avx512.vpdpwssd.{32 * n}", acc.type, acc, cast(a), cast(b))
+        return self.b.add(acc, self.madd(self.b.bitcast(a, w), self.b.bitcast(b, w)))
 
     def dpbusd_bytes(self, acc, u, s):
         """dpbusd for unsigned bytes over the whole range 0..255 (the repacked Q8_0's q + 128). VNNI:
@@ -319,6 +372,33 @@ class Emit:
         lo = self.dpbusd(acc, self.nibbles(u, False), s)
         return self.b.add(lo, self.b.shl(hi, self.splat_const(D8, 4)))
 
+    def scaled_dots(self, acc, us, ss, scale=None, most=15):
+        """acc + scale x (the byte dot products of us[j] and ss[j], summed over j), per int32 lane
+        (scale: int32 lanes in int16's range, None for 1; us unsigned up to `most`, ss signed bytes
+        up to 127 in size). The same integers either way. VNNI: vpdpbusd into one sum, one vpmulld.
+        AVX2: vpmaddubsw's int16 pair sums (at most 2 most 127 each) added in int16 as many at a
+        time as cannot overflow, then vpmaddwd with the scale in both halves of each lane, which
+        widens, adds the pairs and multiplies by the scale in one instruction."""
+        b, n = self.b, acc.type.count
+        if self.isa == "vnni":
+            d = ir.Constant(acc.type, None)
+            for u, s in zip(us, ss):
+                d = self.dpbusd(d, u, s)
+            return b.add(acc, d if scale is None else b.mul(d, scale))
+        w16 = ir.VectorType(I16, 2 * n)
+        if scale is None:
+            both = self.splat_const(w16, 1)
+        else:
+            low = b.and_(scale, self.splat_const(acc.type, 0xFFFF))
+            both = b.bitcast(b.or_(low, b.shl(scale, self.splat_const(acc.type, 16))), w16)
+        per_run = max(1, 32767 // (2 * most * 127))
+        for i in range(0, len(us), per_run):
+            run = self.pairs(us[i], ss[i])
+            for j in range(i + 1, min(i + per_run, len(us))):
+                run = b.add(run, self.pairs(us[j], ss[j]))
+            acc = b.add(acc, self.madd(run, both))
+        return acc
+
     def isum(self, v):
         """The 8 int32 lanes added (llvm.vector.reduce.add: vphaddd or shuffles and vpaddd)."""
         return self.call("llvm.vector.reduce.add.v8i32", I32, v)
@@ -326,12 +406,46 @@ class Emit:
     # ---- float ----------------------------------------------------------------------------------
     def to_float(self, v):
         """int32 lanes -> float32 lanes (vcvtdq2ps): exact below 2^24, as every sum here is."""
-        return self.b.sitofp(v, ir.VectorType(F32, v.type.count))
+        return self.b.sitofp(v, ir.VectorType(FLOAT, v.type.count))
 
     def fma(self, a, b, c):
         """a * b + c lane by lane with one rounding (vfmadd231ps): written as the intrinsic, so the
         kernel's float operations are these and no others, whatever the compiler's flags."""
         return self.call(f"llvm.fma.v{a.type.count}f32", a.type, a, b, c)
+
+    def fmax(self, a, b):
+        """a > b ? a : b lane by lane (vmaxps: an ordered compare, so -inf and NaN as x86 has them)."""
+        return self.b.select(self.b.fcmp_ordered(">", a, b), a, b)
+
+    def exp(self, x):
+        """e^x lane by lane: layer_ops.fast_exp's polynomial (Cephes' expf) on a vector, written out
+        so that every kernel computing it gives the same bits: x clamped to [-87, 88], x = n ln2 + r,
+        a degree-6 polynomial in r (multiply-adds), 2^n from the exponent bits."""
+        b, ty = self.b, x.type
+        c = lambda v: self.splat_const(ty, v)
+        x = self.fmax(x, c(-87.0))
+        x = b.select(b.fcmp_ordered("<", x, c(88.0)), x, c(88.0))
+        n = self.call(f"llvm.floor.v{ty.count}f32", ty, self.fma(x, c(1.44269504088896341), c(0.5)))
+        r = b.fadd(b.fsub(x, b.fmul(n, c(0.693359375))), b.fmul(n, c(2.12194440e-4)))
+        p = c(1.9875691500e-4)
+        for k in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+            p = self.fma(p, r, c(k))
+        y = b.fadd(self.fma(b.fmul(p, r), r, r), c(1.0))
+        ni = ir.VectorType(I32, ty.count)
+        two_n = b.bitcast(b.shl(b.add(b.fptosi(n, ni), self.splat_const(ni, 127)), self.splat_const(ni, 23)), ty)
+        return b.fmul(y, two_n)
+
+    def sums8(self, vs):
+        """[the sum of vs[j]'s 8 lanes, j = 0..7]: eight horizontal sums at once, every one the same
+        tree ((l0 + l2) + (l1 + l3)) + ((l4 + l6) + (l5 + l7)), whichever lane it lands in."""
+        b = self.b
+        lo = lambda a, c: self.shuffle(a, c, (0, 8, 1, 9, 4, 12, 5, 13))
+        hi = lambda a, c: self.shuffle(a, c, (2, 10, 3, 11, 6, 14, 7, 15))
+        x = [b.fadd(lo(vs[i], vs[i + 1]), hi(vs[i], vs[i + 1])) for i in range(0, 8, 2)]   # pairs: (l0+l2, l1+l3)
+        y = [b.fadd(self.shuffle(x[i], x[i + 1], (0, 1, 8, 9, 4, 5, 12, 13)),
+                    self.shuffle(x[i], x[i + 1], (2, 3, 10, 11, 6, 7, 14, 15))) for i in (0, 2)]
+        return b.fadd(self.shuffle(y[0], y[1], (0, 1, 2, 3, 8, 9, 10, 11)),
+                      self.shuffle(y[0], y[1], (4, 5, 6, 7, 12, 13, 14, 15)))
 
     def hsum(self, v):
         """The 8 float lanes added as a tree (fixed order: the same bits on any thread)."""

@@ -1,7 +1,7 @@
-# Source of notebooks/14_journey.ipynb (build with: python notebooks/build.py).
+# Source of notebooks/15_journey.ipynb (build with: python notebooks/build.py).
 
 # %% [markdown]
-# # 07 · The journey: every stage, side by side
+# # 15 · The journey: every stage, side by side
 #
 # Every stage changes one thing and builds on one stage before it. The table below is the
 # stage registry itself (`stages/registry.py`), so it lists every stage this checkout has,

@@ -1,7 +1,7 @@
-# Source of notebooks/12_batching.ipynb (build with: python notebooks/build.py).
+# Source of notebooks/13_batching.ipynb (build with: python notebooks/build.py).
 
 # %% [markdown]
-# # 10 · Many users at once: batching, paged KV, a server
+# # 13 · Many users at once: batching, paged KV, a server
 #
 # Everything so far ran one sequence. A decode step then reads **every weight** to make one
 # token, two FLOPs per weight: deep in the memory-bound corner of the roofline. Serve B users

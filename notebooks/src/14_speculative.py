@@ -1,7 +1,7 @@
-# Source of notebooks/13_speculative.ipynb (build with: python notebooks/build.py).
+# Source of notebooks/14_speculative.ipynb (build with: python notebooks/build.py).
 
 # %% [markdown]
-# # 13 · Speculative decoding: verify k guesses for the price of one step?
+# # 14 · Speculative decoding: verify k guesses for the price of one step?
 #
 # The roofline chapters say decode is bound by memory: one token reads every weight for two flops
 # each. Then a forward pass of k+1 rows should cost about what one row costs, as long as the

@@ -1,0 +1,244 @@
+"""Time to first token against the prompt's length, and decode at that context: stages beside
+llama.cpp with flash attention off and on, on the same file, in one run of alternating rounds
+(`python scripts/bench_vs_llama.py --ttft-lengths 128,512,1024,2048`).
+
+    sweep(engine, lengths, n_predict)   in one process: for each length a prompt of that many ids
+        by the protocol (TTFT; then the median decode step at that context), and where the stage
+        keeps them (the compiled layer stack: layer_stack.PHASES), the prompt's time per phase
+    python -m app.measure.ttft ENGINE MODEL --lengths 128,512 ...   one engine in a fresh process
+    compare(model, engines, lengths, threads, rounds)    every engine in alternating rounds -> record
+    summary(record), page(record, source)                the medians and ratios, the markdown page
+
+An engine is a stage, `llama.cpp` (flash attention off: llama-cpp-python's default) or
+`llama.cpp+fa` (on). A ratio is taken within a round against the faster of the two llama.cpp rows
+in that round ("llama.cpp's better"), then the median over rounds. The integer peak of this CPU
+(app/measure/roofline.py) is measured in the same run, and a stage's prompt is placed on it: the
+prompt's matmul operations (common/model.py's prompt_matmul_ops) over TTFT, as a share of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+BASELINES = {"llama.cpp": False, "llama.cpp+fa": True}        # engine -> flash attention
+DEFAULT_ENGINES = ("repack", "prefill", *BASELINES)
+PHASE_NAMES = ("norm_attn", "qkv", "attend", "merge", "wo", "norm_ffn", "gate_up", "round_f", "down")
+ATTENTION_PHASES = ("attend", "merge")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _prompt(tokenizer, n):
+    from app.measure.bench import bench_prompt
+    ids = bench_prompt(tokenizer, n)
+    if len(ids) != n:
+        raise ValueError(f"the benchmark text gives {len(ids)} tokens, not {n}")
+    return ids
+
+
+def sweep(engine, lengths, n_predict: int) -> dict:
+    """{length: {ttft_ms, decode_ms, tokens, phases_ms?}} for one loaded stage engine."""
+    from common.generate import Sampler, generate
+    engine.warmup()
+    backend, out = engine.backend, {}
+    for n in lengths:
+        prompt = _prompt(engine.tokenizer, n)
+        engine.reset()
+        phases = getattr(backend, "phase_seconds", None)
+        seen = {}
+        if phases is not None:
+            phases[:] = 0.0
+
+            def first(tok, seen=seen, phases=phases):
+                seen.setdefault("prompt", phases.copy())
+        gen = generate(engine, prompt, n_predict, Sampler(), ignore_eos=True,
+                       on_token=first if phases is not None else None)
+        row = {"ttft_ms": gen.ttft_ms, "decode_ms": gen.decode_ms_median, "tokens": gen.tokens}
+        if "prompt" in seen:
+            row["phases_ms"] = dict(zip(PHASE_NAMES, (seen["prompt"] * 1e3).tolist()))
+        out[str(n)] = row
+    engine.reset()
+    return out
+
+
+def sweep_llama(model_path, lengths, n_predict: int, threads: int, n_ctx: int, flash_attn: bool) -> dict:
+    """The same for llama.cpp (llama-cpp-python) on the same file, prompt ids and thread count."""
+    import llama_cpp
+
+    from common.gguf import GGUFFile
+    from common.tokenizer import Tokenizer
+    with GGUFFile(model_path) as g:
+        tokenizer = Tokenizer.from_gguf(g)
+    llm = llama_cpp.Llama(str(model_path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=512,
+                          logits_all=False, verbose=False, flash_attn=flash_attn)
+
+    def pick() -> int:
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+
+    llm.eval(_prompt(tokenizer, 4))                 # first-use costs: thread pool, buffers
+    out = {}
+    for n in lengths:
+        prompt = _prompt(tokenizer, n)
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        tokens = [pick()]
+        ttft = (time.perf_counter() - t0) * 1e3
+        steps = []
+        for _ in range(n_predict - 1):
+            t0 = time.perf_counter()
+            llm.eval([tokens[-1]])
+            tokens.append(pick())
+            steps.append((time.perf_counter() - t0) * 1e3)
+        out[str(n)] = {"ttft_ms": ttft, "decode_ms": float(np.median(steps)) if steps else float("nan"),
+                       "tokens": tokens}
+    return out
+
+
+def measure_engine(engine: str, model, lengths, n_predict: int, threads: int, n_ctx: int) -> dict:
+    """One engine's sweep, in this process."""
+    if engine in BASELINES:
+        return sweep_llama(model, lengths, n_predict, threads, n_ctx, BASELINES[engine])
+    from stages import load
+    return sweep(load(engine, model, n_ctx=n_ctx, threads=threads), lengths, n_predict)
+
+
+def measure_in_child(engine: str, model, lengths, n_predict: int, threads: int, n_ctx: int) -> dict:
+    cmd = [sys.executable, "-m", "app.measure.ttft", engine, str(model), "--lengths", ",".join(map(str, lengths)),
+           "-n", str(n_predict), "--threads", str(threads), "--ctx-size", str(n_ctx)]
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{engine} failed (exit {proc.returncode}):\n" +
+                           "\n".join(proc.stderr.strip().splitlines()[-6:]))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare(model, engines, lengths, threads: int, rounds: int, n_predict: int = 8, log=print) -> dict:
+    """Every engine's sweep in `rounds` alternating rounds (forward, backward, ...); the record."""
+    from app.measure import roofline
+    from app.measure.machine import machine_info
+    from app.measure.provenance import provenance
+    from app.models import resolve
+    from common.gguf import GGUFFile
+    from common.model import LlamaConfig, prompt_matmul_ops
+    path = resolve(model)
+    with GGUFFile(path) as g:
+        cfg = LlamaConfig.from_gguf(g)
+    n_ctx = max(lengths) + n_predict + 8
+    log(f"warming numba's cache (not measured): {', '.join(e for e in engines if e not in BASELINES)}")
+    for e in engines:
+        if e not in BASELINES:
+            measure_in_child(e, path, [8], 2, threads, n_ctx)
+    log("measuring the integer peak (app/measure/roofline.py) ...")
+    peak = {"instruction": roofline.int_instruction(), "gops": {}}
+    if peak["instruction"]:
+        peak["gops"] = {str(t): roofline.int_peak_gops(t)[0] for t in sorted({1, threads})}
+    runs = {e: [] for e in engines}
+    for k in range(rounds):
+        for e in engines if k % 2 == 0 else engines[::-1]:
+            log(f"  round {k + 1}/{rounds}: {e} at {', '.join(map(str, lengths))} tokens")
+            rec = measure_in_child(e, path, lengths, n_predict, threads, n_ctx)
+            runs[e].append(rec)
+            log("    TTFT " + ", ".join(f"{n}: {r['ttft_ms']:.0f} ms" for n, r in rec.items()))
+    return {"kind": "ttft_sweep", "model": path.name, "synthetic": "synthetic" in path.name.lower(),
+            "settings": {"lengths": list(lengths), "threads": threads, "rounds": rounds, "n_predict": n_predict,
+                         "n_ctx": n_ctx, "order": "alternating (forward, backward, ...)",
+                         "sampling": "greedy, EOS ignored"},
+            "engines": list(engines), "runs": runs, "int_peak": peak,
+            "prompt_matmul_ops": {str(n): prompt_matmul_ops(cfg, n) for n in lengths},
+            "machine": machine_info(), "provenance": provenance(),
+            "command": "python scripts/bench_vs_llama.py " + " ".join(sys.argv[1:]),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _median(xs) -> float:
+    xs = [x for x in xs if isinstance(x, (int, float)) and np.isfinite(x)]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summary(record: dict) -> dict:
+    """{engine: {length: figures}}: medians over rounds; ratios per round against llama.cpp's
+    better (the faster of its rows with flash attention off and on, in that round); the prompt's
+    attention share (phases attend + merge over all phases); its integer ops/s as a share of the
+    integer peak at the run's thread count."""
+    runs, lengths = record["runs"], [str(n) for n in record["settings"]["lengths"]]
+    llama = [e for e in BASELINES if e in runs]
+    peak = (record.get("int_peak") or {}).get("gops", {}).get(str(record["settings"]["threads"]))
+    out = {}
+    for e, recs in runs.items():
+        rows = {}
+        for n in lengths:
+            r = {key: _median(x[n][key] for x in recs) for key in ("ttft_ms", "decode_ms")}
+            if llama and e not in BASELINES:
+                for key in ("ttft_ms", "decode_ms"):
+                    best = [min(runs[b][k][n][key] for b in llama) for k in range(len(recs))]
+                    r[f"{key}_over_llama"] = _median(x[n][key] / b for x, b in zip(recs, best))
+            phases = [x[n]["phases_ms"] for x in recs if "phases_ms" in x[n]]
+            if phases:
+                r["attention_share"] = _median(sum(p[a] for a in ATTENTION_PHASES) / sum(p.values()) for p in phases)
+            if peak and e not in BASELINES:
+                ops = record["prompt_matmul_ops"][n]
+                r["int_gops"] = ops / (r["ttft_ms"] / 1e3) / 1e9
+                r["int_peak_share"] = r["int_gops"] / peak
+            r["same_tokens_as_first"] = recs[0][n]["tokens"] == runs[record["engines"][0]][0][n]["tokens"]
+            rows[n] = r
+        out[e] = rows
+    return out
+
+
+def _num(x, digits=1) -> str:
+    return f"{x:,.{digits}f}" if isinstance(x, (int, float)) and np.isfinite(x) else "-"
+
+
+def page(record: dict, source: str) -> str:
+    """The markdown page of a sweep record (source: its path, as shown)."""
+    s = summary(record)
+    st, m, peak = record["settings"], record["machine"], record.get("int_peak") or {}
+    t = st["threads"]
+    lines = [f"# {record['model']}: time to first token against the prompt's length", "",
+             f"_Generated from `{source}`; do not edit. Measured on {m.get('cpu', '?')} "
+             f"({m.get('physical_cores', '?')} cores), {t} thread(s), {record.get('time', '?')}; "
+             f"`{record['command']}`._", "",
+             ("SYNTHETIC weights (the geometry and type mix of the real model). " if record["synthetic"] else "")
+             + f"{st['rounds']} rounds, {st['order']}; medians over rounds; a ratio is the median of the ratios "
+             f"within each round against llama.cpp's better (flash attention off or on, whichever was faster in "
+             f"that round). Decode: the median step of {st['n_predict'] - 1} after the prompt, at that context. "
+             f"Integer peak: {peak.get('instruction') or 'not measured (no AVX2)'}"
+             + (f", {_num(peak['gops'].get(str(t)), 0)} Gop/s at {t} thread(s)" if peak.get("gops") else "") + ".", "",
+             "| engine | prompt | TTFT (ms) | TTFT / llama.cpp's better | decode (ms/token) | decode / llama.cpp's "
+             "better | attention share of the prompt | integer Gop/s (share of the peak) | same tokens |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+    for e, rows in s.items():
+        for n, r in rows.items():
+            share = f"{_num(r['int_gops'], 0)} ({r['int_peak_share']:.0%})" if "int_gops" in r else "-"
+            att = f"{r['attention_share']:.0%}" if "attention_share" in r else "-"
+            lines.append(f"| {e} | {n} | {_num(r['ttft_ms'], 0)} | {_num(r.get('ttft_ms_over_llama'), 2)} "
+                         f"| {_num(r['decode_ms'])} | {_num(r.get('decode_ms_over_llama'), 2)} | {att} | {share} "
+                         f"| {'yes' if r['same_tokens_as_first'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    import app
+    app.configure_numba()
+    p = argparse.ArgumentParser(description="One engine's TTFT sweep, as JSON on the last line (compare() runs it).")
+    p.add_argument("engine")
+    p.add_argument("model")
+    p.add_argument("--lengths", required=True)
+    p.add_argument("-n", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--ctx-size", type=int, default=2048)
+    a = p.parse_args(argv)
+    lengths = [int(x) for x in a.lengths.split(",")]
+    print(json.dumps(measure_engine(a.engine, a.model, lengths, a.n, a.threads, a.ctx_size), default=float))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""The prefill stage's attention: a tile of queries against blocks of keys (stages/prefill.py tells
+the story).
+
+The repack stage attends one query row and one head at a time (flash-decoding, layer_ops.py): in
+a prompt of M rows every row reads and converts its K and V again, and each of the G query heads
+that share a KV head reads them again. Here the queries that read the same keys are taken
+together: the G heads of a KV head, for R consecutive rows of one sequence (a tile), in groups of
+LANES query vectors, one per lane of a vector register:
+
+    group g: lanes 0..7 = query vectors (row r, head j) in order i = r G + j   (i // 8 = g)
+    for each chunk c of CHUNK positions, each block of BK keys in it (while a row of the tile can
+    see it): K and V rows gathered through the page table and converted to float32 once (kv_rows),
+    then for every group that can see the block (attend_block, LLVM IR through vector_ir.py):
+        scores S[t] = q . k_t for the 8 lanes at once (8 dot products, summed by sums8)
+        masked where the key is after the lane's own position (the causal mask), then an online
+        softmax update lane by lane: m' = max(m, max_t S), P = exp(S - m'), l = l e^(m - m') + sum P
+        o = o e^(m - m') + sum_t P[t] v_t          (8 float32 lanes of v per multiply-add)
+    at the end of each chunk its (m, l, o) merged into the row's running result (merge_state),
+    in chunk order; at the end, o / l.
+
+Blocks after every position of a group are skipped (the causal tiles), and a tile's K and V are
+read once for all its R G query vectors. A row alone (decode) is a tile of one row: its chunks
+go to different threads (flash-decoding's split), each chunk's (m, l, o) stored, then merged in
+order by the same merge_state: one row's lanes see the same operations in the same order whether
+it came alone, in a tile, or beside other sequences (a masked key adds an exact zero; a group
+skipped is the same as a block all masked), so its bits do not depend on its neighbours.
+
+    attend_rows(y, m0, n_rows, kvh, c0, c1, il, cache, rows, dims, w)   rows m0.. of one sequence,
+                     heads of KV head kvh, chunks c0..c1-1 -> w.m, w.l, w.o (per group and lane)
+    merge_parts(w, pm, pl, po, n_chunks, groups, hd)     a row's stored chunks, merged in order
+    finish_rows(w, m0, n_rows, kvh, G, hd, out)                          out[row, head] = o / l
+    Workspace / workspace(nt, groups, hd)                                one thread's arrays
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+
+from stages.kernels import vector_ir
+from stages.kernels.layer_ops import CHUNK, as_f32
+from stages.kernels.vector_ir import F8, FLOAT, I64, vector_intrinsic
+
+LANES = 8               # query vectors per group: one lane each of an 8-float register
+BK = 32                 # keys per block: K and V as float32 [BK, hd] stay in L1 (16 KiB at hd 64)
+_V8 = ir.VectorType(I64, 8)
+
+# One thread's arrays (g: groups of a tile): qs [g, 8, hd] the scaled queries, pos [g, 8] each
+# lane's position (-1: an unused lane), kf / vf [BK, hd] a block's K and V in float32, st [BK, 8]
+# its scores then probabilities; m, l [g, 8] and o [g, 8, hd] the running result, mc, lc, oc a
+# chunk's.
+Workspace = namedtuple("Workspace", "qs pos kf vf st m l o mc lc oc")
+
+
+def workspace(nt: int, groups: int, hd: int) -> Workspace:
+    """Every thread's arrays (leading axis: the thread)."""
+    f = lambda *shape: np.zeros((nt, *shape), np.float32)
+    return Workspace(f(groups, LANES, hd), np.zeros((nt, groups, LANES), np.int64), f(BK, hd), f(BK, hd),
+                     f(BK, LANES), f(groups, LANES), f(groups, LANES), f(groups, LANES, hd),
+                     f(groups, LANES), f(groups, LANES), f(groups, LANES, hd))
+
+
+# ---- the block: 8 query vectors against up to BK keys (LLVM IR) --------------------------------
+
+def _scores(g, a, row):
+    """st[t] = the 8 lanes' q . k_t, masked (-inf) where t0 + t is after the lane's position."""
+    b = g.b
+    accs = [g.slot(F8) for _ in range(LANES)]
+    pos = g.load(a.pos, g.const(0), _V8)
+    neg_inf = g.splat_const(F8, float("-inf"))
+    with g.loop(a.n) as t:
+        for acc in accs:
+            b.store(ir.Constant(F8, None), acc)
+        with g.loop(b.udiv(a.hd, g.const(8))) as dv:
+            k = g.load(a.kf, b.add(b.mul(t, row), b.mul(dv, g.const(32))), F8)
+            for j, acc in enumerate(accs):
+                q = g.load(a.qs, b.add(b.mul(g.const(j), row), b.mul(dv, g.const(32))), F8)
+                b.store(g.fma(q, k, b.load(acc)), acc)
+        s = g.sums8([b.load(acc) for acc in accs])
+        after = b.icmp_signed(">", g.splat(_V8, b.add(a.t0, t)), pos)
+        g.store(a.st, b.mul(t, g.const(32)), b.select(after, neg_inf, s))
+
+
+def _softmax(g, a):
+    """The online softmax update of m and l over the block's scores; st[t] becomes P[t]. Returns
+    alpha = e^(m_old - m_new) per lane (0 where nothing was seen yet)."""
+    b = g.b
+    neg_inf = g.splat_const(F8, float("-inf"))
+    zero = ir.Constant(F8, None)
+    top = g.slot(F8, neg_inf)
+    with g.loop(a.n) as t:
+        b.store(g.fmax(b.load(top), g.load(a.st, b.mul(t, g.const(32)), F8)), top)
+    m_old = g.load(a.m, g.const(0), F8)
+    m_new = g.fmax(m_old, b.load(top))
+    alpha = b.select(b.fcmp_ordered("==", m_old, neg_inf), zero, g.exp(b.fsub(m_old, m_new)))
+    total = g.slot(F8)
+    with g.loop(a.n) as t:
+        s = g.load(a.st, b.mul(t, g.const(32)), F8)
+        p = b.select(b.fcmp_ordered("==", s, neg_inf), zero, g.exp(b.fsub(s, m_new)))
+        g.store(a.st, b.mul(t, g.const(32)), p)
+        b.store(b.fadd(b.load(total), p), total)
+    g.store(a.l, g.const(0), b.fadd(b.fmul(g.load(a.l, g.const(0), F8), alpha), b.load(total)))
+    g.store(a.m, g.const(0), m_new)
+    return alpha
+
+
+def _weighted_sum(g, a, row, alpha):
+    """o[j] = o[j] alpha[j] + sum_t P[t, j] v_t, 4 vectors of v (32 values) per pass, then one."""
+    b = g.b
+    nv = b.udiv(a.hd, g.const(8))
+    for j in range(LANES):
+        aj = g.splat(F8, b.extract_element(alpha, ir.Constant(ir.IntType(32), j)))
+
+        def span(dv, width):
+            at = [b.add(b.mul(g.const(j), row), b.mul(b.add(dv, g.const(w)), g.const(32))) for w in range(width)]
+            acc = [g.slot(F8, b.fmul(g.load(a.o, o, F8), aj)) for o in at]
+            with g.loop(a.n) as t:
+                p = g.splat(F8, g.load(a.st, b.add(b.mul(t, g.const(32)), g.const(4 * j)), FLOAT))
+                for w in range(width):
+                    v = g.load(a.vf, b.add(b.mul(t, row), b.mul(b.add(dv, g.const(w)), g.const(32))), F8)
+                    b.store(g.fma(p, v, b.load(acc[w])), acc[w])
+            for o, slot in zip(at, acc):
+                g.store(a.o, o, b.load(slot))
+
+        with g.loop(b.udiv(nv, g.const(4))) as d4:
+            span(b.mul(d4, g.const(4)), 4)
+        with g.loop(b.urem(nv, g.const(4))) as d1:
+            span(b.add(b.mul(b.udiv(nv, g.const(4)), g.const(4)), d1), 1)
+
+
+@vector_intrinsic
+def attend_block(typingctx, qs, kf, vf, n, t0, hd, pos, st, m, l, o):
+    """One group of 8 query vectors qs [8, hd] against the block's first n keys (kf, vf [BK, hd],
+    positions t0..): the group's running m, l [8], o [8, hd] updated (see the module docstring)."""
+    vector_ir.need_isa("the tiled attention")
+
+    def body(g, a):
+        row = g.b.mul(a.hd, g.const(4))
+        _scores(g, a, row)
+        _weighted_sum(g, a, row, _softmax(g, a))
+        return g.c.get_dummy_value()
+    return types.none(qs, kf, vf, n, t0, hd, pos, st, m, l, o), body
+
+
+@vector_intrinsic
+def merge_state(typingctx, m, l, o, mc, lc, oc, hd):
+    """A chunk's (mc, lc, oc) into the running (m, l, o), lane by lane: the larger max, each side
+    scaled by e^(its max - the larger), an empty side (max -inf) adding nothing."""
+    vector_ir.need_isa("the tiled attention")
+
+    def body(g, a):
+        b = g.b
+        neg_inf = g.splat_const(F8, float("-inf"))
+        zero = ir.Constant(F8, None)
+        m0, m1 = g.load(a.m, g.const(0), F8), g.load(a.mc, g.const(0), F8)
+        top = g.fmax(m0, m1)
+        w0 = b.select(b.fcmp_ordered("==", m0, neg_inf), zero, g.exp(b.fsub(m0, top)))
+        w1 = b.select(b.fcmp_ordered("==", m1, neg_inf), zero, g.exp(b.fsub(m1, top)))
+        l = b.fadd(b.fmul(g.load(a.l, g.const(0), F8), w0), b.fmul(g.load(a.lc, g.const(0), F8), w1))
+        g.store(a.l, g.const(0), l)
+        g.store(a.m, g.const(0), top)
+        row = b.mul(a.hd, g.const(4))
+        for j in range(LANES):
+            i32 = ir.Constant(ir.IntType(32), j)
+            a0, a1 = g.splat(F8, b.extract_element(w0, i32)), g.splat(F8, b.extract_element(w1, i32))
+            with g.loop(b.udiv(a.hd, g.const(8))) as dv:
+                at = b.add(b.mul(g.const(j), row), b.mul(dv, g.const(32)))
+                g.store(a.o, at, b.fadd(b.fmul(g.load(a.o, at, F8), a0), b.fmul(g.load(a.oc, at, F8), a1)))
+        return g.c.get_dummy_value()
+    return types.none(m, l, o, mc, lc, oc, hd), body
+
+
+# ---- the rows: numba around the blocks ---------------------------------------------------------
+
+@njit(cache=True)
+def kv_rows(src, table, page_size, lo, hd, t0, n, dst):
+    """dst[t] = float32 of columns lo..lo+hd of the cache row holding position t0 + t, t < n."""
+    for t in range(n):
+        p = t0 + t
+        slot = table[p // page_size] * page_size + p % page_size
+        for d in range(hd):
+            dst[t, d] = as_f32(src[slot, lo + d])
+
+
+@njit(cache=True)
+def _start(y, m0, n_rows, kvh, rows, dims, hd, w):
+    """The tile's queries into w.qs (times the softmax scale), lane positions, empty running
+    results; returns (groups, the last position any row sees)."""
+    G = dims.n_head // dims.n_head_kv
+    n_q = n_rows * G
+    groups = (n_q + LANES - 1) // LANES
+    last = -1
+    for i in range(groups * LANES):
+        g, lane = i // LANES, i % LANES
+        if i < n_q:
+            m, j = m0 + i // G, i % G
+            col = (kvh * G + j) * hd
+            for d in range(hd):
+                w.qs[g, lane, d] = y[m, col + d] * dims.scale
+            w.pos[g, lane] = rows.positions[m]
+            last = max(last, rows.positions[m])
+        else:
+            w.qs[g, lane, :] = 0.0
+            w.pos[g, lane] = -1
+        w.m[g, lane] = -np.inf
+        w.l[g, lane] = 0.0
+        w.o[g, lane, :] = 0.0
+    return groups, last
+
+
+@njit(cache=True)
+def attend_rows(y, m0, n_rows, kvh, c0, c1, il, cache, rows, dims, w):
+    """Rows m0 .. m0 + n_rows - 1 (one sequence, queries in y) for the query heads of KV head kvh,
+    over chunks c0 .. c1 - 1 of their positions: the merged result in w.m, w.l, w.o."""
+    hd = cache.k.shape[2] // dims.n_head_kv
+    groups, last = _start(y, m0, n_rows, kvh, rows, dims, hd, w)
+    table = cache.tables[rows.seq[m0]]
+    kc, vc, lo = cache.k[il], cache.v[il], kvh * hd
+    for c in range(c0, c1):
+        w.mc[:groups] = -np.inf
+        w.lc[:groups] = 0.0
+        w.oc[:groups] = 0.0
+        end = min((c + 1) * CHUNK, last + 1)
+        for t0 in range(c * CHUNK, end, BK):
+            n = min(BK, end - t0)
+            kv_rows(kc, table, cache.page_size, lo, hd, t0, n, w.kf)
+            kv_rows(vc, table, cache.page_size, lo, hd, t0, n, w.vf)
+            for g in range(groups):
+                if w.pos[g].max() >= t0:                 # else every key is after every lane: skipped
+                    attend_block(w.qs[g], w.kf, w.vf, n, t0, hd, w.pos[g], w.st, w.mc[g], w.lc[g], w.oc[g])
+        for g in range(groups):
+            merge_state(w.m[g], w.l[g], w.o[g], w.mc[g], w.lc[g], w.oc[g], hd)
+
+
+@njit(cache=True)
+def merge_parts(w, pm, pl, po, n_chunks, groups, hd):
+    """w's running result = the chunks' stored results pm, pl [c, groups, 8], po [c, groups, 8, hd]
+    merged in chunk order (a row alone: its chunks came from attend_rows over one chunk each)."""
+    for g in range(groups):
+        w.m[g] = -np.inf
+        w.l[g] = 0.0
+        w.o[g] = 0.0
+        for c in range(n_chunks):
+            merge_state(w.m[g], w.l[g], w.o[g], pm[c, g], pl[c, g], po[c, g], hd)
+
+
+@njit(cache=True)
+def finish_rows(w, m0, n_rows, kvh, G, hd, out):
+    """out[row, columns of head (kvh G + j)] = o / l for the rows' lanes."""
+    for i in range(n_rows * G):
+        g, lane = i // LANES, i % LANES
+        m, col = m0 + i // G, (kvh * G + i % G) * hd
+        total = w.l[g, lane]
+        for d in range(hd):
+            out[m, col + d] = w.o[g, lane, d] / total
+
+
+__all__ = ["LANES", "BK", "Workspace", "workspace", "attend_rows", "merge_parts", "finish_rows", "merge_state",
+           "attend_block"]
