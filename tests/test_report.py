@@ -252,3 +252,30 @@ def test_the_roofline_places_a_stage_by_its_modelled_traffic():
     assert modelled["prefill"] < plain["prefill"] and modelled["decode"] < plain["decode"]
     assert charts.roofline_basis(dict(rec, traffic={"method": "modelled"})) == "modelled traffic"
     assert charts.roofline_basis(rec) == "minimum bytes"
+
+
+def test_draw_only_without_this_machines_records_stops_and_redraws_nothing(tmp_path, monkeypatch):
+    """A machine with no records of its own: --draw-only says so and names the machines that have
+    some, rather than drawing empty pages over the committed ones (the planted twin: with a record
+    in its folder it goes on to draw, stopped here before it writes)."""
+    from app.report import report
+    folder = tmp_path / "this-cpu" / "m"
+    (tmp_path / "other-cpu" / "m").mkdir(parents=True)
+    (tmp_path / "other-cpu" / "m" / "repack.json").write_text("{}")
+    monkeypatch.setattr(report, "results_dir", lambda name: folder)
+    monkeypatch.setattr(report, "resolve", lambda model: Path("m.gguf"))
+    monkeypatch.setattr(report, "model_params", lambda model: 1)
+    monkeypatch.setattr(report, "draw", lambda *a, **k: pytest.fail("drew pages without this machine's records"))
+    with pytest.raises(SystemExit, match=r"no records of this machine \(this-cpu\) for m .*of other-cpu"):
+        report.run(draw_only=True)
+    folder.mkdir(parents=True)
+    (folder / "repack.json").write_text("{}")
+
+    class Drawn(Exception):
+        pass
+
+    def drawn(*a, **k):
+        raise Drawn
+    monkeypatch.setattr(report, "draw", drawn)
+    with pytest.raises(Drawn):
+        report.run(draw_only=True)

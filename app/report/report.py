@@ -161,6 +161,14 @@ def draw(folder: Path, charts_dir: Path, update_readme_table: bool, why_missing=
     return written
 
 
+def nothing_to_draw(folder: Path) -> str:
+    """Why --draw-only stops where this machine has no records (drawing would empty the pages)."""
+    others = sorted(p.parent.name for p in folder.parent.parent.glob(f"*/{folder.name}") if any(p.glob("*.json")))
+    return (f"no records of this machine ({folder.parent.name}) for {folder.name} under {folder.parent.parent.name}/: "
+            f"`make report` measures them (the committed ones are of {', '.join(others) or 'no machine'}, and a "
+            f"page is drawn only from the machine it names); nothing was redrawn")
+
+
 def run(model=None, stages=None, draw_only=False, baseline=True, remeasure_machine=False, article=False,
         with_perplexity=False):
     workload = ARTICLE if article else REPORT
@@ -210,6 +218,8 @@ def run(model=None, stages=None, draw_only=False, baseline=True, remeasure_machi
             rec = perplexity.compare(DEFAULT_MODEL.path, progress=lambda line: print(line, file=sys.stderr))
             written_ppl = perplexity.write(rec, results_dir(DEFAULT_MODEL.filename))
             print(f"wrote {os.path.relpath(written_ppl, ROOT)}", file=sys.stderr)
+    if draw_only and not any(folder.glob("*.json")):
+        raise SystemExit(nothing_to_draw(folder))
     why_missing = {s: "too slow on a model this size; --stages names it to measure it" for s in left_out}
     written = draw(folder, charts_dir, update_readme_table=is_default, why_missing=why_missing)
     written += redraw_pages(PROFILES / "bench")
