@@ -24,7 +24,7 @@ import pytest
 
 from app.serve.engine_loop import EngineLoop
 from app.serve.sequence import Ask, Sequence
-from common.generate import generate
+from common.generate import Sampler, generate
 from stages import backend_class, info, load
 from tests.util import cpu_stages
 
@@ -51,13 +51,14 @@ def stage_engine(request, default_model_path):
     return request.param, load(request.param, default_model_path)
 
 
-class Recorder:
+class Recorder(Sampler):
     """A greedy sampler that keeps the logits it was given."""
 
     def __init__(self):
+        super().__init__()
         self.logits = []
 
-    def __call__(self, logits, history=()):
+    def choose(self, logits, history=()):
         self.logits.append(np.array(logits))
         return int(np.argmax(logits))
 
