@@ -71,22 +71,26 @@ def simd_features(info: dict | None = None) -> list[str]:
 CACHE_FALLBACK = {"L1d": 32 << 10, "L2": 512 << 10}
 
 
-def cache_sizes() -> dict[str, int]:
-    """Bytes of each cache level of the first core, from sysfs: {'L1d': .., 'L2': .., 'L3': ..}
-    (L1d and L2 per core; CACHE_FALLBACK where sysfs does not say)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    out = dict(CACHE_FALLBACK)
+def sysfs_caches() -> dict[str, str]:
+    """The first core's caches as sysfs states them: {'L1d': '48K', 'L1i': '32K', 'L2': '2048K', ...}."""
+    out = {}
     for idx in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
         try:
-            level = (idx / "level").read_text().strip()
-            kind = (idx / "type").read_text().strip()
-            size = (idx / "size").read_text().strip()
+            level, kind, size = [(idx / field).read_text().strip() for field in ("level", "type", "size")]
         except OSError:
             continue
-        if kind == "Instruction" or not size:
-            continue
-        n = int(size.rstrip("KMG")) * units.get(size[-1], 1)
-        out[f"L{level}" + ("d" if kind == "Data" else "")] = n
+        out[f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")] = size
+    return out
+
+
+def cache_sizes() -> dict[str, int]:
+    """Bytes of each data cache level of the first core: {'L1d': .., 'L2': .., 'L3': ..} (L1d and
+    L2 per core; CACHE_FALLBACK where sysfs does not say)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    out = dict(CACHE_FALLBACK)
+    for name, size in sysfs_caches().items():
+        if size and not name.endswith("i"):
+            out[name] = int(size.rstrip("KMG")) * units.get(size[-1], 1)
     return out
 
 

@@ -74,21 +74,32 @@ def main(argv=None) -> int:
     threads = tuple(int(t) for t in args.threads.split(",")) if args.threads else tuple(sorted({1, physical_cores()}))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for model in args.model or MODELS:
-        if args.llama_quantize:
-            from app.measure.llama_tools import quantized
-            from app.models import resolve
-            model = str(quantized(resolve(model), args.llama_quantize))
-        print(f"{model}:", file=sys.stderr)
+        model = model_to_measure(model, args)
         record = compare.compare(model, engines, threads, args.rounds, args.prompt_tokens,
                                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
-        stem = model if model in MODELS else Path(record["model"]).stem
-        path = args.out_dir / f"vs_llama_{stem}.json"
-        path.write_text(json.dumps(record, indent=1, default=float))
-        for page in redraw_pages(args.out_dir):
-            if page.stem == path.stem:
-                print(page.read_text())
-                print(f"wrote {path} and {page}", file=sys.stderr)
+        write_record(record, model, args.out_dir, "vs_llama")
     return 0
+
+
+def model_to_measure(model: str, args) -> str:
+    """A model name or file, or the copy llama-quantize made of it (--llama-quantize), announced."""
+    if args.llama_quantize:
+        from app.measure.llama_tools import quantized
+        from app.models import resolve
+        model = str(quantized(resolve(model), args.llama_quantize))
+    print(f"{model}:", file=sys.stderr)
+    return model
+
+
+def write_record(record: dict, model: str, out_dir: Path, prefix: str):
+    """The record as out_dir/<prefix>_<model>.json; its page redrawn and printed."""
+    stem = model if model in MODELS else Path(record["model"]).stem
+    path = out_dir / f"{prefix}_{stem}.json"
+    path.write_text(json.dumps(record, indent=1, default=float))
+    for page in redraw_pages(out_dir):
+        if page.stem == path.stem:
+            print(page.read_text())
+            print(f"wrote {path} and {page}", file=sys.stderr)
 
 
 def sweep(p, args) -> int:
@@ -107,20 +118,10 @@ def sweep(p, args) -> int:
     threads = int(args.threads) if args.threads else physical_cores()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for model in args.model or MODELS:
-        if args.llama_quantize:
-            from app.measure.llama_tools import quantized
-            from app.models import resolve
-            model = str(quantized(resolve(model), args.llama_quantize))
-        print(f"{model}:", file=sys.stderr)
+        model = model_to_measure(model, args)
         record = ttft.compare(model, engines, lengths, threads, args.rounds,
                               log=lambda msg: print(msg, file=sys.stderr, flush=True))
-        stem = model if model in MODELS else Path(record["model"]).stem
-        path = args.out_dir / f"ttft_{stem}.json"
-        path.write_text(json.dumps(record, indent=1, default=float))
-        for page in redraw_pages(args.out_dir):
-            if page.stem == path.stem:
-                print(page.read_text())
-                print(f"wrote {path} and {page}", file=sys.stderr)
+        write_record(record, model, args.out_dir, "ttft")
     return 0
 
 

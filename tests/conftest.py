@@ -254,3 +254,17 @@ def default_model_path() -> Path:
     if not path.exists():                     # only reachable from a fixture of another fixture file
         pytest.fail(missing_fixture_message("model"), pytrace=False)
     return path
+
+
+@pytest.fixture(scope="session")
+def tok(default_model_path):
+    """The default model's tokenizer (a module may define its own `tok`)."""
+    from common.tokenizer import Tokenizer
+    return Tokenizer.from_gguf(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def ll(tok):
+    """The default model's vocabulary as llguidance takes it (common/constrain)."""
+    from common.constrain import ll_tokenizer
+    return ll_tokenizer(tok)

@@ -58,16 +58,6 @@ COLORS = 'start: "red" | "green" | "blue"'
 
 
 @pytest.fixture(scope="module")
-def tok(default_model_path):
-    return Tokenizer.from_gguf(default_model_path)
-
-
-@pytest.fixture(scope="module")
-def ll(tok):
-    return ll_tokenizer(tok)
-
-
-@pytest.fixture(scope="module")
 def engine(default_model_path):
     return load(STAGE, default_model_path, threads=1)      # one thread: a busy machine's cores are not ours
 

@@ -34,7 +34,7 @@ from app.structured import (
     structured,
     tool_form,
 )
-from common.constrain import Constraint, ConstraintError, ll_tokenizer
+from common.constrain import Constraint, ConstraintError
 from common.generate import Sampler, Session
 from common.tokenizer import Tokenizer
 
@@ -53,16 +53,6 @@ HERMES_TEMPLATE = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t |
                    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
                    "{% for c in m.tool_calls or [] %}<tool_call>\n{{ c.function | tojson }}\n</tool_call>{% endfor %}"
                    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def tok(default_model_path):
-    return Tokenizer.from_gguf(default_model_path)
-
-
-@pytest.fixture(scope="module")
-def ll(tok):
-    return ll_tokenizer(tok)
 
 
 def passes(tok, ll, request, text: str) -> bool:

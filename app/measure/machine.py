@@ -11,23 +11,7 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
-from common.cpu import cpu_model, cpuinfo, isa_level, physical_cores, simd_features
-
-
-def _caches() -> dict:
-    """Per-core cache sizes from sysfs: {'L1d': '48K', 'L2': '2048K', 'L3': ...}."""
-    out = {}
-    base = Path("/sys/devices/system/cpu/cpu0/cache")
-    for idx in sorted(base.glob("index*")):
-        try:
-            level = (idx / "level").read_text().strip()
-            kind = (idx / "type").read_text().strip()
-            size = (idx / "size").read_text().strip()
-        except OSError:
-            continue
-        name = f"L{level}" + ({"Data": "d", "Instruction": "i"}.get(kind, ""))
-        out[name] = size
-    return out
+from common.cpu import cpu_model, cpuinfo, isa_level, physical_cores, simd_features, sysfs_caches
 
 
 def versions(*names) -> dict:
@@ -57,7 +41,7 @@ def machine_info() -> dict:
         "arch": platform.machine(),
         "logical_cpus": os.cpu_count(),
         "physical_cores": physical_cores(),
-        "caches": _caches(),
+        "caches": sysfs_caches(),
         "simd": simd_features(),
         "memory_bytes": mem,
         "os": f"{platform.system()} {platform.release()}",
