@@ -25,6 +25,16 @@ import time
 import numpy as np
 
 
+class StubBackend:
+    """What the engine loop reads of a backend: rows not padded, float32 K/V, every KV head kept."""
+    row_block = 1
+    kv_dtype = np.float32
+
+    @staticmethod
+    def kv_width(config) -> int:
+        return config.kv_dim
+
+
 class StubEngine:
     """forward_batch(batch) over a PagePool of n_layer 1, kv_dim 4 (EngineLoop makes it).
     Next tokens are drawn from low..high-1 (ordinary tokens of a real vocabulary, or a tiny
@@ -36,7 +46,7 @@ class StubEngine:
                  fail_on: int | None = None, delay: float = 0.0, eos: int | None = None, eos_at: int = 0,
                  copies: int = 0):
         self.config = type("config", (), dict(n_layer=1, kv_dim=4, n_ctx_train=n_ctx, n_vocab=n_vocab))()
-        self.backend = type("backend", (), dict(row_block=1, kv_dtype=np.float32))()
+        self.backend = StubBackend()
         self.n_ctx, self.low, self.high, self.fail_on, self.delay = n_ctx, low, high, fail_on, delay
         self.eos, self.eos_at, self.copies = eos, eos_at, copies
         self.threads = []

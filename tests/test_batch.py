@@ -26,6 +26,7 @@ from app.serve.engine_loop import EngineLoop
 from app.serve.sequence import Ask, Sequence
 from common.generate import Sampler, generate
 from stages import backend_class, info, load
+from tests.stub_engine import StubBackend
 from tests.util import cpu_stages
 
 STAGES = [s for s in cpu_stages() if info(s).kv_cache]
@@ -188,9 +189,7 @@ class StubEngine:
     class config:
         n_layer, kv_dim, n_vocab, n_ctx_train = 1, 4, 8, 64
 
-    class backend:
-        row_block = 1
-        kv_dtype = np.float32
+    backend = StubBackend
 
     n_ctx = 64
 
