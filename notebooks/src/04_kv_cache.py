@@ -38,7 +38,7 @@ findings["KV arena"] = (f"{nb.human_bytes(per_position)} per position, {nb.human
 import stages.kv_cache
 from common.generate import Session
 
-nb.show_source(stages.kv_cache.KVCache, stages.kv_cache.KVCacheBackend, Session._next)
+nb.show_source(stages.kv_cache.KVCache, stages.kv_cache.KVCacheBackend, Session._feed, Session.next_token)
 
 # %% [markdown]
 # ## The work removed
