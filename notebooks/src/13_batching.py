@@ -142,15 +142,17 @@ findings["row paths"] = (f"a row alone differs from itself in a batch by up to {
 # %%
 from app.serve.engine_loop import EngineLoop
 from app.serve.sequence import Ask, Sequence
+from common.generate import Sampler
 
 
-class Keep:
+class Keep(Sampler):
     """Greedy, keeping every logits row it is given."""
 
     def __init__(self):
+        super().__init__()
         self.rows = []
 
-    def __call__(self, logits, history=()):
+    def choose(self, logits, history=()):
         self.rows.append(np.array(logits))
         return int(np.argmax(logits))
 
