@@ -380,7 +380,8 @@ def test_make_run_launches_through_the_command_its_host_file_names(tmp_path):
     plain.write_text("10.0.0.1:1\n")
 
     def recipe(hosts):
-        p = subprocess.run(["make", "-n", "stage=tp", "run", "np=2", f"hosts={hosts}"], cwd=ROOT, capture_output=True,
+        p = subprocess.run(["make", "-n", "--no-print-directory", "stage=tp", "run", "np=2", f"hosts={hosts}"],
+                           cwd=ROOT, capture_output=True,
                            text=True, timeout=60)
         assert p.returncode == 0, p.stderr
         return p.stdout.strip().splitlines()[-1]

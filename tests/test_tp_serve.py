@@ -180,7 +180,8 @@ def test_make_serve_launches_over_ranks_as_make_run_does(tmp_path):
     hosts.write_text("10.0.0.1:1\n")
 
     def recipe(*extra):
-        p = subprocess.run(["make", "-n", "serve", "stage=tp", *extra], cwd=ROOT, capture_output=True, text=True,
+        p = subprocess.run(["make", "-n", "--no-print-directory", "serve", "stage=tp", *extra], cwd=ROOT,
+                           capture_output=True, text=True,
                            timeout=60)
         assert p.returncode == 0, p.stderr
         return p.stdout.strip().splitlines()[-1]
