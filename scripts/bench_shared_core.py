@@ -45,7 +45,8 @@ from app.models import DEFAULT_MODEL, resolve  # noqa: E402
 OUT = ROOT / "profiles" / "bench" / "shared_core"
 CONDITIONS = ("alone", "busy", "twin")
 PROMPT = list(range(100, 132))          # 32 prompt tokens (ids; the text does not matter to the time)
-BUSY = "while True: pass"
+# a core kept busy until its parent is gone (a bench killed midway leaves no busy loop behind)
+BUSY = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
 
 
 # ---- one engine decoding: the measured run and the twin -------------------------------------------
