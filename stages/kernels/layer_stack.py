@@ -592,11 +592,14 @@ def run_phases(h, weights, cache, rows, dims, sync, nt, span, pre, scratch, p32,
     barriers' arrivals, sync[ABORT] is 1 if one gave up, and sync[CLOCK + i], where new_sync made
     room (phases=OPS_PER_LAYER), phase i's cycles."""
     scratch.counters[span.first:span.last] = 0
+    # np.int64(t): prange's index is signed where numba types the loop and unsigned inside the
+    # region, and a bare 0 is a literal: three types would compile _worker (and all it calls) three
+    # times over. One type compiles it once.
     if nt == 1:                 # one thread needs no region (its launch costs about as much as a norm)
-        _worker(0, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre)
+        _worker(np.int64(0), h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre)
     else:
         for t in prange(nt):
-            _worker(t, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre)
+            _worker(np.int64(t), h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre)
     return h
 
 
@@ -632,7 +635,7 @@ def matmul_rows(x, blob, mats, nt):
                 np.zeros((nt, 1, K), np.float32), np.zeros((1, nt), np.int64))
     per = rows_per_item(K, M, multiple_of(mat))
     for t in prange(nt):
-        _head_worker(x, blob, mats, s, p32, pk, out, per, t, nt)
+        _head_worker(x, blob, mats, s, p32, pk, out, per, np.int64(t), nt)    # one type: see run_phases
     return out
 
 
