@@ -94,14 +94,19 @@ def test_fma_counts_and_hot_loop():
 @pytest.fixture(scope="module")
 def timings(request):
     """Seconds per notebook, printed in pytest's summary (also with -q)."""
-    times = {}
+    class Times(dict):
+        cells = {}                    # chapter -> its slowest cells, (seconds, first line)
+
+    times = Times()
 
     class Summary:
         def pytest_terminal_summary(self, terminalreporter):
             if times:
-                terminalreporter.write_sep("-", "notebooks (seconds, kernel start included)")
+                terminalreporter.write_sep("-", "notebooks (seconds, kernel start included; their slowest cells)")
                 for name, s in times.items():
                     terminalreporter.write_line(f"{s:7.1f}  {name}")
+                    for cell_s, first in times.cells.get(name, ()):
+                        terminalreporter.write_line(f"         {cell_s:6.1f}  {first}")
                 terminalreporter.write_line(f"{sum(times.values()):7.1f}  all")
 
     plugin = Summary()
@@ -151,12 +156,27 @@ def run_chapter(name, quick: bool, cell_timeout: int, monkeypatch, timings, jupy
     t0 = time.perf_counter()
     client.execute()                  # a fresh kernel, shut down after; a failing cell raises here
     timings[name + ("" if quick else " (full settings)")] = time.perf_counter() - t0
+    timings.cells[name] = slowest_cells(nb)
     last = nb.cells[-1]
     assert last.cell_type == "code" and "findings.show()" in last.source, "a chapter ends with its findings"
     shown = "".join(o.get("data", {}).get("text/markdown", "") for o in last.outputs)
     assert "What we measured here" in shown
     check_findings(name, [o["data"]["application/json"] for o in last.outputs
                           if "application/json" in o.get("data", {})])
+
+
+def slowest_cells(nb, n: int = 3) -> list:
+    """(seconds, the cell's first line) of a run notebook's n slowest code cells, from the
+    timestamps nbclient records: where a chapter's time goes (a cold compile shows here)."""
+    from datetime import datetime
+    out = []
+    for cell in nb.cells:
+        t = cell.get("metadata", {}).get("execution", {})
+        if cell.cell_type == "code" and "iopub.execute_input" in t and "shell.execute_reply" in t:
+            s = (datetime.fromisoformat(t["shell.execute_reply"].replace("Z", "+00:00"))
+                 - datetime.fromisoformat(t["iopub.execute_input"].replace("Z", "+00:00"))).total_seconds()
+            out.append((s, cell.source.strip().splitlines()[0][:70] if cell.source.strip() else ""))
+    return sorted(out, reverse=True)[:n]
 
 
 def finding_names(name: str) -> tuple[set, set]:
