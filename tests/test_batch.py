@@ -24,7 +24,8 @@ import pytest
 
 from app.serve.engine_loop import EngineLoop
 from app.serve.sequence import Ask, Sequence
-from common.generate import Sampler, generate
+from common.generate import generate
+from notebooks.nb.measure import KeepLogits
 from stages import backend_class, info, load
 from tests.stub_engine import StubBackend
 from tests.util import cpu_stages
@@ -52,22 +53,10 @@ def stage_engine(request, default_model_path):
     return request.param, load(request.param, default_model_path)
 
 
-class Recorder(Sampler):
-    """A greedy sampler that keeps the logits it was given."""
-
-    def __init__(self):
-        super().__init__()
-        self.logits = []
-
-    def choose(self, logits, history=()):
-        self.logits.append(np.array(logits))
-        return int(np.argmax(logits))
-
-
 def submit(sched, engine, name, max_tokens=N_TOKENS):
     req = Sequence(Ask(engine.tokenizer.encode(PROMPTS[name]), max_tokens))
     sched.submit(req)
-    req.sampler = Recorder()
+    req.sampler = KeepLogits()
     return req
 
 
@@ -167,7 +156,7 @@ def test_a_preempted_sequence_goes_on_with_the_logits_it_would_have_had(default_
         for t in texts:
             req = Sequence(Ask(engine.tokenizer.encode(t), n))
             sched.submit(req)
-            req.sampler = Recorder()
+            req.sampler = KeepLogits()
             reqs.append(req)
         drain(sched)
         assert sched.pool.n_free == sched.pool.n_pages and sched.pool.reserved == 0

@@ -46,12 +46,18 @@ def _gpu_reason() -> str | None:
 
 # ---- devices: the CPU emulator everywhere g++ is, the GPU where there is one ------------------
 
-@pytest.fixture(scope="session")
-def emulator():
+def emulated_device():
+    """A fresh device on the CPU emulator of the kernels (built once, then cached); a skip
+    where there is no g++ to build it."""
     from scripts import cuda_emulator
     if cuda_emulator.compiler() is None:
         pytest.skip("no g++ to build the CUDA emulator")
     return cuda_emulator.EmulatedDevice(cuda_emulator.build())
+
+
+@pytest.fixture(scope="session")
+def emulator():
+    return emulated_device()
 
 
 @pytest.fixture(scope="session")

@@ -20,15 +20,12 @@ import pytest
 from common.gguf import GGUFFile
 from common.model import LlamaModel
 from stages import cuda as cs
-from tests.test_cuda import TINY, TINY_TOKENS, write_tiny_model
+from tests.test_cuda import TINY, TINY_TOKENS, emulated_device, write_tiny_model
 
 
 @pytest.fixture(scope="module")
 def emulator():
-    from scripts import cuda_emulator
-    if cuda_emulator.compiler() is None:
-        pytest.skip("no g++ to build the CUDA emulator")
-    return cuda_emulator.EmulatedDevice(cuda_emulator.build())
+    return emulated_device()
 
 
 @pytest.fixture(scope="module")

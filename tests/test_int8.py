@@ -299,34 +299,6 @@ def test_backend_quantizes_each_input_once_and_keeps_float_weights_float():
 INT_DOT = re.compile(r"^\s+(?:\{vex\}\s+)?(vpmaddwd|vpdpwssds?|vpdpbusds?|vpmaddubsw)\b[^\n]*%([xyz])mm", re.M)
 
 
-def _row_kernels():
-    """matvec_int8's loop without prange, for one type each (a small function compiles in
-    seconds; the parallel kernel holds every type and takes half a minute)."""
-    from numba import njit
-
-    from stages.kernels.int_dot import _dot_q4_k, _dot_q4_x
-
-    @njit
-    def q4_1(a, da, sa, sums, w, f16):
-        y = np.empty(w.shape[0], dtype=np.float32)
-        for n in range(w.shape[0]):
-            y[n] = _dot_q4_x(w[n], a, da, sa, sums, f16, 20, 0)
-        return y
-
-    @njit
-    def q4_k(a, da, sa, sums, w, f16):
-        y = np.empty(w.shape[0], dtype=np.float32)
-        buf = np.empty(a.shape[0], dtype=np.int16)
-        for n in range(w.shape[0]):
-            y[n] = _dot_q4_k(w[n], a, da, sums, f16, buf, False)
-        return y
-
-    return {GGMLType.Q4_1: q4_1, GGMLType.Q4_K: q4_k}
-
-
-ROW_KERNELS = _row_kernels()
-
-
 @pytest.mark.skipif(not_x86_reason() is not None, reason=str(not_x86_reason()))
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q4_1, GGMLType.Q4_K], ids=lambda t: t.name)
 def test_integer_dot_product_instructions_in_the_assembly(ggml_type):
@@ -339,13 +311,13 @@ def test_integer_dot_product_instructions_in_the_assembly(ggml_type):
     why = lacks("avx2", then="LLVM would emit the SSE2 form (pmaddwd), not the VEX ones read here")
     if why:
         pytest.skip(why)
-    from notebooks.nb import kernel_asm
+    from notebooks.nb import int8_row_kernels, kernel_asm
     rng = np.random.default_rng(4)
     K = 2 * n_cols_for(ggml_type)
     raw = random_blocks(rng, ggml_type, 3, K)
     raw.flags.writeable = False
     q, d, s, sums = quantize_q8(activations(rng, 1, K), ACTIVATION_BLOCK[int(ggml_type)])
-    asm = kernel_asm(ROW_KERNELS[ggml_type], q[0], d[0], s[0], sums[0], raw, F16_TO_F32)
+    asm = kernel_asm(int8_row_kernels()[ggml_type], q[0], d[0], s[0], sums[0], raw, F16_TO_F32)
     found = INT_DOT.findall(asm)
     assert len(found) >= 2, f"no packed integer multiply-add in the {ggml_type.name} kernel"
     assert not re.search(r"\bvpmuldq\b", asm), "64-bit multiplies: an int32 cast is missing"

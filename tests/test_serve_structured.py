@@ -34,21 +34,16 @@ import jsonschema
 import pytest
 
 from tests.test_serve import health, settled, start, stop
+from tests.test_structured import CITY_AND_UNIT, function_tool
 
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 
 KV_PAGES = 48                    # pages of 16 positions
 HOG_REPEATS = 23                 # the preemption scene: two prompts of 300 tokens, 19 pages each
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-                   "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["C", "F"]}}}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two numbers",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["x", "y"],
-                   "properties": {"x": {"type": "integer", "minimum": -1000, "maximum": 1000},
-                                  "y": {"type": "integer", "minimum": -1000, "maximum": 1000}}}}}
+WEATHER = function_tool("get_weather", "The current weather in a city", **CITY_AND_UNIT)
+BOUNDED = {"type": "integer", "minimum": -1000, "maximum": 1000}
+ADD = function_tool("add", "Add two numbers", x=BOUNDED, y=BOUNDED)
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
 FEATURES = {                     # every feature claimed, in one schema
     "type": "object", "additionalProperties": False,

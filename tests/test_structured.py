@@ -38,14 +38,18 @@ from common.constrain import Constraint, ConstraintError
 from common.generate import Sampler, Session
 from common.tokenizer import Tokenizer
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-                   "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["C", "F"]}}}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two numbers",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["x", "y"],
-                   "properties": {"x": {"type": "number"}, "y": {"type": "number"}}}}}
+
+def function_tool(name: str, description: str, **properties) -> dict:
+    """An OpenAI tool whose arguments are an object of exactly these properties, all required."""
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "additionalProperties": False, "required": list(properties),
+                       "properties": properties}}}
+
+
+CITY_AND_UNIT = {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["C", "F"]}}
+WEATHER = function_tool("get_weather", "Current weather in a city", **CITY_AND_UNIT)
+ADD = function_tool("add", "Add two numbers", x={"type": "number"}, y={"type": "number"})
 TOOLS = [WEATHER, ADD]
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 HERMES_TEMPLATE = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"

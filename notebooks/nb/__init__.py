@@ -17,8 +17,9 @@ import app
 app.configure_numba()                  # a notebook is an entry point: numba's cache and threading layers
 
 from notebooks.nb import article  # noqa: E402
-from notebooks.nb.asm import fma_counts, hot_loop, integer_kernel_asm, kernel_asm
+from notebooks.nb.asm import fma_counts, hot_loop, int8_row_kernels, integer_kernel_asm, kernel_asm
 from notebooks.nb.measure import (
+    KeepLogits,
     MatmulWork,
     Recorded,
     best_seconds,
@@ -31,6 +32,7 @@ from notebooks.nb.measure import (
     measure,
     measure_in_subprocess,
     measure_live,
+    measure_pair,
     memory_now,
     missing_stage,
     print_profile,
@@ -39,6 +41,7 @@ from notebooks.nb.measure import (
     recorded,
     recorded_ttft,
     recorded_vs_llama,
+    show_vs_llama,
     step_ms,
 )
 from notebooks.nb.plots import (
@@ -49,6 +52,7 @@ from notebooks.nb.plots import (
     ops_chart_with_records,
     roofline_chart,
     show,
+    show_live,
     stage_chart,
 )
 from notebooks.nb.settings import MODEL_ENV, QUICK_ENV, ROOT, Settings, is_quick, model_path, rel, settings
@@ -69,13 +73,15 @@ from notebooks.nb.text import (
 
 __all__ = [
     "article",
-    "Findings", "MODEL_ENV", "MatmulWork", "QUICK_ENV", "ROOT", "Recorded", "Settings", "bar_chart", "best_seconds",
+    "Findings", "KeepLogits", "MODEL_ENV", "MatmulWork", "QUICK_ENV", "ROOT", "Recorded", "Settings", "bar_chart",
+    "best_seconds",
     "cache_sizes", "ceilings", "class_source_from_file", "faults_between", "find_kernels", "find_records",
-    "fma_counts", "hot_loop", "integer_kernel_asm", "human_bytes", "is_quick", "kernel_asm", "line_chart", "load",
-    "matmul_share",
-    "matmul_work", "md", "md_table", "measure", "measure_in_subprocess", "measure_live", "memory_now", "missing_stage",
-    "model_path",
+    "fma_counts", "hot_loop", "int8_row_kernels", "integer_kernel_asm", "human_bytes", "is_quick", "kernel_asm",
+    "line_chart", "load", "matmul_share",
+    "matmul_work", "md", "md_table", "measure", "measure_in_subprocess", "measure_live", "measure_pair", "memory_now",
+    "missing_stage", "model_path",
     "module_kernels", "ops_chart", "ops_chart_with_records", "print_profile", "profile", "prompt_ids", "recorded",
     "recorded_ttft", "recorded_vs_llama", "rel", "roofline_chart", "settings", "show", "show_class_from_file",
-    "show_file_excerpt", "show_image", "show_source", "show_table", "stage_chart", "step_ms",
+    "show_file_excerpt", "show_image", "show_live", "show_source", "show_table", "show_vs_llama", "stage_chart",
+    "step_ms",
 ]

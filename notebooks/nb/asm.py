@@ -80,3 +80,31 @@ def integer_kernel_asm(kind: int, kernel: str = "repacked", rows: int = 1) -> st
     p32, pk = new_packs(rows, K)
     run(kind, np.zeros(8 * rb, np.uint8), rb, nb, p32, pk, np.zeros((rows, 8), np.float32))
     return "\n".join(run.inspect_asm().values())
+
+
+def int8_row_kernels() -> dict:
+    """{ggml type: kernel} for Q4_1 and Q4_K: matvec_int8_auto's loop without prange, one type
+    each (a small function compiles in seconds; the parallel kernel holds every type and takes
+    half a minute), to read the integer instructions LLVM chose. Each is called as
+    (a, da, sa, sums, w, f16) with quantize_q8's row and the weight rows' bytes."""
+    import numpy as np
+
+    from common.gguf import GGMLType
+    from stages.kernels.int_dot import _dot_q4_k, _dot_q4_x
+
+    @njit
+    def q4_1(a, da, sa, sums, w, f16):
+        y = np.empty(w.shape[0], dtype=np.float32)
+        for n in range(w.shape[0]):
+            y[n] = _dot_q4_x(w[n], a, da, sa, sums, f16, 20, 0)
+        return y
+
+    @njit
+    def q4_k(a, da, sa, sums, w, f16):
+        y = np.empty(w.shape[0], dtype=np.float32)
+        buf = np.empty(a.shape[0], dtype=np.int16)
+        for n in range(w.shape[0]):
+            y[n] = _dot_q4_k(w[n], a, da, sums, f16, buf, False)
+        return y
+
+    return {GGMLType.Q4_1: q4_1, GGMLType.Q4_K: q4_k}

@@ -13,13 +13,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from app.measure import bench, roofline
 from app.measure.bench import RESULTS_DIR
 from app.measure.machine import machine_id, machine_info, rusage
 from app.report.charts import load_results
-from common.generate import generate
+from common.generate import Sampler, generate
 from common.profile import format_table
 from notebooks.nb.settings import ROOT, Settings, model_path, rel
+from notebooks.nb.text import md, show_table
 from stages import STAGES, unavailable_reason
 from stages import load as load_stage
 
@@ -77,12 +80,40 @@ def prompt_ids(engine, n_tokens: int) -> list[int]:
     return bench.bench_prompt(engine.tokenizer, n_tokens)
 
 
+class KeepLogits(Sampler):
+    """Greedy, keeping every logits row it is given (a copy each): to set the rows a sequence
+    saw in a batch beside those it saw alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.logits = []
+
+    def choose(self, logits, history=()):
+        self.logits.append(np.array(logits))
+        return int(np.argmax(logits))
+
+
 def measure(engine, cfg: Settings, n_predict: int | None = None) -> dict:
     """One run by the measurement protocol; the same record `python -m app bench` writes."""
     n = n_predict or cfg.n_for(engine.stage)
     rec = bench.measure(engine, engine.stage, cfg.prompt_tokens, n)
     rec["source"] = "live"
     return rec
+
+
+def measure_pair(before: str, after: str, cfg: Settings) -> tuple[list[dict], list[dict]]:
+    """measure() of a stage and of the one it builds on, each loaded fresh and let go before the
+    next, a line each; and the per-op profile of `after`: ([before's record, after's], rows)."""
+    live = []
+    for stage in (before, after):
+        engine = load(stage)
+        live.append(measure(engine, cfg))
+        if stage == after:
+            rows = profile(engine, cfg)
+        del engine
+    for r in live:
+        print(f"{r['stage']:>8}: TTFT {r['ttft_ms']:7.0f} ms, decode {r['decode_ms']:7.0f} ms/token  {r['text']!r}")
+    return live, rows
 
 
 def measure_live(stages, threads, cfg: Settings) -> dict:
@@ -246,19 +277,38 @@ def best_seconds(fn, reps: int) -> float:
     return best
 
 
+def _bench_records(pattern: str, kind: str):
+    """The committed records of one kind under profiles/bench/ whose path matches `pattern` (a
+    glob below that folder), in path order."""
+    for path in sorted((ROOT / "profiles" / "bench").glob(pattern)):
+        record = json.loads(path.read_text())
+        if record.get("kind") == kind:
+            yield record
+
+
 def recorded_vs_llama(engines) -> list[tuple[str, str, str, str]]:
     """(model, row, decode / llama.cpp, TTFT / llama.cpp) for the rows of `engines` in every
     committed comparison record (profiles/bench/vs_llama_*.json, scripts/bench_vs_llama.py)."""
     from app.measure import compare
     rows = []
-    for path in sorted((ROOT / "profiles" / "bench").rglob("vs_llama_*.json")):
-        record = json.loads(path.read_text())
-        if record.get("kind") != "comparison":
-            continue
+    for record in _bench_records("**/vs_llama_*.json", "comparison"):
         for row, f in compare.summary(record).items():
             if f["engine"] in engines and "decode_ms_over_llama_cpp" in f:
                 rows.append((record["model"], row, f"{f['decode_ms_over_llama_cpp']:.2f}",
                              f"{f['ttft_ms_over_llama_cpp']:.2f}"))
+    return rows
+
+
+def show_vs_llama(engines, missing: str, findings=None) -> list[tuple[str, str, str, str]]:
+    """The table of recorded_vs_llama(engines), or the sentence `missing` where no record has
+    them; with `findings`, their decode ratios as its "recorded ratios". The rows."""
+    rows = recorded_vs_llama(engines)
+    if rows:
+        show_table(["model", "row", "decode / llama.cpp", "TTFT / llama.cpp"], rows)
+        if findings is not None:
+            findings["recorded ratios"] = ", ".join(f"{r[0]} {r[1]} decode {r[2]}x" for r in rows)
+    else:
+        md(missing)
     return rows
 
 
@@ -267,10 +317,7 @@ def recorded_ttft() -> list[tuple]:
     committed prompt-length sweep (profiles/bench/ttft_*.json, scripts/bench_vs_llama.py --ttft-lengths)."""
     from app.measure import ttft
     rows = []
-    for path in sorted((ROOT / "profiles" / "bench").glob("ttft_*.json")):
-        record = json.loads(path.read_text())
-        if record.get("kind") != "ttft_sweep":
-            continue
+    for record in _bench_records("ttft_*.json", "ttft_sweep"):
         for engine, by_length in ttft.summary(record).items():
             for n, f in by_length.items():
                 if "ttft_ms_over_llama" in f:

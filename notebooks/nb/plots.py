@@ -11,6 +11,7 @@ from matplotlib.ticker import MaxNLocator
 
 from app.report.charts import plot_op_shares
 from notebooks.nb.measure import Recorded
+from notebooks.nb.text import show_table
 
 
 def show(fig):
@@ -148,3 +149,17 @@ def bar_chart(values: dict, ylabel: str, title: str, fmt: str = "{:,.1f}", logy:
     ax.set_title(title, fontsize=11)
     fig.tight_layout()
     show(fig)
+
+
+def show_live(live: dict, new: str, old: str, threads: int, findings):
+    """measure_live()'s records as a table and decode as bars; where both stages ran at
+    `threads`, the new one against the old as the finding "<new> vs <old> (live)"."""
+    if not live:
+        return
+    show_table(["stage", "threads", "TTFT (ms)", "decode (ms/token)"],
+               [(s, t, f"{r['ttft_ms']:.1f}", f"{r['decode_ms']:.2f}") for (s, t), r in live.items()])
+    bar_chart({f"{s}@{t}": r["decode_ms"] for (s, t), r in live.items()}, "ms per token", "Decode (live)")
+    if (new, threads) in live and (old, threads) in live:
+        a, b = live[(new, threads)], live[(old, threads)]
+        findings[f"{new} vs {old} (live)"] = (f"decode {a['decode_ms']:.2f} vs {b['decode_ms']:.2f} ms/token, TTFT "
+                                              f"{a['ttft_ms']:.0f} vs {b['ttft_ms']:.0f} ms at {threads} thread(s)")

@@ -188,15 +188,7 @@ else:
 # of the tiled stage.
 
 # %%
-live = []
-for stage in ("naive", "tiling"):
-    engine = nb.load(stage)
-    live.append(nb.measure(engine, cfg))
-    if stage == "tiling":
-        rows = nb.profile(engine, cfg)
-    del engine
-for r in live:
-    print(f"{r['stage']:>8}: TTFT {r['ttft_ms']:7.0f} ms, decode {r['decode_ms']:7.0f} ms/token  {r['text']!r}")
+live, rows = nb.measure_pair("naive", "tiling", cfg)
 findings["tiling, live"] = (f"TTFT {live[1]['ttft_ms']:.0f} ms ({live[0]['ttft_ms'] / live[1]['ttft_ms']:.2f}x naive), "
                             f"decode {live[1]['decode_ms']:.0f} ms/token "
                             f"({live[0]['decode_ms'] / live[1]['decode_ms']:.2f}x naive)")

@@ -142,15 +142,7 @@ findings["kernel GFLOP/s"] = (f"16 rows: simd {simd16:.1f}, tiling {results['til
 # %%
 from app.report.charts import roofline_points
 
-live = []
-for stage in ("tiling", "simd"):
-    engine = nb.load(stage)
-    live.append(nb.measure(engine, cfg))
-    if stage == "simd":
-        rows = nb.profile(engine, cfg)
-    del engine
-for r in live:
-    print(f"{r['stage']:>8}: TTFT {r['ttft_ms']:7.0f} ms, decode {r['decode_ms']:7.0f} ms/token  {r['text']!r}")
+live, rows = nb.measure_pair("tiling", "simd", cfg)
 t, s = live
 findings["simd, live"] = (f"TTFT {s['ttft_ms']:.0f} ms ({t['ttft_ms'] / s['ttft_ms']:.1f}x tiling), "
                           f"decode {s['decode_ms']:.0f} ms/token ({t['decode_ms'] / s['decode_ms']:.1f}x tiling)")

@@ -162,12 +162,8 @@ if not missing["threads"]:
 # page drawn from it (`vs_llama_<model>.md`). Its ratios for this stage, if it has run:
 
 # %%
-recorded_rows = nb.recorded_vs_llama(["threads"])
-if recorded_rows:
-    nb.show_table(["model", "row", "decode / llama.cpp", "TTFT / llama.cpp"], recorded_rows)
-    findings["recorded ratios"] = ", ".join(f"{r[0]} {r[1]} decode {r[2]}x" for r in recorded_rows)
-else:
-    nb.md("_No recorded comparison yet: `python scripts/bench_vs_llama.py` writes it._")
+nb.show_vs_llama(["threads"], "_No recorded comparison yet: `python scripts/bench_vs_llama.py` writes it._",
+                 findings)
 
 # %%
 findings.show()

@@ -65,32 +65,17 @@ if not missing["int8"]:
     import re
     from collections import Counter
 
-    from numba import njit
-
     from common.gguf import GGMLType
-    from stages.kernels.int_dot import _dot_q4_k, _dot_q4_x
     from stages.kernels.toolkit import F16_TO_F32
 
-    @njit
-    def rows_q4_1(a, da, sa, sm, w, f16):                     # matvec_int8_auto's loop, one type, no prange
-        y = np.empty(w.shape[0], dtype=np.float32)
-        for n in range(w.shape[0]):
-            y[n] = _dot_q4_x(w[n], a, da, sa, sm, f16, 20, 0)
-        return y
-
-    @njit
-    def rows_q4_k(a, da, sa, sm, w, f16):
-        y = np.empty(w.shape[0], dtype=np.float32)
-        buf = np.empty(a.shape[0], dtype=np.int16)
-        for n in range(w.shape[0]):
-            y[n] = _dot_q4_k(w[n], a, da, sm, f16, buf, False)
-        return y
-
+    row_kernels = nb.int8_row_kernels()
+    nb.show_source(*row_kernels.values(), note="matvec_int8_auto's loop, one type each, no prange:")
     if platform.machine() not in ("x86_64", "AMD64"):
         nb.md("_The assembly below is x86; this machine is not._")
     else:
         table, seen = [], []
-        for name, fn, qk_, size in (("Q4_1 (SmolLM2)", rows_q4_1, 32, 20), ("Q4_K (TinyLlama)", rows_q4_k, 256, 144)):
+        for name, fn, qk_, size in (("Q4_1 (SmolLM2)", row_kernels[GGMLType.Q4_1], 32, 20),
+                                     ("Q4_K (TinyLlama)", row_kernels[GGMLType.Q4_K], 256, 144)):
             K = 512
             w = np.zeros((2, K // qk_ * size), np.uint8)
             w.flags.writeable = False
@@ -179,14 +164,12 @@ if not missing["int8"]:
 # page drawn from it (`vs_llama_<model>.md`). Its ratios, if it has run:
 
 # %%
-recorded_rows = nb.recorded_vs_llama(["int8"])
+recorded_rows = nb.show_vs_llama(["int8"], "_No recorded comparison yet: `python scripts/bench_vs_llama.py` "
+                                           "writes it._")
 if recorded_rows:
-    nb.show_table(["model", "row", "decode / llama.cpp", "TTFT / llama.cpp"], recorded_rows)
     behind = sum(float(r[2]) > 1 for r in recorded_rows)
     findings["recorded ratios"] = (f"decode slower than llama.cpp in {behind} of {len(recorded_rows)} rows "
                                    f"(profiles/bench/vs_llama_*.md)")
-else:
-    nb.md("_No recorded comparison yet: `python scripts/bench_vs_llama.py` writes it._")
 
 # %%
 findings.show()

@@ -211,15 +211,7 @@ else:
 
 # %%
 live = nb.measure_live(("int8", "fused"), sorted({1, cores}), cfg)
-if live:
-    nb.show_table(["stage", "threads", "TTFT (ms)", "decode (ms/token)"],
-                  [(s, t, f"{r['ttft_ms']:.1f}", f"{r['decode_ms']:.2f}") for (s, t), r in live.items()])
-    nb.bar_chart({f"{s}@{t}": r["decode_ms"] for (s, t), r in live.items()}, "ms per token", "Decode (live)")
-    if ("fused", cores) in live and ("int8", cores) in live:
-        findings["fused vs int8 (live)"] = (f"decode {live[('fused', cores)]['decode_ms']:.2f} vs "
-                                            f"{live[('int8', cores)]['decode_ms']:.2f} ms/token, TTFT "
-                                            f"{live[('fused', cores)]['ttft_ms']:.0f} vs "
-                                            f"{live[('int8', cores)]['ttft_ms']:.0f} ms at {cores} thread(s)")
+nb.show_live(live, "fused", "int8", cores, findings)
 
 # %% [markdown]
 # ## Long contexts: attention split by positions
@@ -252,13 +244,8 @@ if not (missing["fused"] or missing["int8"]):
 # has measured the fused stage:
 
 # %%
-recorded_rows = nb.recorded_vs_llama(["fused"])
-if recorded_rows:
-    nb.show_table(["model", "row", "decode / llama.cpp", "TTFT / llama.cpp"], recorded_rows)
-    findings["recorded ratios"] = ", ".join(f"{r[1]} decode {r[2]}x" for r in recorded_rows)
-else:
-    nb.md("_No recorded comparison of the fused stage yet: `python scripts/bench_vs_llama.py --engines "
-          "int8,fused,llama.cpp` writes it._")
+nb.show_vs_llama(["fused"], "_No recorded comparison of the fused stage yet: `python scripts/bench_vs_llama.py "
+                 "--engines int8,fused,llama.cpp` writes it._", findings)
 
 # %%
 findings.show()

@@ -158,14 +158,7 @@ if costs:
 
 # %%
 live = nb.measure_live(("fused", "repack"), sorted({1, cores}), cfg)
-if live:
-    nb.show_table(["stage", "threads", "TTFT (ms)", "decode (ms/token)"],
-                  [(s, t, f"{r['ttft_ms']:.1f}", f"{r['decode_ms']:.2f}") for (s, t), r in live.items()])
-    nb.bar_chart({f"{s}@{t}": r["decode_ms"] for (s, t), r in live.items()}, "ms per token", "Decode (live)")
-    if ("fused", cores) in live and ("repack", cores) in live:
-        a, b = live[("repack", cores)], live[("fused", cores)]
-        findings["repack vs fused (live)"] = (f"decode {a['decode_ms']:.2f} vs {b['decode_ms']:.2f} ms/token, TTFT "
-                                              f"{a['ttft_ms']:.0f} vs {b['ttft_ms']:.0f} ms at {cores} thread(s)")
+nb.show_live(live, "repack", "fused", cores, findings)
 
 # %% [markdown]
 # ## K and V in float16: what it buys at long contexts
@@ -200,13 +193,8 @@ if not missing["repack"]:
 # has measured the repack stage:
 
 # %%
-recorded_rows = nb.recorded_vs_llama(["repack"])
-if recorded_rows:
-    nb.show_table(["model", "row", "decode / llama.cpp", "TTFT / llama.cpp"], recorded_rows)
-    findings["recorded ratios"] = ", ".join(f"{r[0]} {r[1]} decode {r[2]}x" for r in recorded_rows)
-else:
-    nb.md("_No recorded comparison of the repack stage yet: `python scripts/bench_vs_llama.py --engines "
-          "fused,repack,llama.cpp` writes it._")
+nb.show_vs_llama(["repack"], "_No recorded comparison of the repack stage yet: `python scripts/bench_vs_llama.py "
+                 "--engines fused,repack,llama.cpp` writes it._", findings)
 
 # %%
 findings.show()

@@ -142,19 +142,6 @@ findings["row paths"] = (f"a row alone differs from itself in a batch by up to {
 # %%
 from app.serve.engine_loop import EngineLoop
 from app.serve.sequence import Ask, Sequence
-from common.generate import Sampler
-
-
-class Keep(Sampler):
-    """Greedy, keeping every logits row it is given."""
-
-    def __init__(self):
-        super().__init__()
-        self.rows = []
-
-    def choose(self, logits, history=()):
-        self.rows.append(np.array(logits))
-        return int(np.argmax(logits))
 
 
 def run(loop, texts, n):
@@ -162,7 +149,7 @@ def run(loop, texts, n):
     for text in texts:
         r = Sequence(Ask(engine.tokenizer.encode(text), n))
         loop.submit(r)
-        r.sampler = Keep()
+        r.sampler = nb.KeepLogits()
         reqs.append(r)
     log = []
     while not loop.scheduler.idle:
@@ -176,7 +163,7 @@ crowd_texts = ["Once upon a time, in a kingdom by the sea, there lived a princes
                "The capital of France is"]
 (solo,), _ = run(EngineLoop(engine, kv_pages=64), [target], n_gen)
 crowd, rows_per_step = run(EngineLoop(engine, kv_pages=64, prefill_chunk=5), crowd_texts, n_gen)
-same = all(np.array_equal(a, b) for a, b in zip(solo.sampler.rows, crowd[2].sampler.rows))
+same = all(np.array_equal(a, b) for a, b in zip(solo.sampler.logits, crowd[2].sampler.logits))
 print("rows per step in the crowded run:", rows_per_step)
 print("alone:   ", engine.tokenizer.decode(solo.generated))
 print("in crowd:", engine.tokenizer.decode(crowd[2].generated))
@@ -194,7 +181,7 @@ engine.reset()
 single = [engine.forward(solo.ask.prompt, 0, all_logits=False)[0]]
 for i, t in enumerate(solo.generated[:-1]):
     single.append(engine.forward([t], len(solo.ask.prompt) + i)[0])
-diff = max(float(np.abs(a - b).max()) for a, b in zip(single, solo.sampler.rows))
+diff = max(float(np.abs(a - b).max()) for a, b in zip(single, solo.sampler.logits))
 agree = [int(np.argmax(a)) for a in single] == solo.generated
 findings["vs the single-sequence path"] = (f"logits within {diff:.1e}; greedy tokens "
                                            f"{'the same' if agree else 'different at a near-tie'}")
