@@ -111,8 +111,8 @@ class CoreShare:
             if trial is not None:                       # the one-thread try after a slow call
                 if trial[0] == rows and seconds < trial[1]:
                     self.single, self.switches = self.hold, self.switches + 1
-                else:                                   # not the cores: the slow call was the work
-                    self.history.setdefault(rows, deque(maxlen=self.HISTORY)).append(trial[1])
+                else:                                   # not the cores: the work grew (a longer context)
+                    self.history[rows] = deque([trial[1]], maxlen=self.HISTORY)
             else:
                 self.single -= 1
                 if self.single == 0:                    # next: all threads again, against this
