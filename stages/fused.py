@@ -37,7 +37,9 @@ Python's share of a step is measured by `kernel_seconds` (the notebook chapter 0
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 
 import numba
 import numpy as np
@@ -67,6 +69,69 @@ def threading_layer() -> str:
     """The layer numba's pool runs on (starting the pool, which fixes it for the process)."""
     numba.set_num_threads(numba.get_num_threads())
     return numba.threading_layer()
+
+
+class CoreShare:
+    """How many threads the next compiled call runs on: all of them, unless the cores are shared.
+
+    A barrier waits for the slowest thread. When another process takes one of the cores, one of
+    our threads is off its core for a scheduler's time slice (milliseconds) now and then, and each
+    barrier it owes waits that long: a step of hundreds of barriers slows down many times over,
+    far more than the share of the core it lost (one thread alone on the core that is left would
+    be about twice as slow, not ten times). So the stage watches its own calls. A call on all
+    threads SLOW times slower than the median of the last calls of as many rows, twice in a row
+    (once is noise: a page fault, a timer), is followed by one on a single thread, and the faster
+    of the two decides: one thread for `hold` calls (HOLD,
+    doubled each time a retry on all threads confirms it, up to MAX_HOLD), then all threads
+    again. 1 thread and N give the same bits (work items and attention chunks do not depend on
+    the thread count), so the choice changes the time, never the numbers. On an idle machine
+    no call is that slow and nothing is tried: the rule costs nothing there."""
+
+    SLOW = 2.0          # a call this many times the median of its kind: the cores look shared
+    HISTORY = 8         # calls on all threads the median is taken over (per row count)
+    HOLD, MAX_HOLD = 16, 256
+
+    def __init__(self):
+        self.history = {}           # rows -> recent seconds on all threads
+        self.single = 0             # calls left to run on one thread
+        self.hold = self.HOLD
+        self.slow = 0               # slow calls on all threads in a row
+        self.trial = None           # (rows, seconds, threads to try): what the next call is compared with
+        self.switches = 0           # times it went to one thread (shown by bench_shared_core)
+
+    def threads(self, nt: int) -> int:
+        return 1 if self.single > 0 or (self.trial is not None and self.trial[2] == 1) else nt
+
+    def ran(self, used: int, nt: int, rows: int, seconds: float):
+        """After a call of `rows` rows on `used` of nt threads that took `seconds`."""
+        if nt == 1:
+            return
+        trial, self.trial = self.trial, None
+        if used == 1:
+            if trial is not None:                       # the one-thread try after a slow call
+                if trial[0] == rows and seconds < trial[1]:
+                    self.single, self.switches = self.hold, self.switches + 1
+                else:                                   # not the cores: the work grew (a longer context)
+                    self.history[rows] = deque([trial[1]], maxlen=self.HISTORY)
+            else:
+                self.single -= 1
+                if self.single == 0:                    # next: all threads again, against this
+                    self.trial = (rows, seconds, nt)
+            return
+        if trial is not None:                           # all threads again after a spell on one
+            if trial[0] == rows and seconds > trial[1]:
+                self.hold = min(self.MAX_HOLD, 2 * self.hold)
+                self.single = self.hold
+                return
+            self.hold = self.HOLD
+        past = self.history.setdefault(rows, deque(maxlen=self.HISTORY))
+        if len(past) >= 3 and seconds > self.SLOW * statistics.median(past):
+            self.slow += 1
+            if self.slow >= 2:                          # not a one-off: try one thread next
+                self.slow, self.trial = 0, (rows, seconds, 1)
+        else:
+            self.slow = 0
+            past.append(seconds)
 
 
 def _root(a: np.ndarray) -> np.ndarray:
@@ -129,6 +194,7 @@ class FusedBackend(Int8Backend):
         self._plan = None
         self._heads = {}                # id(weight) -> (its blocks as a blob, its one MATRIX record)
         self.kernel_seconds = 0.0       # time inside the compiled calls, for Python's share
+        self.cores = CoreShare()        # all threads, or one while the cores are shared
         self.barriers = 0               # barriers crossed in the last call (counted by the threads)
         self.phase_seconds = np.zeros(OPS_PER_LAYER)    # time in each phase (layer_stack.PHASES), summed
 
@@ -140,7 +206,7 @@ class FusedBackend(Int8Backend):
         """The region's iterations: numba's pool size as the backend set it (one thread per
         iteration: the threading layer was checked when the stage loaded)."""
         self._pool()
-        return numba.get_num_threads()
+        return self.cores.threads(numba.get_num_threads())
 
     def _dims(self, model) -> Dims:
         cfg = model.config
@@ -155,6 +221,7 @@ class FusedBackend(Int8Backend):
         t0 = time.perf_counter()
         run_layers(h, weights, cache, rows, dims, sync, nt, self._prefill(model, rows, cache))
         self._ran(sync, nt, t0)
+        self.cores.ran(nt, numba.get_num_threads(), len(tokens), time.perf_counter() - t0)
         return h
 
     def _compiled(self, model):

@@ -319,3 +319,41 @@ def test_greedy_tokens_are_int8s_but_at_near_ties(default_model_path, default_en
     greedy_at_clear_choices(ours, theirs, cont, NEAR_TIE)
     want = reference.forward(GGUFFile(default_model_path), ids)[len(prompt) - 1:-1]
     assert np.abs(ours - want).max() <= INT8_TOLERANCE
+
+
+def shared_core_run(rule, slow_at: range, calls: int = 120, base: float = 1.0, shared_factor: float = 12.0,
+                    single_factor: float = 1.7, grows_at: int | None = None):
+    """The threads a CoreShare chose for each of `calls` decode calls of one row, with made-up
+    times: a call on both threads takes `base`, one on one thread `single_factor` times that;
+    while the cores are shared (the calls in slow_at) two threads take `shared_factor` times
+    `base` and one thread still `single_factor` (it has the core the other process left). From
+    call grows_at on, every call's work is three times larger (a longer context, no other process)."""
+    chosen = []
+    for i in range(calls):
+        nt = rule.threads(2)
+        if i == grows_at:
+            base *= 3.0
+        seconds = base * (single_factor if nt == 1 else (shared_factor if i in slow_at else 1.0))
+        rule.ran(nt, 2, 1, seconds)
+        chosen.append(nt)
+    return chosen
+
+
+def test_shared_cores_send_the_call_to_one_thread_and_back():
+    from stages.fused import CoreShare
+    idle = shared_core_run(CoreShare(), slow_at=range(0))
+    assert idle == [2] * len(idle)                          # nothing is tried on an idle machine
+    shared = shared_core_run(CoreShare(), slow_at=range(20, 80), calls=80 + CoreShare.MAX_HOLD + 20)
+    assert shared[:22] == [2] * 22 and shared[22] == 1      # two slow calls, then a try on one thread
+    assert shared[22:80].count(1) >= 50                     # the spell: one thread, a few retries on two
+    back = shared[80:]                                      # the other process gone: both threads again,
+    assert back[CoreShare.MAX_HOLD:] == [2] * 20            # at the latest after the longest spell
+    assert 2 in back[:CoreShare.MAX_HOLD // 2]
+    noise = shared_core_run(CoreShare(), slow_at=range(30, 31))
+    assert noise == [2] * len(noise)                        # one slow call alone: nothing tried
+    grown = shared_core_run(CoreShare(), slow_at=range(0), grows_at=40)
+    assert grown.count(1) == 1                              # more work, not shared cores: one try, lost
+
+    class Planted(CoreShare):
+        SLOW = float("inf")                                 # never sees the cores shared
+    assert shared_core_run(Planted(), slow_at=range(20, 80))[21:80].count(1) == 0
