@@ -10,8 +10,10 @@ the tokens of one run) of each engine in three conditions:
     twin       beside a second, identical run of the same engine (2 threads too, decoding without end)
 
 and the slowdown of each condition over `alone`, for our stages and for llama.cpp on the same file
-(llama-cpp-python: beside a second llama.cpp). Conditions alternate within each round and the
-medians of the rounds are reported: the machine's own noise shifts every condition alike.
+(llama-cpp-python: beside a second llama.cpp), with how many spells on one thread our stages began
+(stages/fused.py CoreShare: a stage on shared cores goes to one thread while that is faster).
+Conditions alternate within each round and the medians of the rounds are reported: the machine's
+own noise shifts every condition alike.
 
     python scripts/bench_shared_core.py [-m MODEL] [--engines repack,fused,llama.cpp] [--rounds 3]
 
@@ -85,6 +87,7 @@ def decoder(engine: str, model: str, threads: int):
             pos += 1
             out.append((time.perf_counter() - t0) * 1e3)
         return out
+    run.spells = lambda: getattr(getattr(e.backend, "cores", None), "switches", None)
     return run
 
 
@@ -95,7 +98,9 @@ def worker(args):
         print("ready", flush=True)
         while True:
             run(args.tokens)
-    print(json.dumps({"ms": run(args.tokens)}), flush=True)
+    ms = run(args.tokens)
+    # spells on one thread the stage began (stages/fused.py CoreShare; None: llama.cpp)
+    print(json.dumps({"ms": ms, "spells": getattr(run, "spells", lambda: None)()}), flush=True)
 
 
 # ---- the harness ---------------------------------------------------------------------------------
@@ -118,11 +123,12 @@ def co_runner(condition: str, engine: str, args):
     return None
 
 
-def measured(engine: str, args) -> float:
+def measured(engine: str, args) -> tuple[float, int | None]:
+    """(median ms/token, spells on one thread the stage began, or None)."""
     cmd = [sys.executable, __file__, "--worker", engine, "-m", args.model, "--threads", str(args.threads),
            "--tokens", str(args.tokens)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return float(np.median(json.loads(out.strip().splitlines()[-1])["ms"]))
+    out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    return float(np.median(out["ms"])), out.get("spells")
 
 
 def stop(p):
@@ -133,6 +139,7 @@ def stop(p):
 
 def measure(args) -> dict:
     rows = {(e, c): [] for e in args.engines for c in CONDITIONS}
+    spells = {(e, c): [] for e in args.engines for c in CONDITIONS}
     for r in range(args.rounds):
         for engine in args.engines:
             for condition in CONDITIONS:
@@ -140,10 +147,11 @@ def measure(args) -> dict:
                 try:
                     if other is not None:
                         time.sleep(1.0)          # the co-runner settles into its loop
-                    ms = measured(engine, args)
+                    ms, n = measured(engine, args)
                 finally:
                     stop(other)
                 rows[(engine, condition)].append(ms)
+                spells[(engine, condition)].append(n)
                 print(f"round {r + 1}: {engine:10s} {condition:6s} {ms:8.2f} ms/token", file=sys.stderr)
     out = []
     for engine in args.engines:
@@ -152,7 +160,8 @@ def measure(args) -> dict:
             ms = rows[(engine, condition)]
             ratios = [m / a for m, a in zip(ms, rows[(engine, "alone")])]
             out.append({"engine": engine, "condition": condition, "rounds_ms": ms, "median_ms": float(np.median(ms)),
-                        "slowdown": float(np.median(ratios)), "slowdown_rounds": ratios, "alone_ms": alone})
+                        "slowdown": float(np.median(ratios)), "slowdown_rounds": ratios, "alone_ms": alone,
+                        "one_thread_spells_rounds": spells[(engine, condition)]})
     return {"kind": "shared_core", "model": Path(args.model).name, "threads": args.threads, "tokens": args.tokens,
             "rounds": args.rounds, "conditions": {"alone": "nothing else running",
                                                   "busy": "beside one single-threaded busy loop",
@@ -167,13 +176,18 @@ def page(record: dict, source: str) -> str:
              f"{record['model']}, {record['threads']} threads, {record['tokens']} tokens a run, "
              f"medians of {record['rounds']} alternating rounds; code {record['provenance']['code_hash']}. "
              f"Record: `{source}`.", "",
-             "| engine | alone (ms/token) | beside a busy loop | slowdown | beside a second run | slowdown |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| engine | alone (ms/token) | beside a busy loop | slowdown | beside a second run | slowdown "
+             "| spells on one thread a run: alone / busy / twin |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     by = {(r["engine"], r["condition"]): r for r in record["rows"]}
+
+    def spells(r):
+        n = [x for x in r.get("one_thread_spells_rounds", []) if x is not None]
+        return f"{np.median(n):g}" if n else "-"
     for engine in dict.fromkeys(r["engine"] for r in record["rows"]):
         a, b, t = (by[(engine, c)] for c in CONDITIONS)
         lines.append(f"| {engine} | {a['median_ms']:.2f} | {b['median_ms']:.2f} | {b['slowdown']:.2f}x "
-                     f"| {t['median_ms']:.2f} | {t['slowdown']:.2f}x |")
+                     f"| {t['median_ms']:.2f} | {t['slowdown']:.2f}x | {spells(a)} / {spells(b)} / {spells(t)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -78,17 +78,26 @@ class CoreShare:
     our threads is off its core for a scheduler's time slice (milliseconds) now and then, and each
     barrier it owes waits that long: a step of hundreds of barriers slows down many times over,
     far more than the share of the core it lost (one thread alone on the core that is left would
-    be about twice as slow, not ten times). So the stage watches its own calls. A call on all
-    threads SLOW times slower than the median of the last calls of as many rows, twice in a row
-    (once is noise: a page fault, a timer), is followed by one on a single thread, and the faster
-    of the two decides: one thread for `hold` calls (HOLD,
-    doubled each time a retry on all threads confirms it, up to MAX_HOLD), then all threads
-    again. 1 thread and N give the same bits (work items and attention chunks do not depend on
-    the thread count), so the choice changes the time, never the numbers. On an idle machine
-    no call is that slow and nothing is tried: the rule costs nothing there."""
+    be about twice as slow, not ten times). So the stage tries one thread now and then and keeps
+    what is faster:
+
+    * when the load changes: two calls in a row on all threads SLOW times slower than the median
+      of the last calls of as many rows (once is noise: a page fault, a timer);
+    * when it was there from the start, which no change shows: the first call after the median
+      has three calls, then every EXPLORE-th call, of EXPLORE_ROWS rows at most (on an idle
+      machine, one decode step in EXPLORE runs on one thread and loses: a fraction of a percent).
+
+    A try on one thread that beats the calls on all threads starts a spell of `hold` calls on one
+    thread (HOLD, doubled each time a retry on all threads loses again, up to MAX_HOLD); a try
+    after slow calls that loses says the work grew (a longer context), and the median starts
+    over. 1 thread and N give the same bits (work items and attention chunks do not depend on the
+    thread count), so the choice changes the time, never the numbers."""
 
     SLOW = 2.0          # a call this many times the median of its kind: the cores look shared
     HISTORY = 8         # calls on all threads the median is taken over (per row count)
+    EXPLORE = 256       # calls on all threads between two tries of one thread
+    EXPLORE_ROWS = 64   # tried on calls of at most this many rows: decode steps and batches repeat,
+                        # a prompt's pieces are few and a try would cost one of them twice over
     HOLD, MAX_HOLD = 16, 256
 
     def __init__(self):
@@ -96,8 +105,9 @@ class CoreShare:
         self.single = 0             # calls left to run on one thread
         self.hold = self.HOLD
         self.slow = 0               # slow calls on all threads in a row
-        self.trial = None           # (rows, seconds, threads to try): what the next call is compared with
-        self.switches = 0           # times it went to one thread (shown by bench_shared_core)
+        self.calls = 0              # calls on all threads with a median to judge them by
+        self.trial = None           # (rows, seconds to beat, threads to try, after slow calls)
+        self.switches = 0           # spells on one thread begun
 
     def threads(self, nt: int) -> int:
         return 1 if self.single > 0 or (self.trial is not None and self.trial[2] == 1) else nt
@@ -108,15 +118,15 @@ class CoreShare:
             return
         trial, self.trial = self.trial, None
         if used == 1:
-            if trial is not None:                       # the one-thread try after a slow call
+            if trial is not None:                       # a try of one thread
                 if trial[0] == rows and seconds < trial[1]:
                     self.single, self.switches = self.hold, self.switches + 1
-                else:                                   # not the cores: the work grew (a longer context)
+                elif trial[3]:                          # slow calls, not the cores: the work grew
                     self.history[rows] = deque([trial[1]], maxlen=self.HISTORY)
             else:
                 self.single -= 1
                 if self.single == 0:                    # next: all threads again, against this
-                    self.trial = (rows, seconds, nt)
+                    self.trial = (rows, seconds, nt, False)
             return
         if trial is not None:                           # all threads again after a spell on one
             if trial[0] == rows and seconds > trial[1]:
@@ -128,10 +138,14 @@ class CoreShare:
         if len(past) >= 3 and seconds > self.SLOW * statistics.median(past):
             self.slow += 1
             if self.slow >= 2:                          # not a one-off: try one thread next
-                self.slow, self.trial = 0, (rows, seconds, 1)
-        else:
-            self.slow = 0
-            past.append(seconds)
+                self.slow, self.trial = 0, (rows, seconds, 1, True)
+            return
+        self.slow = 0
+        past.append(seconds)
+        if len(past) >= 3 and rows <= self.EXPLORE_ROWS:
+            if self.calls % self.EXPLORE == 0:          # the first judged call, then every EXPLORE-th
+                self.trial = (rows, statistics.median(past), 1, False)
+            self.calls += 1
 
 
 def _root(a: np.ndarray) -> np.ndarray:

@@ -341,19 +341,30 @@ def shared_core_run(rule, slow_at: range, calls: int = 120, base: float = 1.0, s
 
 def test_shared_cores_send_the_call_to_one_thread_and_back():
     from stages.fused import CoreShare
-    idle = shared_core_run(CoreShare(), slow_at=range(0))
-    assert idle == [2] * len(idle)                          # nothing is tried on an idle machine
-    shared = shared_core_run(CoreShare(), slow_at=range(20, 80), calls=80 + CoreShare.MAX_HOLD + 20)
-    assert shared[:22] == [2] * 22 and shared[22] == 1      # two slow calls, then a try on one thread
-    assert shared[22:80].count(1) >= 50                     # the spell: one thread, a few retries on two
-    back = shared[80:]                                      # the other process gone: both threads again,
+    E = CoreShare.EXPLORE
+    idle = shared_core_run(CoreShare(), slow_at=range(0), calls=2 * E)
+    assert idle.count(1) == 2 and idle[:3] == [2] * 3       # an idle machine: a try now and then, lost
+    shared = shared_core_run(CoreShare(), slow_at=range(40, 100), calls=100 + CoreShare.MAX_HOLD + 20)
+    assert shared[4:41] == [2] * 37                         # after the first try: all threads while idle
+    assert shared[42] == 1                                  # two slow calls, then a try on one thread
+    assert shared[42:100].count(1) >= 50                    # the spell: one thread, a few retries on two
+    back = shared[100:]                                     # the other process gone: both threads again,
     assert back[CoreShare.MAX_HOLD:] == [2] * 20            # at the latest after the longest spell
     assert 2 in back[:CoreShare.MAX_HOLD // 2]
+    always = shared_core_run(CoreShare(), slow_at=range(0, 200), calls=200)
+    assert always[3] == 1 and always[3:].count(1) >= 180    # shared from the start: the first try wins
     noise = shared_core_run(CoreShare(), slow_at=range(30, 31))
-    assert noise == [2] * len(noise)                        # one slow call alone: nothing tried
+    assert noise.count(1) == 1                              # one slow call alone: only the first try
     grown = shared_core_run(CoreShare(), slow_at=range(0), grows_at=40)
-    assert grown.count(1) == 1                              # more work, not shared cores: one try, lost
+    assert grown.count(1) == 2                              # more work, not shared cores: one try, lost
 
-    class Planted(CoreShare):
-        SLOW = float("inf")                                 # never sees the cores shared
-    assert shared_core_run(Planted(), slow_at=range(20, 80))[21:80].count(1) == 0
+    class Never(CoreShare):                                 # planted: all threads whatever happens
+        def threads(self, nt):
+            return nt
+    assert shared_core_run(Never(), slow_at=range(40, 100))[42:100].count(1) < 50
+
+    class OnlyChanges(CoreShare):                           # planted: reacts to a change only, no tries
+        def __init__(self):
+            super().__init__()
+            self.calls = 1
+    assert shared_core_run(OnlyChanges(), slow_at=range(0, 200), calls=200)[3:].count(1) < 180
