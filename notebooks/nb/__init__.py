@@ -25,6 +25,7 @@ from notebooks.nb.measure import (
     best_seconds,
     cache_sizes,
     ceilings,
+    decode_ratios,
     faults_between,
     find_records,
     load,
@@ -83,5 +84,5 @@ __all__ = [
     "module_kernels", "ops_chart", "ops_chart_with_records", "print_profile", "profile", "prompt_ids", "recorded",
     "recorded_ttft", "recorded_vs_llama", "rel", "roofline_chart", "settings", "show", "show_class_from_file",
     "show_file_excerpt", "show_image", "show_live", "show_source", "show_table", "show_vs_llama", "stage_chart",
-    "step_ms",
+    "step_ms", "decode_ratios",
 ]

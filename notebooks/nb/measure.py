@@ -299,17 +299,20 @@ def recorded_vs_llama(engines) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def show_vs_llama(engines, missing: str, findings=None) -> list[tuple[str, str, str, str]]:
+def show_vs_llama(engines, missing: str) -> list[tuple[str, str, str, str]]:
     """The table of recorded_vs_llama(engines), or the sentence `missing` where no record has
-    them; with `findings`, their decode ratios as its "recorded ratios". The rows."""
+    them. The rows."""
     rows = recorded_vs_llama(engines)
     if rows:
         show_table(["model", "row", "decode / llama.cpp", "TTFT / llama.cpp"], rows)
-        if findings is not None:
-            findings["recorded ratios"] = ", ".join(f"{r[0]} {r[1]} decode {r[2]}x" for r in rows)
     else:
         md(missing)
     return rows
+
+
+def decode_ratios(rows) -> str:
+    """show_vs_llama's rows as one sentence of decode ratios (a chapter's finding)."""
+    return ", ".join(f"{r[0]} {r[1]} decode {r[2]}x" for r in rows)
 
 
 def recorded_ttft() -> list[tuple]:

@@ -151,15 +151,16 @@ def bar_chart(values: dict, ylabel: str, title: str, fmt: str = "{:,.1f}", logy:
     show(fig)
 
 
-def show_live(live: dict, new: str, old: str, threads: int, findings):
+def show_live(live: dict, new: str, old: str, threads: int) -> str | None:
     """measure_live()'s records as a table and decode as bars; where both stages ran at
-    `threads`, the new one against the old as the finding "<new> vs <old> (live)"."""
+    `threads`, the new one against the old in a sentence (the chapter's finding), else None."""
     if not live:
-        return
+        return None
     show_table(["stage", "threads", "TTFT (ms)", "decode (ms/token)"],
                [(s, t, f"{r['ttft_ms']:.1f}", f"{r['decode_ms']:.2f}") for (s, t), r in live.items()])
     bar_chart({f"{s}@{t}": r["decode_ms"] for (s, t), r in live.items()}, "ms per token", "Decode (live)")
-    if (new, threads) in live and (old, threads) in live:
-        a, b = live[(new, threads)], live[(old, threads)]
-        findings[f"{new} vs {old} (live)"] = (f"decode {a['decode_ms']:.2f} vs {b['decode_ms']:.2f} ms/token, TTFT "
-                                              f"{a['ttft_ms']:.0f} vs {b['ttft_ms']:.0f} ms at {threads} thread(s)")
+    if (new, threads) not in live or (old, threads) not in live:
+        return None
+    a, b = live[(new, threads)], live[(old, threads)]
+    return (f"decode {a['decode_ms']:.2f} vs {b['decode_ms']:.2f} ms/token, TTFT "
+            f"{a['ttft_ms']:.0f} vs {b['ttft_ms']:.0f} ms at {threads} thread(s)")

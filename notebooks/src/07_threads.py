@@ -162,8 +162,9 @@ if not missing["threads"]:
 # page drawn from it (`vs_llama_<model>.md`). Its ratios for this stage, if it has run:
 
 # %%
-nb.show_vs_llama(["threads"], "_No recorded comparison yet: `python scripts/bench_vs_llama.py` writes it._",
-                 findings)
+recorded = nb.show_vs_llama(["threads"], "_No recorded comparison yet: `python scripts/bench_vs_llama.py` writes it._")
+if recorded:
+    findings["recorded ratios"] = nb.decode_ratios(recorded)
 
 # %%
 findings.show()

@@ -211,7 +211,9 @@ else:
 
 # %%
 live = nb.measure_live(("int8", "fused"), sorted({1, cores}), cfg)
-nb.show_live(live, "fused", "int8", cores, findings)
+live_vs = nb.show_live(live, "fused", "int8", cores)
+if live_vs:
+    findings["fused vs int8 (live)"] = live_vs
 
 # %% [markdown]
 # ## Long contexts: attention split by positions
@@ -244,8 +246,10 @@ if not (missing["fused"] or missing["int8"]):
 # has measured the fused stage:
 
 # %%
-nb.show_vs_llama(["fused"], "_No recorded comparison of the fused stage yet: `python scripts/bench_vs_llama.py "
-                 "--engines int8,fused,llama.cpp` writes it._", findings)
+recorded = nb.show_vs_llama(["fused"], "_No recorded comparison of the fused stage yet: `python scripts/bench_vs_llama.py "
+                                 "--engines int8,fused,llama.cpp` writes it._")
+if recorded:
+    findings["recorded ratios"] = nb.decode_ratios(recorded)
 
 # %%
 findings.show()

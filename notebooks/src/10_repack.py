@@ -158,7 +158,9 @@ if costs:
 
 # %%
 live = nb.measure_live(("fused", "repack"), sorted({1, cores}), cfg)
-nb.show_live(live, "repack", "fused", cores, findings)
+live_vs = nb.show_live(live, "repack", "fused", cores)
+if live_vs:
+    findings["repack vs fused (live)"] = live_vs
 
 # %% [markdown]
 # ## K and V in float16: what it buys at long contexts
@@ -193,8 +195,10 @@ if not missing["repack"]:
 # has measured the repack stage:
 
 # %%
-nb.show_vs_llama(["repack"], "_No recorded comparison of the repack stage yet: `python scripts/bench_vs_llama.py "
-                 "--engines fused,repack,llama.cpp` writes it._", findings)
+recorded = nb.show_vs_llama(["repack"], "_No recorded comparison of the repack stage yet: `python scripts/bench_vs_llama.py "
+                                 "--engines fused,repack,llama.cpp` writes it._")
+if recorded:
+    findings["recorded ratios"] = nb.decode_ratios(recorded)
 
 # %%
 findings.show()
