@@ -314,7 +314,26 @@ class GGUFFile:
 
     # ---- parsing -------------------------------------------------------------------------
     def _parse(self, buf):
+        """The file in its order: header, metadata, tensor infos, then each tensor checked."""
         cur = _Cursor(buf)
+        n_tensors, n_kv = self._header(cur, buf)
+        self._metadata(cur, buf, n_kv)
+        infos = self._tensor_infos(cur, n_tensors)
+        self.data_offset = align_up(cur.pos, self.alignment) if n_tensors else cur.pos
+        if n_tensors and self.data_offset > self.file_size:
+            raise GGUFError(f"data section would start at byte {self.data_offset}, past the end of the "
+                            f"{self.file_size}-byte file")
+
+        self.tensors = {}
+        for name, dims, gtype, offset, at in infos:
+            self.tensors[name] = self._check_tensor(name, dims, gtype, offset, at)
+        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values())
+        for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
+            if s1 < e0:
+                raise GGUFError(f"tensors '{n0}' (bytes {s0}..{e0}) and '{n1}' (bytes {s1}..{e1}) overlap")
+
+    def _header(self, cur, buf) -> tuple[int, int]:
+        """Magic and version checked (self.version); (tensor count, metadata count)."""
         magic = cur.raw(4, "magic") if len(buf) >= 4 else b""
         if magic != GGUF_MAGIC:
             raise GGUFError(f"bad magic {magic!r} at byte 0: not a GGUF file (expected b'GGUF')")
@@ -337,7 +356,11 @@ class GGUFFile:
             raise GGUFError(f"metadata count {n_kv} at byte 16 cannot fit in the {cur.remaining} bytes that remain")
         if n_tensors * 24 > cur.remaining:
             raise GGUFError(f"tensor count {n_tensors} at byte 8 cannot fit in the {cur.remaining} bytes that remain")
+        return n_tensors, n_kv
 
+    def _metadata(self, cur, buf, n_kv: int):
+        """The n_kv key/value pairs (self.metadata, their types, arrays' element types) and the
+        alignment they set."""
         self.metadata, self.metadata_types, self.array_types = {}, {}, {}
         for i in range(n_kv):
             at = cur.pos
@@ -363,6 +386,8 @@ class GGUFFile:
                 raise GGUFError(f"general.alignment = {a} is not a power of two")
             self.alignment = a
 
+    def _tensor_infos(self, cur, n_tensors: int) -> list:
+        """[(name, dims, ggml type, offset, byte of the info)] of the n_tensors infos, names unique."""
         infos = []
         names = set()
         for i in range(n_tensors):
@@ -384,19 +409,7 @@ class GGUFFile:
                 raise GGUFError(f"tensor '{name}' at byte {at}: unknown ggml type id {code}") from None
             offset = cur.u64(f"offset of tensor '{name}'")
             infos.append((name, dims, gtype, offset, at))
-
-        self.data_offset = align_up(cur.pos, self.alignment) if n_tensors else cur.pos
-        if n_tensors and self.data_offset > self.file_size:
-            raise GGUFError(f"data section would start at byte {self.data_offset}, past the end of the "
-                            f"{self.file_size}-byte file")
-
-        self.tensors = {}
-        for name, dims, gtype, offset, at in infos:
-            self.tensors[name] = self._check_tensor(name, dims, gtype, offset, at)
-        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values())
-        for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
-            if s1 < e0:
-                raise GGUFError(f"tensors '{n0}' (bytes {s0}..{e0}) and '{n1}' (bytes {s1}..{e1}) overlap")
+        return infos
 
     def _check_tensor(self, name, dims, gtype, offset, at) -> TensorInfo:
         where = f"tensor '{name}' (info at byte {at})"

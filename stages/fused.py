@@ -77,9 +77,9 @@ class CoreShare:
     A barrier waits for the slowest thread. When another process takes one of the cores, one of
     our threads is off its core for a scheduler's time slice (milliseconds) now and then, and each
     barrier it owes waits that long: a step of hundreds of barriers slows down many times over,
-    far more than the share of the core it lost (one thread alone on the core that is left would
-    be about twice as slow, not ten times). So the stage tries one thread now and then and keeps
-    what is faster:
+    far more than the share of the core it lost (one thread alone on the core that is left pays
+    only for the work the other thread did). So the stage tries one thread now and then and
+    keeps what is faster:
 
     * when the load changes: two calls in a row on all threads SLOW times slower than the median
       of the last calls of as many rows (once is noise: a page fault, a timer);

@@ -58,10 +58,11 @@ def test_no_kernel_takes_more_than_twelve_positional_parameters(tmp_path):
     planted = tmp_path / "stages" / "kernels" / "k.py"
     planted.parent.mkdir(parents=True)
     wide = ", ".join(f"a{i}" for i in range(13))
+    eleven = ", ".join(f"a{i}" for i in range(11))
     twelve = ", ".join(f"a{i}" for i in range(12))
     planted.write_text(f"def ok(a, b, *, c=1):\n    pass\n\n\ndef wide({wide}):\n    pass\n\n\n"
-                       f"def typer_ok(typingctx, {twelve}):\n    pass\n\n\n"
-                       f"def typer_wide(typingctx, {wide}):\n    pass\n")
+                       f"def typer_ok(typingctx, {eleven}):\n    pass\n\n\n"
+                       f"def typer_wide(typingctx, {twelve}):\n    pass\n")
     assert layers.wide_functions(tmp_path) == ["stages/kernels/k.py:wide (13)", "stages/kernels/k.py:typer_wide (13)"]
 
 

@@ -115,7 +115,7 @@ def _packs(x, K, with_k):
 
 @numba.njit
 def _pair(kind, w, rb, x32, xk, m0, m1, out, r1):
-    pair_gemm.pair_gemm(kind, w, 0, rb, x32, xk, m0, m1, out, 0, 0, r1)
+    pair_gemm.pair_gemm(kind, w, 0, rb, x32, xk, m0, m1, out, 0, (0, r1))
 
 
 @numba.njit

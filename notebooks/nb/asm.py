@@ -65,7 +65,7 @@ def integer_kernel_asm(kind: int, kernel: str = "repacked", rows: int = 1) -> st
         @njit
         def run(kind, w, rb, nb, p32, pk, out):
             x32, xk = pair_gemm.new_pairs(out.shape[0], nb * 256)
-            pair_gemm.pair_gemm(kind, w, 0, rb, x32, xk, 0, out.shape[0], out, 0, 0, out.shape[1])
+            pair_gemm.pair_gemm(kind, w, 0, rb, x32, xk, 0, out.shape[0], out, 0, (0, out.shape[1]))
     elif kernel == "repacked":
         @njit
         def run(kind, w, rb, nb, p32, pk, out):

@@ -242,7 +242,7 @@ def chunk(mat, blob, r0, r1, m0, m1, xf, s, out, col, fs, pre):
             if mat.layout == REPACKED and pairs_take(mat.kind):
                 x32, xk = _pairs(pre)
                 even = m1 - (m1 - m0) % 2
-                pair_gemm.pair_gemm(mat.kind, blob, mat.offset, mat.row_bytes, x32, xk, m0, even, out, col, r0, r1)
+                pair_gemm.pair_gemm(mat.kind, blob, mat.offset, mat.row_bytes, x32, xk, m0, even, out, col, (r0, r1))
                 m0 = even
                 if m0 == m1:
                     return

@@ -25,7 +25,7 @@ repack's bits: a prompt row here and a decode row through repack's kernel agree 
 invariance across the two kernels, tests/test_prefill.py). Q4_0, Q4_1, Q8_0, Q4_K and Q6_K run
 here (PAIR_TYPES); other types, and a last odd row, go through repack's kernel.
 
-    pair_gemm(kind, w, off, row_bytes, x32, xk, m0, m1, out, col, r0, r1)
+    pair_gemm(kind, w, off, row_bytes, x32, xk, m0, m1, out, col, (r0, r1))
         rows r0..r1 (r0 a multiple of GROUP) of the repacked matrix at w[off:] times activation
         rows m0..m1 (m0 and m1 even) of the pair packs -> out[m, col + r]
     pair_row(m, K, need32, needk, p32, pk, x32, xk)    row m of the 8-bit packs into the pair packs
@@ -255,11 +255,11 @@ def _gemm_body(g, a, kind):
     packs = a.xk if kind in PAIR_TYPES_K else a.x32
     gbytes = g.const(GROUP * BLOCK_BYTES[kind])
     nb = b.udiv(a.row_bytes, g.const(BLOCK_BYTES[kind]))
-    n_groups = b.udiv(b.add(b.sub(a.r1, a.r0), g.const(GROUP - 1)), g.const(GROUP))
+    n_groups = b.udiv(b.add(b.sub(a.rows._1, a.rows._0), g.const(GROUP - 1)), g.const(GROUP))
     p0, n_pairs = b.udiv(a.m0, g.const(2)), b.udiv(b.sub(a.m1, a.m0), g.const(2))
     with g.loop(n_groups) as gi:
-        r = b.add(a.r0, b.mul(gi, g.const(GROUP)))
-        lanes = b.sub(a.r1, r)
+        r = b.add(a.rows._0, b.mul(gi, g.const(GROUP)))
+        lanes = b.sub(a.rows._1, r)
         lanes = b.select(b.icmp_unsigned("<", lanes, g.const(GROUP)), lanes, g.const(GROUP))
         base = g.at(a.w, b.add(a.off, b.mul(r, a.row_bytes)))
 
@@ -281,9 +281,9 @@ def _gemm_body(g, a, kind):
 
 
 @vector_intrinsic
-def pair_gemm(typingctx, kind, w, off, row_bytes, x32, xk, m0, m1, out, col, r0, r1):
-    """Rows r0..r1 of the repacked matrix at w[off:] times activation rows m0..m1 of the pair packs
-    -> out[m, col + r] (see the module docstring)."""
+def pair_gemm(typingctx, kind, w, off, row_bytes, x32, xk, m0, m1, out, col, rows):
+    """Rows r0..r1 (rows: the tuple (r0, r1)) of the repacked matrix at w[off:] times activation
+    rows m0..m1 of the pair packs -> out[m, col + r] (see the module docstring)."""
     vector_ir.need_isa("the pair kernels")
     if not vector_ir.ZMM:
         from numba.core import errors
@@ -292,7 +292,7 @@ def pair_gemm(typingctx, kind, w, off, row_bytes, x32, xk, m0, m1, out, col, r0,
     def body(g, a):
         g.switch(a.kind, {k: (lambda k=k: _gemm_body(g, a, k)) for k in PAIR_TYPES})
         return g.c.get_dummy_value()
-    return types.none(kind, w, off, row_bytes, x32, xk, m0, m1, out, col, r0, r1), body
+    return types.none(kind, w, off, row_bytes, x32, xk, m0, m1, out, col, rows), body
 
 
 __all__ = ["PAIR_TYPES", "Pairs32", "PairsK", "new_pairs", "pair_row", "pair_gemm", "pairs_take"]
