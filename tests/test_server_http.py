@@ -21,6 +21,7 @@ import functools
 import json
 import re
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -1126,8 +1127,16 @@ def test_a_client_that_leaves_a_request_cancels_it(default_model_path):
     with StubServer(default_model_path, delay=0.01) as s:
         async def leave():
             c = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
-            with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(c.completions.create(model=MODEL, prompt="long", max_tokens=400), 0.5)
+            # the client leaves once its request runs (not after a fixed time: under load the
+            # request may not have reached the engine yet, and one never admitted is not cancelled)
+            task = asyncio.create_task(c.completions.create(model=MODEL, prompt="long", max_tokens=400))
+            deadline = time.monotonic() + 60
+            while s.loop.stats()["running"] == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert s.loop.stats()["running"] == 1, "the request never ran"
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
             stream = await c.completions.create(model=MODEL, prompt="long", max_tokens=400, stream=True)
             await anext(aiter(stream))
             await stream.close()
