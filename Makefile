@@ -21,7 +21,7 @@ args   ?=
 
 .DEFAULT_GOAL := help
 
-.PHONY: help setup model vocab test test-all test-avx2 run bench report lessons baseline llama-cpp notebooks setup-cuda clean
+.PHONY: help setup model vocab compile test test-all test-avx2 run bench report lessons baseline llama-cpp notebooks setup-cuda clean
 
 help:  ## list the targets and the stages
 	@echo "usage: make TARGET [stage=NAME prompt=TEXT n=N model=PATH name=MODEL]"
@@ -50,8 +50,14 @@ model: $(STAMP)  ## fetch a model: name=smollm2 (default) | tinyllama-synthetic 
 
 vocab: $(VOCAB_STAMP)  ## fetch llama.cpp's vocab-only GGUF files (tokenizer tests)
 
-test: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## lint, the test suite (fast tests; GPU tests skip, saying why), then test-avx2
+# numba compiles each kernel on first use, on one core, and caches it on disk: compiled first, one
+# stage per core, the stacks that take a minute each cold are ready before the tests load them
+compile: $(STAMP) $(MODEL_FILE)  ## compile every CPU stage's kernels into .numba_cache, one stage per core
+	$(PY) -m app compile
+
+test: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## lint, compile, the test suite (fast tests; GPU tests skip, saying why), then test-avx2
 	$(VENV)/bin/ruff check .
+	$(PY) -m app compile
 	$(PY) -m pytest -q -rfEsx tests $(args)
 	@$(MAKE) --no-print-directory test-avx2
 
@@ -66,6 +72,7 @@ test-avx2: $(STAMP) $(MODEL_FILE)  ## the vector kernels' checks again, compiled
 
 test-all: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## the test suite including the slow tests
 	$(VENV)/bin/ruff check .
+	$(PY) -m app compile
 	LLM_SLOW_TESTS=1 $(PY) -m pytest -q -rfEsx tests $(args)
 
 # np=N: N MPI ranks (the tp stage), hosts=FILE: spread over the machines an MPICH host file lists

@@ -1,10 +1,11 @@
-"""Command line: python -m app {run,bench,stages,report,baseline,inspect,model} ... (--help on each)."""
+"""Command line: python -m app {run,bench,stages,report,baseline,compile,inspect,model} ... (--help on each)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from app import compile as compile_command
 from app import inspect_gguf, run
 from app.measure import baseline, perplexity
 from app.models import MODELS, FetchError, fetch, resolve
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_command.add_commands(sub)
     perplexity.add_commands(sub)
     lessons.add_commands(sub)
+    compile_command.add_commands(sub)
 
     s = sub.add_parser("inspect", help="show a GGUF file's metadata, tensor table and type mix",
                        description="Show a GGUF file's metadata (long arrays abbreviated), tensor table, "

@@ -385,3 +385,44 @@ def test_a_compiled_hang_holding_the_interpreter_is_stopped(tmp_path):
     p = run_pytest(tmp_path, HANGING_TESTS, "-k", "compiled_hang", LLM_TEST_TIMEOUT="1", LLM_TEST_TIMEOUT_GRACE="2")
     assert p.returncode != 0
     assert "Timeout (0:00:03)!" in p.stderr and "test_compiled_hang" in p.stderr     # faulthandler's dump
+
+
+# ---- compile: the kernels into numba's disk cache, before the processes that need them ------------
+
+COMPILES = ("import sys, app; app.configure_numba()\n"
+            "from numba.core import event\n"
+            "from app.compile import exercise\n"
+            "with event.install_recorder('numba:compile') as rec:\n"
+            "    exercise('kv_cache', sys.argv[1])\n"
+            "print(sum(1 for _, e in rec.buffer if e.is_start))\n")
+
+
+def compiles_in_a_new_process(cache, model) -> int:
+    """How many functions numba compiles (not loads from `cache`) while a new process runs
+    kv_cache's paths, as `app compile` runs them."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
+    p = subprocess.run([sys.executable, "-c", COMPILES, str(model)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    return int(p.stdout.strip().splitlines()[-1])
+
+
+def test_compile_fills_the_cache_so_a_later_process_compiles_nothing(tmp_path, default_model_path):
+    """After `app compile --stages kv_cache`, a new process running that stage's single and
+    batched paths compiles nothing; with an empty cache the same count is not zero (what shows
+    the count can fail)."""
+    assert compiles_in_a_new_process(tmp_path / "empty", default_model_path) > 0
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "filled"))
+    p = subprocess.run([sys.executable, "-m", "app", "compile", "--stages", "kv_cache", "--jobs", "1",
+                        "-m", str(default_model_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "compiled 1 of 1 stages" in p.stdout
+    assert compiles_in_a_new_process(tmp_path / "filled", default_model_path) == 0
+
+
+def test_compile_names_the_stage_that_failed_and_exits_non_zero(default_model_path):
+    p = run("compile", "--stages", "kv_cache,no_such_stage", "--jobs", "2", "-m", str(default_model_path))
+    assert p.returncode == 1
+    assert "no_such_stage" in p.stderr and "failed" in p.stderr
+    assert "compiled 1 of 2 stages" in p.stdout

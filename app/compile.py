@@ -1,0 +1,103 @@
+"""`python -m app compile`: the CPU stages' kernels compiled now, into numba's on-disk cache
+(NUMBA_CACHE_DIR; the Makefile sets .numba_cache), several stages at a time, each in its own
+process.
+
+numba compiles a kernel the first time it is called with new argument types, on one core, and
+writes the result to disk; a later process loads it in a fraction of a second. Cold, the layer
+stacks of the fused, repack and prefill stages take about a minute each. A run that meets them
+one by one (the test suite, a notebook) compiles them one after another on one core; this
+compiles them side by side, one stage per core, and `make test` runs it first.
+
+Each stage runs what its callers run: a prompt and a few decode steps (the single-sequence
+path, `generate`), then two sequences through the engine loop, one prompt in chunks beside the
+other's decode (the batched path the server takes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from app.models import resolve
+
+PROMPTS = ("The quick brown fox jumps over the lazy dog. Then it", "Once upon a time")
+STEPS = 3             # decode steps: one is enough to compile; a few go through the same code again
+
+
+def exercise(stage: str, model) -> None:
+    """Compile what a stage's single-sequence and batched paths call, by calling them."""
+    from app.serve.engine_loop import EngineLoop
+    from app.serve.sequence import Ask, Sequence
+    from common.generate import generate
+    from stages import info, load
+
+    engine = load(stage, model)
+    generate(engine, engine.tokenizer.encode(PROMPTS[1]), STEPS)
+    if not info(stage).kv_cache:
+        return                         # a stage that recomputes keeps no pages: no batched path
+    loop = EngineLoop(engine, kv_pages=16, prefill_chunk=5)
+    for text in PROMPTS:
+        loop.submit(Sequence(Ask(engine.tokenizer.encode(text), STEPS)))
+    while not loop.scheduler.idle:
+        loop.step()
+
+
+def stages_to_compile() -> list[str]:
+    """The CPU stages that run here, the slowest to compile first (so the last to finish is a
+    short one): the layer stacks, then the rest in the registry's order."""
+    from stages import runnable_stages
+    cpu = [s for s in runnable_stages() if s != "cuda"]
+    stacks = [s for s in ("prefill", "fused", "repack", "tp", "int8") if s in cpu]
+    return stacks + [s for s in cpu if s not in stacks]
+
+
+def compile_all(stages: list[str], model: str, jobs: int) -> int:
+    """Each stage in a process of its own (`compile --one`), `jobs` at a time; prints a line per
+    stage as it ends. Returns the number that failed."""
+    def one(stage):
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "app", "compile", "--one", stage, "-m", model],
+                              capture_output=True, text=True)
+        return stage, proc, time.perf_counter() - t0
+
+    failed = 0
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(jobs) as pool:
+        for stage, proc, seconds in pool.map(one, stages):
+            if proc.returncode:
+                failed += 1
+                print(f"  {stage:<10} failed ({proc.returncode}):\n{proc.stderr.strip()}", file=sys.stderr)
+            else:
+                print(f"  {stage:<10} {seconds:6.1f} s")
+    print(f"compiled {len(stages) - failed} of {len(stages)} stages in {time.perf_counter() - t0:.1f} s "
+          f"({jobs} at a time; cache: {os.environ.get('NUMBA_CACHE_DIR', 'next to the sources')})")
+    return failed
+
+
+def _cmd_compile(args):
+    model = str(resolve(args.model))
+    if args.one:
+        exercise(args.one, model)
+        return
+    stages = args.stages.split(",") if args.stages else stages_to_compile()
+    if compile_all(stages, model, max(1, args.jobs)):
+        raise SystemExit(1)
+
+
+def add_commands(sub):
+    from app.measure.machine import physical_cores
+    s = sub.add_parser("compile", help="compile every CPU stage's kernels into numba's disk cache, in parallel",
+                       description="Compile the CPU stages' kernels now, one stage per process, JOBS at a time, "
+                                   "into numba's on-disk cache (NUMBA_CACHE_DIR), so that later runs load them "
+                                   "instead of compiling them one after another on one core.")
+    s.add_argument("-m", "--model", default=None, help="the GGUF file whose shapes to run (default: the default model)")
+    s.add_argument("--stages", default=None, help="comma-separated stages (default: every CPU stage that runs here)")
+    s.add_argument("--jobs", type=int, default=physical_cores(),
+                   help="stages compiled at once (default: the physical cores)")
+    s.add_argument("--one", default=None, metavar="STAGE", help=argparse.SUPPRESS)    # the worker: one stage
+    s.set_defaults(func=_cmd_compile)
+
