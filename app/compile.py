@@ -1,4 +1,4 @@
-"""`python -m app compile`: the CPU stages' kernels compiled now, into numba's on-disk cache
+"""`python -m app compile`: the CPU stages' (and variants') kernels compiled now, into numba's on-disk cache
 (NUMBA_CACHE_DIR; the Makefile sets .numba_cache), several stages at a time, each in its own
 process.
 
@@ -25,6 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from app.models import resolve
 
 PROMPTS = ("The quick brown fox jumps over the lazy dog. Then it", "Once upon a time")
+# The jobs that take 10 s or more cold, in the order that kept two processes busy here: threads
+# before int8, whose kernels build on threads' (run side by side, both would compile them).
+SLOWEST = ("prefill", "fused", "threads", "repack", "int8")
 STEPS = 3             # decode steps: one is enough to compile; a few go through the same code again
 
 
@@ -47,41 +50,45 @@ def exercise(stage: str, model) -> None:
 
 
 def stages_to_compile() -> list[str]:
-    """The CPU stages that run here, the slowest to compile first (so the last to finish is a
-    short one): the layer stacks, then the rest in the registry's order."""
-    from stages import runnable_stages
-    cpu = [s for s in runnable_stages() if s != "cuda"]
-    stacks = [s for s in ("prefill", "fused", "repack", "tp", "int8") if s in cpu]
-    return stacks + [s for s in cpu if s not in stacks]
+    """The jobs: the CPU stages that run here, each with its variants (they share most of its
+    kernels, which one process then compiles once), as comma-separated names; the slowest to
+    compile first (SLOWEST; so the last to finish is a short one)."""
+    from stages import STAGES, VARIANTS, info, unavailable_reason
+    cpu = [s for s in STAGES if s != "cuda" and unavailable_reason(s) is None]
+    jobs = {s: [s] + [v for v in VARIANTS if info(v).variant_of == s and unavailable_reason(v) is None]
+            for s in cpu}
+    order = [s for s in SLOWEST if s in cpu] + [s for s in cpu if s not in SLOWEST]
+    return [",".join(jobs[s]) for s in order]
 
 
-def compile_all(stages: list[str], model: str, jobs: int) -> int:
-    """Each stage in a process of its own (`compile --one`), `jobs` at a time; prints a line per
-    stage as it ends. Returns the number that failed."""
-    def one(stage):
+def compile_all(jobs: list[str], model: str, at_once: int) -> int:
+    """Each job (comma-separated stages) in a process of its own (`compile --one`), `at_once`
+    at a time; prints a line per job as it ends. Returns the number that failed."""
+    def one(job):
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "app", "compile", "--one", stage, "-m", model],
+        proc = subprocess.run([sys.executable, "-m", "app", "compile", "--one", job, "-m", model],
                               capture_output=True, text=True)
-        return stage, proc, time.perf_counter() - t0
+        return job, proc, time.perf_counter() - t0
 
     failed = 0
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(jobs) as pool:
-        for stage, proc, seconds in pool.map(one, stages):
+    with ThreadPoolExecutor(at_once) as pool:
+        for job, proc, seconds in pool.map(one, jobs):
             if proc.returncode:
                 failed += 1
-                print(f"  {stage:<10} failed ({proc.returncode}):\n{proc.stderr.strip()}", file=sys.stderr)
+                print(f"  {job:<16} failed ({proc.returncode}):\n{proc.stderr.strip()}", file=sys.stderr)
             else:
-                print(f"  {stage:<10} {seconds:6.1f} s")
-    print(f"compiled {len(stages) - failed} of {len(stages)} stages in {time.perf_counter() - t0:.1f} s "
-          f"({jobs} at a time; cache: {os.environ.get('NUMBA_CACHE_DIR', 'next to the sources')})")
+                print(f"  {job:<16} {seconds:6.1f} s")
+    print(f"compiled {len(jobs) - failed} of {len(jobs)} jobs in {time.perf_counter() - t0:.1f} s "
+          f"({at_once} at a time; cache: {os.environ.get('NUMBA_CACHE_DIR', 'next to the sources')})")
     return failed
 
 
 def _cmd_compile(args):
     model = str(resolve(args.model))
     if args.one:
-        exercise(args.one, model)
+        for stage in args.one.split(","):
+            exercise(stage, model)
         return
     stages = args.stages.split(",") if args.stages else stages_to_compile()
     if compile_all(stages, model, max(1, args.jobs)):
@@ -95,9 +102,10 @@ def add_commands(sub):
                                    "into numba's on-disk cache (NUMBA_CACHE_DIR), so that later runs load them "
                                    "instead of compiling them one after another on one core.")
     s.add_argument("-m", "--model", default=None, help="the GGUF file whose shapes to run (default: the default model)")
-    s.add_argument("--stages", default=None, help="comma-separated stages (default: every CPU stage that runs here)")
+    s.add_argument("--stages", default=None, help="comma-separated stages, one process each "
+                        "(default: every CPU stage that runs here, its variants in its process)")
     s.add_argument("--jobs", type=int, default=physical_cores(),
                    help="stages compiled at once (default: the physical cores)")
-    s.add_argument("--one", default=None, metavar="STAGE", help=argparse.SUPPRESS)    # the worker: one stage
+    s.add_argument("--one", default=None, metavar="STAGE", help=argparse.SUPPRESS)    # the worker: one job
     s.set_defaults(func=_cmd_compile)
 

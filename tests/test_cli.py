@@ -417,7 +417,7 @@ def test_compile_fills_the_cache_so_a_later_process_compiles_nothing(tmp_path, d
                         "-m", str(default_model_path)], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr
-    assert "compiled 1 of 1 stages" in p.stdout
+    assert "compiled 1 of 1 jobs" in p.stdout
     assert compiles_in_a_new_process(tmp_path / "filled", default_model_path) == 0
 
 
@@ -425,4 +425,4 @@ def test_compile_names_the_stage_that_failed_and_exits_non_zero(default_model_pa
     p = run("compile", "--stages", "kv_cache,no_such_stage", "--jobs", "2", "-m", str(default_model_path))
     assert p.returncode == 1
     assert "no_such_stage" in p.stderr and "failed" in p.stderr
-    assert "compiled 1 of 2 stages" in p.stdout
+    assert "compiled 1 of 2 jobs" in p.stdout
