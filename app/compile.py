@@ -16,6 +16,7 @@ other's decode (the batched path the server takes).
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import subprocess
 import sys
@@ -25,14 +26,37 @@ from concurrent.futures import ThreadPoolExecutor
 from app.models import resolve
 
 PROMPTS = ("The quick brown fox jumps over the lazy dog. Then it", "Once upon a time")
-# The jobs that take 10 s or more cold, in the order that kept two processes busy here: threads
-# before int8, whose kernels build on threads' (run side by side, both would compile them).
-SLOWEST = ("prefill", "fused", "threads", "repack", "int8")
+# The jobs that take 10 s or more cold (repack: two stacks), longest first, but threads before
+# int8, whose kernels build on threads' (run side by side, both would compile them).
+SLOWEST = ("prefill", "repack", "threads", "fused", "int8")
 STEPS = 3             # decode steps: one is enough to compile; a few go through the same code again
 
 
 def exercise(stage: str, model) -> None:
-    """Compile what a stage's single-sequence and batched paths call, by calling them."""
+    """Compile what a stage's single-sequence and batched paths call, by calling them, for
+    each K/V type the stage stores (kv_types)."""
+    before = os.environ.get("LLM_KV_TYPE")
+    try:
+        for kv in kv_types(stage):
+            if kv is not None:
+                os.environ["LLM_KV_TYPE"] = kv
+            _exercise(stage, model)
+    finally:
+        if before is None:
+            os.environ.pop("LLM_KV_TYPE", None)
+        else:
+            os.environ["LLM_KV_TYPE"] = before
+
+
+def kv_types(stage: str) -> tuple:
+    """The K/V types a stage's backend takes (its module's KV_TYPES, chosen by LLM_KV_TYPE):
+    repack's float16 and float32 are two layer stacks to numba (chapter 10 runs both); (None,)
+    for a stage with one."""
+    from stages import backend_class
+    return tuple(getattr(importlib.import_module(backend_class(stage).__module__), "KV_TYPES", (None,)))
+
+
+def _exercise(stage: str, model) -> None:
     from app.serve.engine_loop import EngineLoop
     from app.serve.sequence import Ask, Sequence
     from common.generate import generate
