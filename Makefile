@@ -51,7 +51,7 @@ model: $(STAMP)  ## fetch a model: name=smollm2 (default) | tinyllama-synthetic 
 vocab: $(VOCAB_STAMP)  ## fetch llama.cpp's vocab-only GGUF files (tokenizer tests)
 
 # numba compiles each kernel on first use, on one core, and caches it on disk: compiled first, one
-# stage per core, the stacks that take a minute each cold are ready before the tests load them
+# stage per core, the layer stacks are ready before the tests load them
 compile: $(STAMP) $(MODEL_FILE)  ## compile every CPU stage's kernels into .numba_cache, one stage per core
 	$(PY) -m app compile
 

@@ -3,10 +3,10 @@
 process.
 
 numba compiles a kernel the first time it is called with new argument types, on one core, and
-writes the result to disk; a later process loads it in a fraction of a second. Cold, the layer
-stacks of the fused, repack and prefill stages take about a minute each. A run that meets them
-one by one (the test suite, a notebook) compiles them one after another on one core; this
-compiles them side by side, one stage per core, and `make test` runs it first.
+writes the result to disk; a later process loads it instead. The layer stacks of the fused,
+repack and prefill stages are the slowest to compile (each job's seconds are printed). A run that
+meets them one by one (the test suite, a notebook) compiles them one after another on one core;
+this compiles them side by side, one stage per core, and `make test` runs it first.
 
 Each stage runs what its callers run: a prompt and a few decode steps (the single-sequence
 path, `generate`), then two sequences through the engine loop, one prompt in chunks beside the
@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from app.models import resolve
 
 PROMPTS = ("The quick brown fox jumps over the lazy dog. Then it", "Once upon a time")
-# The jobs that take 10 s or more cold (repack: two stacks), longest first, but threads before
-# int8, whose kernels build on threads' (run side by side, both would compile them).
+# Started first: the layer stacks (repack's twice, one per K/V type), then threads before int8,
+# whose kernels build on threads' (run side by side, both would compile them).
 SLOWEST = ("prefill", "repack", "threads", "fused", "int8")
 STEPS = 3             # decode steps: one is enough to compile; a few go through the same code again
 
@@ -87,7 +87,7 @@ def stages_to_compile() -> list[str]:
 
 def compile_all(jobs: list[str], model: str, at_once: int) -> int:
     """Each job (comma-separated stages) in a process of its own (`compile --one`), `at_once`
-    at a time; prints a line per job as it ends. Returns the number that failed."""
+    at a time; prints a line per job, in the jobs' order. Returns the number that failed."""
     def one(job):
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "app", "compile", "--one", job, "-m", model],
