@@ -206,7 +206,7 @@ class FusedBackend(Int8Backend):
     def __init__(self, threads: int | None = None):
         super().__init__(threads)
         self._plan = None
-        self._heads = {}                # id(weight) -> (its blocks as a blob, its one MATRIX record)
+        self._heads = {}                # id(weight) -> (the weight, its blocks as a blob, its one MATRIX record)
         self.kernel_seconds = 0.0       # time inside the compiled calls, for Python's share
         self.cores = CoreShare()        # all threads, or one while the cores are shared
         self.barriers = 0               # barriers crossed in the last call (counted by the threads)
@@ -279,12 +279,13 @@ class FusedBackend(Int8Backend):
         return self._run(model, batch.tokens, Cache(k, v, batch.tables, pool.page_size), rows)
 
     def _head(self, w):
-        """The output matrix as a blob and its one MATRIX record."""
+        """The output matrix as a blob and its one MATRIX record. The entry holds the matrix
+        itself: were it let go, a later matrix could be given its id and read its record."""
         head = self._heads.get(id(w))
-        if head is None:
-            head = self._heads[id(w)] = (w.data.reshape(-1),
+        if head is None or head[0] is not w:
+            head = self._heads[id(w)] = (w, w.data.reshape(-1),
                                          matrix_table([(0, w.shape[0], w.row_bytes, w.kind, self.layout_of(w))]))
-        return head
+        return head[1:]
 
     def matmul(self, x, w):
         """The output head (the one matmul the graph still calls): one compiled call."""

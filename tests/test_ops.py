@@ -29,6 +29,15 @@ def test_matmul(backend, m, k, n):
     np.testing.assert_allclose(y, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4)
 
 
+def test_matmul_reads_each_new_weight_not_one_let_go_before_it(backend):
+    """Weights made and dropped one after another: Python hands a new object the id of one let
+    go, so a stage that keyed what it built for a weight by id() alone would read the old one."""
+    for n in range(3, 23):
+        x, w = rand(2, 16), rand(n, 16)
+        y = backend.to_host(backend.matmul(x, backend.prepare_matrix(tensor_from_f32(w))))
+        np.testing.assert_allclose(y, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("shape", [(1, 7), (5, 33)])
 def test_elementwise(backend, shape):
     a, b = rand(*shape), rand(*shape)

@@ -1,12 +1,13 @@
 """Helpers shared by the stage tests: tensors from bytes, the CPU stages, numpy oracles, the
 thread counts a "1 thread and N agree" test compares, what this CPU offers numba (decided apart
-from the probes under test), a check that a mask selects something, and llama.cpp's recorded
-departure from the float64 reference."""
+from the probes under test), a check that a mask selects something, what mpiexec says of a killed
+rank, and llama.cpp's recorded departure from the float64 reference."""
 
 from __future__ import annotations
 
 import functools
 import platform
+import re
 from pathlib import Path
 
 import numpy as np
@@ -183,6 +184,14 @@ def some(mask, at_least: int = 1, what: str = "positions") -> np.ndarray:
     n = int(mask.sum())
     assert n >= at_least, f"the check would cover {n} {what} (of {mask.size}); it needs at least {at_least}"
     return mask
+
+
+def mpiexec_saw_a_rank_killed(text: str, pids) -> bool:
+    """mpiexec's report that a rank was killed (SIGKILL) and it ended the run. It names one pid:
+    the first rank it finds ended by a signal, and it kills the others with that same signal, so
+    the pid may be any rank's, not always the one killed first."""
+    named = re.search(r"PID (\d+) RUNNING AT", text)
+    return bool(named) and int(named[1]) in set(pids) and "BAD TERMINATION" in text and "signal 9" in text
 
 
 def greedy_at_clear_choices(ours, theirs, tokens, near_tie: float, at_least: int = 10):
