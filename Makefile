@@ -55,10 +55,19 @@ vocab: $(VOCAB_STAMP)  ## fetch llama.cpp's vocab-only GGUF files (tokenizer tes
 compile: $(STAMP) $(MODEL_FILE)  ## compile every CPU stage's kernels into .numba_cache, one stage per core
 	$(PY) -m app compile
 
+# pytest in `jobs` worker processes (pytest-xdist), a test file to each: most tests leave a core
+# idle (a server on one thread answering a client, a subprocess, a kernel start), so two workers on
+# two cores take about half the time of one. libgomp's threads spin 300,000 rounds before they
+# sleep: beside a second worker they spin away its turns at the cores (the same tests took 3.5x
+# longer two at a time than one by one); GOMP_SPINCOUNT=1000 lets a waiting thread sleep soon.
+# jobs=1 runs them in this process, one by one.
+jobs   ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+PYTEST := GOMP_SPINCOUNT=1000 $(PY) -m pytest -q -rfEsx $(if $(filter-out 1,$(jobs)),-n $(jobs) --dist loadfile)
+
 test: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## lint, compile, the test suite (fast tests; GPU tests skip, saying why), then test-avx2
 	$(VENV)/bin/ruff check .
 	$(PY) -m app compile
-	$(PY) -m pytest -q -rfEsx tests $(args)
+	$(PYTEST) tests $(args)
 	@$(MAKE) --no-print-directory test-avx2
 
 # The vector kernels choose their instructions by CPU feature (stages/kernels/vector_ir.py): this runs
@@ -68,12 +77,12 @@ test: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## lint, compile, the test suite (f
 # and compiling each stack again for haswell would cost minutes of the test budget.
 AVX2_CPU ?= haswell
 test-avx2: $(STAMP) $(MODEL_FILE)  ## the vector kernels' checks again, compiled for an AVX2-only CPU (haswell)
-	NUMBA_CPU_NAME=$(AVX2_CPU) NUMBA_CPU_FEATURES= $(PY) -m pytest -q -rfEsx -m isa_paths tests
+	NUMBA_CPU_NAME=$(AVX2_CPU) NUMBA_CPU_FEATURES= $(PYTEST) -m isa_paths tests
 
 test-all: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## the test suite including the slow tests
 	$(VENV)/bin/ruff check .
 	$(PY) -m app compile
-	LLM_SLOW_TESTS=1 $(PY) -m pytest -q -rfEsx tests $(args)
+	LLM_SLOW_TESTS=1 $(PYTEST) tests $(args)
 
 # np=N: N MPI ranks (the tp stage), hosts=FILE: spread over the machines an MPICH host file lists
 # (a host file `make netns` writes starts with the command that reaches its hosts: mpiexec then runs through it)

@@ -268,3 +268,20 @@ def ll(tok):
     """The default model's vocabulary as llguidance takes it (common/constrain)."""
     from common.constrain import ll_tokenizer
     return ll_tokenizer(tok)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Seconds per notebook and its slowest cells, in pytest's summary (also with -q). Each
+    chapter's test records them on its report (tests/test_notebooks.py: run_chapter), so they
+    reach the summary from a pytest-xdist worker as from the one process."""
+    rows = [value for reports in terminalreporter.stats.values() for r in reports
+            if getattr(r, "when", None) == "call"
+            for key, value in getattr(r, "user_properties", ()) if key == "notebook"]
+    if not rows:
+        return
+    terminalreporter.write_sep("-", "notebooks (seconds, kernel start included; their slowest cells)")
+    for name, seconds, cells in sorted(rows):
+        terminalreporter.write_line(f"{seconds:7.1f}  {name}")
+        for cell_s, first in cells:
+            terminalreporter.write_line(f"         {cell_s:6.1f}  {first}")
+    terminalreporter.write_line(f"{sum(r[1] for r in rows):7.1f}  all")

@@ -91,29 +91,6 @@ def test_fma_counts_and_hot_loop():
     assert notebook.hot_loop(asm).startswith(".LBB0_1:")
 
 
-@pytest.fixture(scope="module")
-def timings(request):
-    """Seconds per notebook, printed in pytest's summary (also with -q)."""
-    class Times(dict):
-        cells = {}                    # chapter -> its slowest cells, (seconds, first line)
-
-    times = Times()
-
-    class Summary:
-        def pytest_terminal_summary(self, terminalreporter):
-            if times:
-                terminalreporter.write_sep("-", "notebooks (seconds, kernel start included; their slowest cells)")
-                for name, s in times.items():
-                    terminalreporter.write_line(f"{s:7.1f}  {name}")
-                    for cell_s, first in times.cells.get(name, ()):
-                        terminalreporter.write_line(f"         {cell_s:6.1f}  {first}")
-                terminalreporter.write_line(f"{sum(times.values()):7.1f}  all")
-
-    plugin = Summary()
-    request.config.pluginmanager.register(plugin, "notebook-timings")
-    yield times
-
-
 KERNEL = "llm-notebooks-test"
 
 
@@ -132,19 +109,19 @@ def jupyter_path(tmp_path_factory):
 
 @pytest.mark.timeout(3 * CELL_TIMEOUT_S, method="thread")       # a chapter, with a cold numba cache
 @pytest.mark.parametrize("name", CHAPTERS)
-def test_notebook_runs(name, monkeypatch, timings, jupyter_path, default_model_path):
-    run_chapter(name, True, CELL_TIMEOUT_S, monkeypatch, timings, jupyter_path)
+def test_notebook_runs(name, monkeypatch, record_property, jupyter_path, default_model_path):
+    run_chapter(name, True, CELL_TIMEOUT_S, monkeypatch, record_property, jupyter_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CHAPTERS)
-def test_notebook_runs_at_full_settings(name, monkeypatch, timings, jupyter_path, default_model_path):
+def test_notebook_runs_at_full_settings(name, monkeypatch, record_property, jupyter_path, default_model_path):
     """As a reader's `make notebooks` runs a chapter: the report's settings, not the quick ones
     (what only shows at full size, such as a prompt that fills pages, shows here)."""
-    run_chapter(name, False, FULL_CELL_TIMEOUT_S, monkeypatch, timings, jupyter_path)
+    run_chapter(name, False, FULL_CELL_TIMEOUT_S, monkeypatch, record_property, jupyter_path)
 
 
-def run_chapter(name, quick: bool, cell_timeout: int, monkeypatch, timings, jupyter_path):
+def run_chapter(name, quick: bool, cell_timeout: int, monkeypatch, record_property, jupyter_path):
     pytest.importorskip("ipykernel", reason="ipykernel is in requirements-test.txt")
     from nbclient import NotebookClient
     monkeypatch.setenv("LLM_NOTEBOOK_QUICK", "1" if quick else "0")      # tiny prompts and generations, or not
@@ -155,8 +132,8 @@ def run_chapter(name, quick: bool, cell_timeout: int, monkeypatch, timings, jupy
                             resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
     t0 = time.perf_counter()
     client.execute()                  # a fresh kernel, shut down after; a failing cell raises here
-    timings[name + ("" if quick else " (full settings)")] = time.perf_counter() - t0
-    timings.cells[name] = slowest_cells(nb)
+    record_property("notebook", (name + ("" if quick else " (full settings)"), time.perf_counter() - t0,
+                                 slowest_cells(nb)))
     last = nb.cells[-1]
     assert last.cell_type == "code" and "findings.show()" in last.source, "a chapter ends with its findings"
     shown = "".join(o.get("data", {}).get("text/markdown", "") for o in last.outputs)

@@ -20,9 +20,9 @@ import pytest
 
 from common.gguf import GGMLType, GGUFFile
 from tests.test_quantized import write_tiny_llama
-from tests.util import mpiexec_saw_a_rank_killed
 from tests.test_tp import MPIEXEC, NEAR_TIE, RANK_TYPES, ROOT
 from tests.tp_serve_rank import PLANTED_ERROR
+from tests.util import mpiexec_saw_a_rank_killed
 
 NEEDS_BY_FIXTURE = {"chat_model": "model"}          # its tokenizer is the default model's
 N_CTX = 256
