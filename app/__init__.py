@@ -9,8 +9,9 @@
 It imports the engine (common/) and the stages (stages/); neither imports it.
 
 Entry points (`python -m app`, the scripts, the notebooks, the tests) call `configure_numba()`
-before anything imports numba: where numba keeps its compiled kernels, and the threading layers
-it may choose. Importing the engine or a stage changes neither.
+before anything imports numba: where numba keeps its compiled kernels (numba_cache.py: saved
+safely beside other processes), and the threading layers it may choose. Importing the engine or
+a stage changes neither.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ def configure_numba():
 
     A CPU named for numba to compile for (NUMBA_CPU_NAME=haswell: the AVX2-only path on any x86
     machine) means that CPU's features: numba would otherwise add this machine's own (AVX-512,
-    VNNI) to the name, so an empty NUMBA_CPU_FEATURES is set unless one is given."""
+    VNNI) to the name, so an empty NUMBA_CPU_FEATURES is set unless one is given.
+
+    The cache's saves hold a lock (app/numba_cache.py): processes compiling at once would
+    otherwise hand each other's machine code out."""
     os.environ.setdefault("NUMBA_CACHE_DIR", str(ROOT / ".numba_cache"))
     os.environ.setdefault("NUMBA_THREADING_LAYER_PRIORITY", " ".join(THREADING_LAYERS))
     if os.environ.get("NUMBA_CPU_NAME"):
@@ -46,3 +50,5 @@ def configure_numba():
         if os.environ.get("NUMBA_CPU_NAME"):
             numba.config.CPU_NAME = os.environ["NUMBA_CPU_NAME"]
             numba.config.CPU_FEATURES = os.environ["NUMBA_CPU_FEATURES"]
+    from app.numba_cache import lock_saves
+    lock_saves()                                           # imports numba, configured by now

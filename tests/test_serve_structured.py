@@ -187,7 +187,8 @@ def test_a_tool_loop_of_two_turns(server):
                           {"role": "tool", "tool_call_id": calls[0].id, "content": "18 C and sunny"}]
     answer = c.chat.completions.create(messages=turn, tool_choice="none", **kw)
     choice = answer.choices[0]
-    assert choice.finish_reason == "stop" and choice.message.tool_calls is None
+    assert choice.finish_reason == "stop" and choice.message.tool_calls is None, (calls[0].function.arguments,
+                                                                                choice.message.content)
     assert choice.message.content and not choice.message.content.lstrip().startswith("{"), choice.message.content
     again = c.chat.completions.create(messages=turn, **kw).choices[0]       # auto: words or a call, valid either way
     assert (again.message.tool_calls is None) == (again.finish_reason == "stop")

@@ -1,0 +1,81 @@
+"""app/numba_cache.py: processes saving into one numba cache at once. Each entry survives the
+other's save, and an entry never points at a data file not yet written. Each check also runs
+against numba's own save (a process that skips app.configure_numba), which fails it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# argv: cache folder, locked|bare (app.configure_numba or numba's own save), key, then what to
+# plant: "dawdle" (after reading the index, say so and wait a second before writing it back),
+# "check-order" (at the moment the index is written, the entry's data file must exist).
+SAVER = """
+import os, sys, time
+folder, mode, key, plant = sys.argv[1:5]
+if mode == "locked":
+    import app
+    app.configure_numba()
+from numba.core.caching import IndexDataCacheFile
+f = IndexDataCacheFile(folder, "kernel", "stamp")
+if plant == "dawdle":
+    read = f._load_index
+    def dawdle():
+        got = read()
+        print("read", flush=True)
+        time.sleep(1.0)
+        return got
+    f._load_index = dawdle
+elif plant == "check-order":
+    write = f._save_index
+    def checked(overloads):
+        assert os.path.exists(f._data_path(overloads[key])), "the entry was written before its data"
+        write(overloads)
+    f._save_index = checked
+f.save(key, key * 1000)
+"""
+
+
+def save(folder, mode, key, plant="") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", SAVER, str(folder), mode, key, plant or "-"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def entries(folder) -> dict:
+    from numba.core.caching import IndexDataCacheFile
+    f = IndexDataCacheFile(str(folder), "kernel", "stamp")
+    return {key: f.load(key) for key in ("A", "B")}
+
+
+def two_at_once(folder, mode) -> dict:
+    """A reads the index and waits; B saves meanwhile; then A writes."""
+    folder.mkdir()
+    a = save(folder, mode, "A", "dawdle")
+    assert a.stdout.readline().strip() == "read", a.stderr.read()
+    b = save(folder, mode, "B")
+    for p in (b, a):
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+    return entries(folder)
+
+
+def test_two_processes_saving_at_once_keep_both_entries(tmp_path):
+    assert two_at_once(tmp_path / "locked", "locked") == {"A": "A" * 1000, "B": "B" * 1000}
+    bare = two_at_once(tmp_path / "bare", "bare")                   # numba's own save: B's entry is lost
+    assert bare["B"] is None and bare["A"] == "A" * 1000, bare
+
+
+@pytest.mark.parametrize("mode", ["locked", "bare"])
+def test_an_entry_is_written_after_its_data(tmp_path, mode):
+    p = save(tmp_path, mode, "A", "check-order")
+    out, err = p.communicate(timeout=120)
+    if mode == "locked":
+        assert p.returncode == 0, err[-2000:]
+        assert entries(tmp_path)["A"] == "A" * 1000
+    else:                                                             # numba's own order: index first
+        assert p.returncode != 0 and "the entry was written before its data" in err, err[-2000:]
