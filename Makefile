@@ -57,9 +57,9 @@ compile: $(STAMP) $(MODEL_FILE)  ## compile every CPU stage's kernels into .numb
 
 # pytest in `jobs` worker processes (pytest-xdist), a test file to each: most tests leave a core
 # idle (a server on one thread answering a client, a subprocess, a kernel start), so two workers on
-# two cores take about half the time of one. libgomp's threads spin 300,000 rounds before they
-# sleep: beside a second worker they spin away its turns at the cores (the same tests took 3.5x
-# longer two at a time than one by one); GOMP_SPINCOUNT=1000 lets a waiting thread sleep soon.
+# two cores take less time than one. libgomp's idle threads (numba's omp layer) spin a long while
+# before they sleep: beside a second worker they spin away its turns at the cores, and two workers
+# are slower than one; GOMP_SPINCOUNT=1000 lets a waiting thread sleep soon.
 # jobs=1 runs them in this process, one by one.
 jobs   ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 PYTEST := GOMP_SPINCOUNT=1000 $(PY) -m pytest -q -rfEsx $(if $(filter-out 1,$(jobs)),-n $(jobs) --dist loadfile)

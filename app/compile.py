@@ -73,7 +73,7 @@ def _exercise(stage: str, model) -> None:
         loop.step()
 
 
-def stages_to_compile() -> list[str]:
+def compile_jobs() -> list[str]:
     """The jobs: the CPU stages that run here, each with its variants (they share most of its
     kernels, which one process then compiles once), as comma-separated names; the slowest to
     compile first (SLOWEST; so the last to finish is a short one)."""
@@ -114,8 +114,8 @@ def _cmd_compile(args):
         for stage in args.one.split(","):
             exercise(stage, model)
         return
-    stages = args.stages.split(",") if args.stages else stages_to_compile()
-    if compile_all(stages, model, max(1, args.jobs)):
+    jobs = args.stages.split(",") if args.stages else compile_jobs()
+    if compile_all(jobs, model, max(1, args.jobs)):
         raise SystemExit(1)
 
 

@@ -39,9 +39,9 @@ def lock_saves():
             fcntl.flock(lock, fcntl.LOCK_EX)                # released when the file closes
             overloads = self._load_index()
             name = overloads.get(key)
-            if name is None:
+            if name is None:                                # the first number no entry uses
                 taken = set(overloads.values())
-                name = next(n for n in (self._data_name(i) for i in itertools.count(1)) if n not in taken)
+                name = next(n for n in map(self._data_name, itertools.count(1)) if n not in taken)
             self._save_data(name, data)                     # the code, then the entry pointing at it
             if overloads.get(key) != name:
                 overloads[key] = name

@@ -13,8 +13,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # argv: cache folder, locked|bare (app.configure_numba or numba's own save), key, then what to
-# plant: "dawdle" (after reading the index, say so and wait a second before writing it back),
-# "check-order" (at the moment the index is written, the entry's data file must exist).
+# plant: "dawdle" (after reading the index, say so, then wait until the other saver is about to
+# save, and half a second more, before writing it back), "announce" (say, by a file beside the
+# folder, that this save is about to begin), "check-order" (at the moment the index is written,
+# the entry's data file must exist).
 SAVER = """
 import os, sys, time
 folder, mode, key, plant = sys.argv[1:5]
@@ -28,9 +30,14 @@ if plant == "dawdle":
     def dawdle():
         got = read()
         print("read", flush=True)
-        time.sleep(1.0)
+        deadline = time.time() + 60
+        while not os.path.exists(folder + ".announced") and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)                 # the other's save (locked: its wait for the lock) is under way
         return got
     f._load_index = dawdle
+elif plant == "announce":
+    open(folder + ".announced", "w").close()
 elif plant == "check-order":
     write = f._save_index
     def checked(overloads):
@@ -57,7 +64,7 @@ def two_at_once(folder, mode) -> dict:
     folder.mkdir()
     a = save(folder, mode, "A", "dawdle")
     assert a.stdout.readline().strip() == "read", a.stderr.read()
-    b = save(folder, mode, "B")
+    b = save(folder, mode, "B", "announce")
     for p in (b, a):
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-2000:]

@@ -112,7 +112,7 @@ if not missing["int8"]:
         rng = np.random.default_rng(2)
         w = quantize(rng.normal(0, 0.02, (1536, 576)).astype(np.float32), GGMLType.Q4_1)   # SmolLM2's FFN geometry
         w.flags.writeable = False     # read-only as the mapped file is: to numba a writeable array is
-                                      # another type, and the kernels another half-minute compile
+                                      # another type, for which both kernels would compile again
         qa, da_, sa, sm = q8.quantize_q8(rng.standard_normal((1, 576)).astype(np.float32), 32)
         run = {name: (lambda f=f: f(qa[0], da_[0], sa[0], sm[0], w, int(GGMLType.Q4_1), F16_TO_F32, 1))
                for name, f in (("loops (auto-vectorized)", ik.matvec_int8_auto), ("named instructions", ik.matvec_int8_named))}
