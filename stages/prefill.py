@@ -22,8 +22,10 @@ repack stage's prompt is taken apart in two:
   prompt row, and the rows' 8-bit blocks are laid out side by side once, as they are rounded. Work
   items are a chunk of weight rows times a block of prompt rows whose 8-bit values fill a quarter
   of the L2 cache (read from sysfs: common/cpu.py), so every loaded weight block serves the whole block
-  of rows from the cache. Each (weight row, prompt row) gets the repack kernel's integer sums and
-  the same float steps: a prompt row's result is repack's bits, and decode stays repack's kernel.
+  of rows from the cache. A call of a few rows (a batch of decode rows, a verify pass of guesses)
+  is one block, an odd row included, so its weights stream from memory once, not once per pair.
+  Each (weight row, prompt row) gets the repack kernel's integer sums and the same float steps: a
+  prompt row's result is repack's bits, and decode stays repack's kernel.
 * A prompt goes through the stack in pieces of PIECE_ROWS rows: the scratch of a call is sized
   by its rows, so a long prompt needs the KV cache and one piece's scratch (scratch_bytes), not
   scratch for every row at once; the weights are read again per piece, which at a thousand

@@ -19,7 +19,7 @@ from stages.kernels import layer_stack as F
 from stages.kernels.int_dot import matvec_int8_auto
 from stages.kernels.layer_ops import CHUNK, attend_chunk, chunks_of, fast_exp, merge_chunks
 from stages.kernels.q8 import ACTIVATION_BLOCK, dequantize_q8, new_packs, quantize_q8, quantize_row
-from stages.kernels.sync import new_sync
+from stages.kernels.sync import ABORT, SPIN, SPIN_MOST, SPIN_NS, barrier, new_sync, ticks_per_ns
 from stages.kernels.toolkit import BLOCK_BYTES, F16_TO_F32
 from tests.test_int8 import activations
 from tests.test_quantized import MIXED_TYPES, n_cols_for, random_blocks, stage_logits, write_tiny_llama
@@ -261,6 +261,30 @@ def test_a_barrier_gives_up_instead_of_hanging(tiny_path, monkeypatch):
     numba.set_num_threads(1)
     with pytest.raises(RuntimeError, match="barrier gave up"):
         engine.forward([1, 2, 3], 0)
+
+
+@numba.njit
+def _lone_barrier(sync):
+    return barrier(sync, 2, 1)
+
+
+def test_a_barrier_spins_for_a_time_not_a_count_of_pauses():
+    """A thread alone at a barrier of two spins for SPIN_NS of the time-stamp counter before it
+    sleeps, whatever one `pause` costs on this CPU (a few ns on some, over a hundred cycles on
+    others): with the abort flag already up it leaves right after its spin, so the call lasts
+    about SPIN_NS. Each failed spin halves the next one."""
+    import time
+    _lone_barrier(new_sync())                                    # compiled
+    took = []
+    for _ in range(5):
+        sync = new_sync()
+        sync[ABORT] = 1
+        t0 = time.perf_counter_ns()
+        assert not _lone_barrier(sync)
+        took.append(time.perf_counter_ns() - t0)
+        assert sync[SPIN] == sync[SPIN_MOST] // 2
+    assert SPIN_NS / 2 < min(took) < 20 * SPIN_NS, took
+    assert abs(ticks_per_ns() * SPIN_NS - new_sync()[SPIN_MOST]) <= 1
 
 
 def test_one_compiled_call_per_token_for_the_layers(tiny_path, monkeypatch):

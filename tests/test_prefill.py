@@ -126,21 +126,36 @@ def _group(kind, w, rb, p32, pk, out, r1):
 @needs_zmm
 @pytest.mark.parametrize("ggml_type", [GGMLType(t) for t in pair_gemm.PAIR_TYPES], ids=lambda t: t.name)
 def test_pairs_are_repacks_bits(ggml_type):
-    """19 weight rows (two groups and part of one) times 11 activation rows: rows 2..10 in pairs
-    (a whole tile and the pairs left over) give repack's kernel's bits, row by row."""
+    """19 weight rows (two groups and part of one) times activation rows m0..m1 of 12: whole
+    tiles, every narrower tile of the pairs left over, and an odd last row, give repack's kernel's
+    bits, row by row, and write no row outside m0..m1."""
     raw, K, rng = _weights(ggml_type, 19, 500 + int(ggml_type))
-    x = activations(rng, 11, K)
+    x = activations(rng, 12, K)
     p32, pk, x32, xk = _packs(x, K, K % 256 == 0)
     w = repacked.repack(raw, int(ggml_type))
-    want = np.zeros((11, 19), F32)
+    want = np.zeros((12, 19), F32)
     _group(int(ggml_type), w, raw.shape[1], p32, pk, want, 19)
-    got = np.full((11, 19), np.nan, F32)
-    _pair(int(ggml_type), w, raw.shape[1], x32, xk, 2, 10, got, 19)
-    assert np.isnan(got[[0, 1, 10]]).all()                           # only rows 2..9 written
-    assert np.array_equal(got[2:10], want[2:10])
+    for m0, m1 in [(2, 10), (0, 12), (2, 11), (0, 3), (4, 9), (0, 2), (2, 7)]:
+        got = np.full((12, 19), np.nan, F32)
+        _pair(int(ggml_type), w, raw.shape[1], x32, xk, m0, m1, got, 19)
+        outside = [m for m in range(12) if not m0 <= m < m1]
+        assert np.isnan(got[outside]).all(), (m0, m1)
+        assert np.array_equal(got[m0:m1], want[m0:m1]), (m0, m1)
 
 
 # ---- the stage -------------------------------------------------------------------------------------
+
+def test_a_few_rows_are_one_block_and_blocks_start_on_pairs():
+    """A call of a few rows (odd counts too) is one work block, so the weights are read once for
+    all of them; rows past what act_bytes holds go in blocks of whole pairs, the last alone odd."""
+    K, act = 2048, 2048 * 100
+    for M in (2, 3, 5, 9, 100):
+        assert L.block_rows(act, K, M) == M
+    for M in (101, 512, 513):
+        mb = L.block_rows(act, K, M)
+        assert mb == 100 and mb % 2 == 0
+    assert L.block_rows(2048 * 3, K, 513) == 2 and L.block_rows(100, K, 7) == 2
+
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):

@@ -232,20 +232,17 @@ def _pairs(pre):
 @njit(cache=True, inline="always")
 def chunk(mat, blob, r0, r1, m0, m1, xf, s, out, col, fs, pre):
     """Rows r0..r1 of one matrix (a MATRIX record) times activation rows m0..m1 into out[m, col..].
-    With `pre`, the types pair_gemm takes run there, two rows to a register (an odd last row
-    through repack's kernel: the same bits)."""
+    With `pre`, the types pair_gemm takes run there, two rows to a register, when there are two
+    rows or more (a decode row alone stays on repack's kernel: the same bits)."""
     if is_float(mat.kind):
         _chunk_float(mat.kind, blob, mat.offset, mat.row_bytes, r0, r1, m0, m1, xf, out, col, fs[:, :xf.shape[1]])
         return
     if pre is not None:
         if ZMM:                         # a constant: without 512-bit vpdpbusd the pair kernel is not compiled
-            if mat.layout == REPACKED and pairs_take(mat.kind):
+            if mat.layout == REPACKED and pairs_take(mat.kind) and m1 - m0 > 1:
                 x32, xk = _pairs(pre)
-                even = m1 - (m1 - m0) % 2
-                pair_gemm.pair_gemm(mat.kind, blob, mat.offset, mat.row_bytes, x32, xk, m0, even, out, col, (r0, r1))
-                m0 = even
-                if m0 == m1:
-                    return
+                pair_gemm.pair_gemm(mat.kind, blob, mat.offset, mat.row_bytes, x32, xk, m0, m1, out, col, (r0, r1))
+                return
     p32, pk = _rows(s.p32, s.pk, m0, m1)
     if mat.layout == REPACKED:
         repacked.group_gemm(mat.kind, blob, mat.offset, mat.row_bytes, p32, pk, m1 - m0, out[m0:m1], col, r0, r1)
@@ -322,9 +319,11 @@ def _round_f(il, weights, s, ph, t, nt, pre):
 
 @njit(cache=True, inline="always")
 def block_rows(act_bytes, K, M):
-    """Activation rows per matmul work item: all M, or (with `pre`) as many as act_bytes of their
-    8-bit values hold, in pairs."""
-    return max(2, min(M, act_bytes // K) // 2 * 2)
+    """Activation rows per matmul work item (with `pre`): all M where act_bytes of their 8-bit
+    values hold them, else as many pairs as it holds (a block starts on a pair; only the last
+    block may be odd, and a few rows are one block: the weights are read once for all of them)."""
+    n = act_bytes // K
+    return M if M <= n else max(2, n // 2 * 2)
 
 
 @njit(cache=True)

@@ -23,11 +23,13 @@ Every (weight row, activation row) pair gets the integer sums of repack's kernel
 order) and then the same float operations in the same order per block, so a row's result is
 repack's bits: a prompt row here and a decode row through repack's kernel agree (batch
 invariance across the two kernels, tests/test_prefill.py). Q4_0, Q4_1, Q8_0, Q4_K and Q6_K run
-here (PAIR_TYPES); other types, and a last odd row, go through repack's kernel.
+here (PAIR_TYPES); other types go through repack's kernel. An odd last row rides in the first
+half of a pair whose second half is not stored: the weights are read once for every row, which
+is what makes a pass of a few rows (a verify pass, a batch of decode rows) cost close to one.
 
     pair_gemm(kind, w, off, row_bytes, x32, xk, m0, m1, out, col, (r0, r1))
         rows r0..r1 (r0 a multiple of GROUP) of the repacked matrix at w[off:] times activation
-        rows m0..m1 (m0 and m1 even) of the pair packs -> out[m, col + r]
+        rows m0..m1 (m0 even) of the pair packs -> out[m, col + r]
     pair_row(m, K, need32, needk, p32, pk, x32, xk)    row m of the 8-bit packs into the pair packs
     Pairs32(q, d, s, sums), PairsK(q, d, b32, b16), new_pairs(M, K)
 """
@@ -42,7 +44,7 @@ from numba import njit, types
 
 from stages.kernels import vector_ir
 from stages.kernels.int_dot import q6_top_bits
-from stages.kernels.repacked import GROUP, GROUP_AT, OFFSETS, _store, group_k4_scales
+from stages.kernels.repacked import GROUP, GROUP_AT, GROUP_PREFETCH_BYTES, OFFSETS, _store, group_k4_scales
 from stages.kernels.toolkit import BLOCK_BYTES, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
 from stages.kernels.vector_ir import B64, D8, D16, FZ, vector_intrinsic
 
@@ -249,14 +251,17 @@ def _pair_block(g, kind, gb, blk, acts, accs):
 
 
 def _gemm_body(g, a, kind):
-    """Every group of rows r0..r1, every block, T pairs of activation rows at a time, then one."""
+    """Every group of rows r0..r1, every block, T pairs of activation rows at a time, the pairs
+    left over in one narrower tile: a group block is unpacked once per tile, and a group's later
+    tiles read it from L1 (its lines asked for ahead, as in repack's kernel, for the first). An
+    odd last row is the first half of a pair whose second half is never stored."""
     b = g.b
     T = PAIRS_PER_TILE[kind]
     packs = a.xk if kind in PAIR_TYPES_K else a.x32
     gbytes = g.const(GROUP * BLOCK_BYTES[kind])
     nb = b.udiv(a.row_bytes, g.const(BLOCK_BYTES[kind]))
     n_groups = b.udiv(b.add(b.sub(a.rows._1, a.rows._0), g.const(GROUP - 1)), g.const(GROUP))
-    p0, n_pairs = b.udiv(a.m0, g.const(2)), b.udiv(b.sub(a.m1, a.m0), g.const(2))
+    p0, n_pairs = b.udiv(a.m0, g.const(2)), b.udiv(b.add(b.sub(a.m1, a.m0), g.const(1)), g.const(2))
     with g.loop(n_groups) as gi:
         r = b.add(a.rows._0, b.mul(gi, g.const(GROUP)))
         lanes = b.sub(a.rows._1, r)
@@ -267,23 +272,28 @@ def _gemm_body(g, a, kind):
             acts = _PairActs(g, packs, p, width)
             accs = [g.slot(FZ) for _ in range(width)]
             with g.loop(nb) as blk:
-                _pair_block(g, kind, g.at(base, b.mul(blk, gbytes)), blk, acts, accs)
+                gb = g.at(base, b.mul(blk, gbytes))
+                for line in range(0, GROUP * BLOCK_BYTES[kind], 64):
+                    g.prefetch(gb, g.const(GROUP_PREFETCH_BYTES + line))
+                _pair_block(g, kind, gb, blk, acts, accs)
             for t in range(width):
                 x, y = unpair(g, b.load(accs[t]))
                 m = b.mul(acts.pairs[t], g.const(2))
                 _store(g, a, m, b.add(a.col, r), lanes, x)
-                _store(g, a, b.add(m, g.const(1)), b.add(a.col, r), lanes, y)
+                with b.if_then(b.icmp_unsigned("<", b.add(m, g.const(1)), a.m1)):
+                    _store(g, a, b.add(m, g.const(1)), b.add(a.col, r), lanes, y)
 
-        with g.loop(b.udiv(n_pairs, g.const(T))) as i:
+        full = b.udiv(n_pairs, g.const(T))
+        with g.loop(full) as i:
             tile(b.add(p0, b.mul(i, g.const(T))), T)
-        with g.loop(b.urem(n_pairs, g.const(T))) as i:
-            tile(b.add(p0, b.add(b.mul(b.udiv(n_pairs, g.const(T)), g.const(T)), i)), 1)
+        left = b.add(p0, b.mul(full, g.const(T)))
+        g.switch(b.urem(n_pairs, g.const(T)), {w: (lambda w=w: tile(left, w)) for w in range(1, T)})
 
 
 @vector_intrinsic
 def pair_gemm(typingctx, kind, w, off, row_bytes, x32, xk, m0, m1, out, col, rows):
     """Rows r0..r1 (rows: the tuple (r0, r1)) of the repacked matrix at w[off:] times activation
-    rows m0..m1 of the pair packs -> out[m, col + r] (see the module docstring)."""
+    rows m0..m1 (m0 even) of the pair packs -> out[m, col + r] (see the module docstring)."""
     vector_ir.need_isa("the pair kernels")
     if not vector_ir.ZMM:
         from numba.core import errors

@@ -20,7 +20,10 @@ and the last to arrive wakes the sleepers (only if there are any: sync[SLEEPERS]
 bound adapts (sync[SPIN]): a barrier that ended in a sleep halves it, one that ended within the
 spin doubles it back towards SPINS, so a loaded machine stops paying the spin at every barrier.
 (The same rule as glibc's adaptive mutexes and libgomp's GOMP_SPINCOUNT: spin a little, then
-sleep.)
+sleep.) The bound is a time, read from the time-stamp counter, not a count of `pause`s: one
+`pause` waits a few nanoseconds on some x86 cores and over a hundred cycles on others, so a count
+that spins long enough on one CPU sleeps at every slightly uneven barrier on another, and each
+sleep costs a wake-up of tens of microseconds.
 
 A barrier needs every iteration of the region on its own thread, which numba's workqueue and
 OpenMP layers do with one iteration per thread (TBB may run two on one thread: stages/fused.py
@@ -37,25 +40,30 @@ calls Linux's syscall(2) (x86-64): numba has neither for the CPU.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-SPINS = 1000            # pause-reads (tens of microseconds) before a waiting thread sleeps, at most
-MIN_SPINS = 16          # the least a loaded machine's barriers spin
+SPIN_NS = 50_000        # how long a waiting thread spins before it sleeps, at most: a futex wake-up
+                        # costs tens of microseconds, so a shorter wait is cheaper spun
+SPIN_FLOOR = 64         # the least a loaded machine's barriers spin: SPIN_NS / SPIN_FLOOR
 WAIT_NS = 1_000_000     # a sleep's timeout (1 ms): how often a sleeping thread looks at the abort flag
 GIVE_UP = 120_000       # sleeps (two minutes) before a barrier gives up: the abort flag
 # The sync array's words: arrivals, abort flag, sleeps before giving up, the futex's generation,
-# threads asleep, the spin bound now; then, where new_sync made room, phase i's cycles at CLOCK + i.
-ARRIVALS, ABORT, GIVE, GEN, SLEEPERS, SPIN, CLOCK = range(7)
+# threads asleep, the spin bound now and at most (time-stamp counter ticks); then, where new_sync
+# made room, phase i's cycles at CLOCK + i.
+ARRIVALS, ABORT, GIVE, GEN, SLEEPERS, SPIN, SPIN_MOST, CLOCK = range(8)
 SYS_FUTEX, FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 202, 128, 129      # x86-64 Linux
 
 
 def new_sync(give_up: int = GIVE_UP, phases: int = 0) -> np.ndarray:
     """The words above (with a clock for each of `phases` phases), int64."""
-    return np.array([0, 0, give_up, 0, 0, SPINS] + [0] * phases, dtype=np.int64)
+    most = int(SPIN_NS * ticks_per_ns())
+    return np.array([0, 0, give_up, 0, 0, most, most] + [0] * phases, dtype=np.int64)
 
 
 def _slot(context, builder, arrty, arr, idx, idxty):
@@ -160,6 +168,26 @@ def futex_wake(typingctx, arr, idx):
 
 
 @njit(cache=True)
+def _ticks():
+    return cycles()
+
+
+_TICKS_PER_NS = []
+
+
+def ticks_per_ns() -> float:
+    """The time-stamp counter's rate, measured once per process against the OS clock (2 ms)."""
+    if not _TICKS_PER_NS:
+        _ticks()
+        t0, c0 = time.perf_counter_ns(), _ticks()
+        while time.perf_counter_ns() - t0 < 2_000_000:
+            pass
+        c1, t1 = _ticks(), time.perf_counter_ns()
+        _TICKS_PER_NS.append(max(1e-3, (c1 - c0) / (t1 - t0)))
+    return _TICKS_PER_NS[0]
+
+
+@njit(cache=True)
 def next_item(counters, op, t, nt, n):
     """The next work item (0 <= item < n) of op `op` for thread t of nt, or -1 when none is left.
     The items are cut into nt contiguous ranges, one per thread, each with its own counter
@@ -188,20 +216,19 @@ def _arrived(sync, target):
 @njit(cache=True)
 def barrier(sync, nt, k):
     """All nt threads past barrier k (sync[ARRIVALS] counts arrivals), or False if the region
-    aborted. Spin up to sync[SPIN] reads, then sleep on the futex until the last one wakes us."""
+    aborted. Spin for up to sync[SPIN] ticks, then sleep on the futex until the last one wakes us."""
     target = k * nt
     if atomic_add(sync, ARRIVALS, 1) + 1 == target:
         return _arrived(sync, target)
-    limit = atomic_load(sync, SPIN)
-    spins = 0
-    while spins < limit:
+    limit, most = atomic_load(sync, SPIN), sync[SPIN_MOST]
+    start = cycles()
+    while cycles() - start < limit:
         if atomic_load(sync, ARRIVALS) >= target:
-            if limit < SPINS:                           # it came within the spin: spin longer next time
-                atomic_store(sync, SPIN, min(SPINS, 2 * limit))
+            if limit < most:                            # it came within the spin: spin longer next time
+                atomic_store(sync, SPIN, min(most, 2 * limit))
             return atomic_load(sync, ABORT) == 0
         cpu_relax()
-        spins += 1
-    atomic_store(sync, SPIN, max(MIN_SPINS, limit // 2))   # it did not: spin less next time
+    atomic_store(sync, SPIN, max(most // SPIN_FLOOR, limit // 2))   # it did not: spin less next time
     sleeps = 0
     while atomic_load(sync, ARRIVALS) < target:
         if atomic_load(sync, ABORT) != 0:
