@@ -24,8 +24,8 @@ order) and then the same float operations in the same order per block, so a row'
 repack's bits: a prompt row here and a decode row through repack's kernel agree (batch
 invariance across the two kernels, tests/test_prefill.py). Q4_0, Q4_1, Q8_0, Q4_K and Q6_K run
 here (PAIR_TYPES); other types go through repack's kernel. An odd last row rides in the first
-half of a pair whose second half is not stored: the weights are read once for every row, which
-is what makes a pass of a few rows (a verify pass, a batch of decode rows) cost close to one.
+half of a pair whose second half is not stored: the weights are read once for all the rows, which
+is what a pass of a few rows (a verify pass, a batch of decode rows) needs most.
 
     pair_gemm(kind, w, off, row_bytes, x32, xk, m0, m1, out, col, (r0, r1))
         rows r0..r1 (r0 a multiple of GROUP) of the repacked matrix at w[off:] times activation
@@ -252,9 +252,10 @@ def _pair_block(g, kind, gb, blk, acts, accs):
 
 def _gemm_body(g, a, kind):
     """Every group of rows r0..r1, every block, T pairs of activation rows at a time, the pairs
-    left over in one narrower tile: a group block is unpacked once per tile, and a group's later
-    tiles read it from L1 (its lines asked for ahead, as in repack's kernel, for the first). An
-    odd last row is the first half of a pair whose second half is never stored."""
+    left over in one narrower tile: a group block is unpacked once per tile. Every tile asks for
+    the lines ahead as repack's kernel does: the first tile of a group reads them from memory, the
+    later ones find them in L1 (one instruction a line). An odd last row is the first half of a
+    pair whose second half is never stored."""
     b = g.b
     T = PAIRS_PER_TILE[kind]
     packs = a.xk if kind in PAIR_TYPES_K else a.x32

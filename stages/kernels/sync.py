@@ -18,7 +18,7 @@ a core to do nothing while the one it waits for queues behind it. So after a bou
 thread sleeps in the kernel on a futex (the generation word, sync[GEN]), off every run queue,
 and the last to arrive wakes the sleepers (only if there are any: sync[SLEEPERS]). The spin
 bound adapts (sync[SPIN]): a barrier that ended in a sleep halves it, one that ended within the
-spin doubles it back towards SPINS, so a loaded machine stops paying the spin at every barrier.
+spin doubles it back towards sync[SPIN_MOST], so a loaded machine stops paying the spin at every barrier.
 (The same rule as glibc's adaptive mutexes and libgomp's GOMP_SPINCOUNT: spin a little, then
 sleep.) The bound is a time, read from the time-stamp counter, not a count of `pause`s: one
 `pause` waits a few nanoseconds on some x86 cores and over a hundred cycles on others, so a count
@@ -40,6 +40,7 @@ calls Linux's syscall(2) (x86-64): numba has neither for the CPU.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -172,19 +173,15 @@ def _ticks():
     return cycles()
 
 
-_TICKS_PER_NS = []
-
-
+@functools.cache
 def ticks_per_ns() -> float:
     """The time-stamp counter's rate, measured once per process against the OS clock (2 ms)."""
-    if not _TICKS_PER_NS:
-        _ticks()
-        t0, c0 = time.perf_counter_ns(), _ticks()
-        while time.perf_counter_ns() - t0 < 2_000_000:
-            pass
-        c1, t1 = _ticks(), time.perf_counter_ns()
-        _TICKS_PER_NS.append(max(1e-3, (c1 - c0) / (t1 - t0)))
-    return _TICKS_PER_NS[0]
+    _ticks()
+    t0, c0 = time.perf_counter_ns(), _ticks()
+    while time.perf_counter_ns() - t0 < 2_000_000:
+        pass
+    c1, t1 = _ticks(), time.perf_counter_ns()
+    return max(1e-3, (c1 - c0) / (t1 - t0))
 
 
 @njit(cache=True)
