@@ -9,6 +9,11 @@ llama.cpp with flash attention off and on, on the same file, in one run of alter
     compare(model, engines, lengths, threads, rounds)    every engine in alternating rounds -> record
     summary(record), page(record, source)                the medians and ratios, the markdown page
 
+Each engine process also says what its memory did: its resident set after loading and its peak
+after each length (the peak of a sweep is its longest prompt's), and for a stage the bytes that
+prompt needs besides the weights: its K and V, and where the stage says (prefill's scratch_bytes)
+one piece's scratch.
+
 An engine is a stage, `llama.cpp` (flash attention off: llama-cpp-python's default) or
 `llama.cpp+fa` (on). A ratio is taken within a round against the faster of the two llama.cpp rows
 in that round ("llama.cpp's better"), then the median over rounds. The integer peak of this CPU
@@ -43,11 +48,38 @@ def _prompt(tokenizer, n):
     return ids
 
 
+def rss_mib() -> float:
+    """This process's resident set now (/proc/self/statm), MiB."""
+    import os
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mib() -> float:
+    """This process's largest resident set so far (getrusage: KiB on Linux), MiB."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def prompt_bytes(engine, n: int) -> dict:
+    """What a prompt of n tokens needs besides the weights: its K and V (every layer, n positions,
+    as the stage stores them) and, for the prefill stage, one piece's scratch (its scratch_bytes)."""
+    cfg, backend = engine.config, engine.backend
+    kv = cfg.n_layer * n * cfg.kv_dim * 2 * np.dtype(getattr(backend, "kv_dtype", np.float32)).itemsize
+    out = {"kv_mib": kv / 2**20}
+    if engine.backend.name == "prefill":
+        from stages.prefill import PIECE_ROWS, scratch_bytes, tile_rows_for
+        tile = tile_rows_for(cfg.n_head, cfg.n_head_kv, cfg.head_dim, backend.caches["L2"])
+        out["scratch_mib"] = scratch_bytes(cfg, min(n, PIECE_ROWS), backend._threads(), n, tile) / 2**20
+    return out
+
+
 def sweep(engine, lengths, n_predict: int) -> dict:
-    """{length: {ttft_ms, decode_ms, tokens, phases_ms?}} for one loaded stage engine."""
+    """{length: {ttft_ms, decode_ms, tokens, phases_ms?, memory}} for one loaded stage engine."""
     from common.generate import Sampler, generate
     engine.warmup()
     backend, out = engine.backend, {}
+    loaded = rss_mib()
     for n in lengths:
         prompt = _prompt(engine.tokenizer, n)
         engine.reset()
@@ -63,6 +95,7 @@ def sweep(engine, lengths, n_predict: int) -> dict:
         row = {"ttft_ms": gen.ttft_ms, "decode_ms": gen.decode_ms_median, "tokens": gen.tokens}
         if "prompt" in seen:
             row["phases_ms"] = dict(zip(PHASE_NAMES, (seen["prompt"] * 1e3).tolist()))
+        row["memory"] = {"rss_loaded_mib": loaded, "peak_rss_mib": peak_rss_mib(), **prompt_bytes(engine, n)}
         out[str(n)] = row
     engine.reset()
     return out
@@ -83,7 +116,7 @@ def sweep_llama(model_path, lengths, n_predict: int, threads: int, n_ctx: int, f
         return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
 
     llm.eval(_prompt(tokenizer, 4))                 # first-use costs: thread pool, buffers
-    out = {}
+    out, loaded = {}, rss_mib()
     for n in lengths:
         prompt = _prompt(tokenizer, n)
         llm.reset()
@@ -98,7 +131,7 @@ def sweep_llama(model_path, lengths, n_predict: int, threads: int, n_ctx: int, f
             tokens.append(pick())
             steps.append((time.perf_counter() - t0) * 1e3)
         out[str(n)] = {"ttft_ms": ttft, "decode_ms": float(np.median(steps)) if steps else float("nan"),
-                       "tokens": tokens}
+                       "tokens": tokens, "memory": {"rss_loaded_mib": loaded, "peak_rss_mib": peak_rss_mib()}}
     return out
 
 
@@ -222,7 +255,29 @@ def page(record: dict, source: str) -> str:
             lines.append(f"| {e} | {n} | {_num(r['ttft_ms'], 0)} | {_num(r.get('ttft_ms_over_llama'), 2)} "
                          f"| {_num(r['decode_ms'])} | {_num(r.get('decode_ms_over_llama'), 2)} | {att} | {share} "
                          f"| {'yes' if r['same_tokens_as_first'] else 'no'} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + memory_lines(record)) + "\n"
+
+
+def memory_lines(record: dict) -> list[str]:
+    """The memory table (first round's processes), where the record has one."""
+    first = {e: recs[0] for e, recs in record["runs"].items() if recs and "memory" in next(iter(recs[0].values()))}
+    if not first:
+        return []
+    lines = ["", "## Memory", "",
+             "Each engine's process in the first round: its resident set after loading, its peak after each "
+             "length (a sweep's lengths run one after another in one process, so a peak holds the longest "
+             "prompt so far), what the prompt added, and for a stage what that prompt needs besides the "
+             "weights: its K and V, and for prefill one piece's scratch (stages/prefill.py, scratch_bytes).", "",
+             "| engine | prompt | resident after load (MiB) | peak (MiB) | added (MiB) | K and V (MiB) | "
+             "one piece's scratch (MiB) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for e, rows in first.items():
+        for n, r in rows.items():
+            mem = r["memory"]
+            lines.append(f"| {e} | {n} | {_num(mem['rss_loaded_mib'], 0)} | {_num(mem['peak_rss_mib'], 0)} | "
+                         f"{_num(mem['peak_rss_mib'] - mem['rss_loaded_mib'], 0)} | {_num(mem.get('kv_mib'), 0)} | "
+                         f"{_num(mem.get('scratch_mib'), 0)} |")
+    return lines
 
 
 def main(argv=None):
