@@ -64,10 +64,9 @@ def test_every_type_against_the_int8_loops(ggml_type):
 @needs_isa
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(ggml_type):
-    """Activation row 0 alone, first of 3, and among 7 (tile rows, then the rows one by one), and
-    row 6 alone and last of 7:
-    identical bits. (The fused stage's tiles do not promise it: its decode and its tiles sum in
-    different orders, which the same comparison sees.)"""
+    """Activation row 0 alone, first of 3, and among 7 (a whole tile, then the rows left over in one
+    narrower tile), and row 6 alone and last of 7: identical bits. (The fused stage's tiles do not
+    promise it: its decode and its tiles sum in different orders, which the same comparison sees.)"""
     raw, K, rng = _weights(ggml_type, 16, 200 + int(ggml_type))
     x = activations(rng, 8, K)
     alone = _matmul(x[:1], raw, ggml_type, 1, layout=L.REPACKED)[0]

@@ -396,7 +396,8 @@ def _store(g, a, m, n, lanes, value):
 
 
 def _gemm_body(g, a, kind):
-    """Every group of rows r0..r1, every block, C activation rows at a time, then the rest one by one."""
+    """Every group of rows r0..r1, every block, C activation rows at a time, the rows left over in
+    one narrower tile (each tile unpacks the group block once; a group's later tiles find it in L1)."""
     b = g.b
     C = tile_rows(kind, g.isa)
     gbytes = g.const(GROUP * BLOCK_BYTES[kind])
@@ -421,10 +422,8 @@ def _gemm_body(g, a, kind):
 
         with g.loop(b.udiv(a.M, g.const(C))) as t:
             tile(b.mul(t, g.const(C)), C)
-        if C > 1:
-            first = b.mul(b.udiv(a.M, g.const(C)), g.const(C))
-            with g.loop(b.sub(a.M, first)) as t:
-                tile(b.add(first, t), 1)
+        first = b.mul(b.udiv(a.M, g.const(C)), g.const(C))
+        g.switch(b.urem(a.M, g.const(C)), {w: (lambda w=w: tile(first, w)) for w in range(1, C)})
 
 
 @vector_intrinsic
