@@ -184,11 +184,22 @@ def compare(model, engines, lengths, threads: int, rounds: int, n_predict: int =
             "settings": {"lengths": list(lengths), "threads": threads, "rounds": rounds, "n_predict": n_predict,
                          "n_ctx": n_ctx, "order": "alternating (forward, backward, ...)",
                          "sampling": "greedy, EOS ignored"},
-            "engines": list(engines), "runs": runs, "int_peak": peak,
+            "engines": list(engines), "runs": runs, "int_peak": peak, "builds": builds(engines),
             "prompt_matmul_ops": {str(n): prompt_matmul_ops(cfg, n) for n in lengths},
             "machine": machine_info(), "provenance": provenance(),
             "command": "python scripts/bench_vs_llama.py " + " ".join(sys.argv[1:]),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def builds(engines) -> dict:
+    """What each side was compiled for: numba's target CPU (NUMBA_CPU_NAME, or this host's), and
+    the CPU features llama.cpp's library reports (llama_print_system_info), where it ran."""
+    import os
+    out = {"numba_cpu": os.environ.get("NUMBA_CPU_NAME") or "host"}
+    if any(e in BASELINES for e in engines):
+        import llama_cpp
+        out["llama_cpp_system"] = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+    return out
 
 
 def _median(xs) -> float:
@@ -244,7 +255,8 @@ def page(record: dict, source: str) -> str:
              f"within each round against llama.cpp's better (flash attention off or on, whichever was faster in "
              f"that round). Decode: the median step of {st['n_predict'] - 1} after the prompt, at that context. "
              f"Integer peak: {peak.get('instruction') or 'not measured (no AVX2)'}"
-             + (f", {_num(peak['gops'].get(str(t)), 0)} Gop/s at {t} thread(s)" if peak.get("gops") else "") + ".", "",
+             + (f", {_num(peak['gops'].get(str(t)), 0)} Gop/s at {t} thread(s)" if peak.get("gops") else "") + "."
+             + _builds_line(record.get("builds")), "",
              "| engine | prompt | TTFT (ms) | TTFT / llama.cpp's better | decode (ms/token) | decode / llama.cpp's "
              "better | attention share of the prompt | integer Gop/s (share of the peak) | same tokens |",
              "|---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
@@ -256,6 +268,15 @@ def page(record: dict, source: str) -> str:
                          f"| {_num(r['decode_ms'])} | {_num(r.get('decode_ms_over_llama'), 2)} | {att} | {share} "
                          f"| {'yes' if r['same_tokens_as_first'] else 'no'} |")
     return "\n".join(lines + memory_lines(record)) + "\n"
+
+
+def _builds_line(builds: dict | None) -> str:
+    if not builds:
+        return ""
+    line = f" Our stages compiled for numba's target `{builds['numba_cpu']}`"
+    if builds.get("llama_cpp_system"):
+        line += f"; llama.cpp's library reports `{builds['llama_cpp_system']}`"
+    return line + "."
 
 
 def memory_lines(record: dict) -> list[str]:
