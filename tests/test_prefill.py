@@ -69,8 +69,10 @@ def _alone(y, m, kvh, cache, rows, dims, w, pm, pl, po, G, hd, out):
 
 @pytest.mark.isa_paths
 @needs_isa
-@pytest.mark.parametrize("H,Hkv,hd,T,tile", [(8, 2, 64, CHUNK + 37, 16), (9, 3, 32, 70, 5), (2, 2, 16, 40, 40)],
-                         ids=["GQA 4, two chunks", "GQA 3, tiles mixing rows", "MHA, one tile"])
+@pytest.mark.parametrize("H,Hkv,hd,T,tile", [(8, 2, 64, CHUNK + 37, 16), (9, 3, 32, 70, 5), (2, 2, 16, 40, 40),
+                                             (4, 2, 40, 50, 7)],
+                         ids=["GQA 4, two chunks", "GQA 3, tiles mixing rows", "MHA, one tile",
+                              "head size not a multiple of 16"])
 def test_tiles_against_numpy_and_a_row_alone(H, Hkv, hd, T, tile):
     """Causal attention of every row through the page table, in tiles: within float32 rounding of
     numpy's (scores, softmax, weighted sum, in float64 of the same float16 K/V); each row computed

@@ -103,7 +103,7 @@ from stages.kernels.toolkit import BF16, F16, F32, Q4_K, Q5_K, Q6_K, block_bytes
 from stages.kernels.vector_ir import ZMM
 
 DECODE_WEIGHTS = 65536  # weights per decode work item: a few microseconds, many items per op
-PREFILL_ITEM_ROWS = 16  # weight rows per prefill work item (times every prompt row, or a block of them)
+PREFILL_ITEM_ROWS = 16  # weight rows per prefill work item at least (times every prompt row, or a block of them)
 f32 = np.float32
 
 # How a matrix's rows are stored in the blob.
@@ -252,8 +252,12 @@ def chunk(mat, blob, r0, r1, m0, m1, xf, s, out, col, fs, pre):
 
 @njit(cache=True, inline="always")
 def rows_per_item(K, M, multiple):
+    """Weight rows per work item: about DECODE_WEIGHTS weight-row products (a few microseconds,
+    many items per op), and for rows of a batch at least PREFILL_ITEM_ROWS (a pass of a few rows
+    in items of PREFILL_ITEM_ROWS rows would pay a kernel call and a counter for a fraction of a
+    microsecond's work on a small model)."""
     if M > 1:
-        return max(multiple, PREFILL_ITEM_ROWS // multiple * multiple)
+        return max(multiple, max(PREFILL_ITEM_ROWS, DECODE_WEIGHTS // (K * M)) // multiple * multiple)
     return max(multiple, DECODE_WEIGHTS // K // multiple * multiple)
 
 
@@ -326,7 +330,10 @@ def block_rows(act_bytes, K, M):
     return M if M <= n else max(2, n // 2 * 2)
 
 
-@njit(cache=True)
+# error_model="numpy": no check for a zero divisor around silu's division, which otherwise keeps
+# LLVM from vectorizing the epilogue (one exp and one division per value, scalar: a quarter of
+# gate_up's time in a prompt).
+@njit(cache=True, error_model="numpy")
 def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ph, t, nt, pre):
     """One thread's share of a matmul phase of layer il: work items from counters[ph], each a chunk
     of weight rows times a block of activation rows (all of them without `pre`) into s.y, then
@@ -392,8 +399,9 @@ def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ph, t, nt, pre):
                             dst[il, slot, r] = kv_value(y[m, col + r], dst)
         elif op == GATE_UP:
             for m in range(m0, m1):
-                for r in range(r0, r1):
-                    s.fbuf[m, r] = silu_mul(y[m, r], y[m, n_ff + r])
+                gate, up, f = y[m, r0:r1], y[m, n_ff + r0:n_ff + r1], s.fbuf[m, r0:r1]
+                for r in range(r1 - r0):
+                    f[r] = silu_mul(gate[r], up[r])
         else:
             for m in range(m0, m1):
                 for r in range(r0, r1):

@@ -11,10 +11,11 @@ LANES query vectors, one per lane of a vector register:
     for each chunk c of CHUNK positions, each block of BK keys in it (while a row of the tile can
     see it): K and V rows gathered through the page table and converted to float32 once (kv_rows),
     then for every group that can see the block (attend_block, LLVM IR through vector_ir.py):
-        scores S[t] = q . k_t for the 8 lanes at once (8 dot products, summed by sums8)
+        scores S[t] = q . k_t for the 8 lanes at once (8 dot products, summed by sums8; each
+        walks hd 16 floats to a multiply-add where the CPU has 512-bit registers, 8 otherwise)
         masked where the key is after the lane's own position (the causal mask), then an online
         softmax update lane by lane: m' = max(m, max_t S), P = exp(S - m'), l = l e^(m - m') + sum P
-        o = o e^(m - m') + sum_t P[t] v_t          (8 float32 lanes of v per multiply-add)
+        o = o e^(m - m') + sum_t P[t] v_t          (16 or 8 float32 values of v per multiply-add)
     at the end of each chunk its (m, l, o) merged into the row's running result (merge_state),
     in chunk order; at the end, o / l.
 
@@ -42,7 +43,7 @@ from numba import njit, types
 
 from stages.kernels import vector_ir
 from stages.kernels.layer_ops import CHUNK, as_f32
-from stages.kernels.vector_ir import F8, FLOAT, I64, vector_intrinsic
+from stages.kernels.vector_ir import F8, FLOAT, FZ, I64, vector_intrinsic
 
 LANES = 8               # query vectors per group: one lane each of an 8-float register
 BK = 32                 # keys per block: K and V as float32 [BK, hd] stay in L1 (16 KiB at hd 64)
@@ -65,21 +66,48 @@ def workspace(nt: int, groups: int, hd: int) -> Workspace:
 
 # ---- the block: 8 query vectors against up to BK keys (LLVM IR) --------------------------------
 
+def _dims(g, a):
+    """How a row of hd floats is walked: (n wide vectors, their type, the 8-float vectors after
+    them). Where the CPU has 512-bit registers (vector_ir.ZMM) a row is 16 floats to a vector
+    (hd / 16 of them, an 8-float one for the rest), else 8 to a vector."""
+    b = g.b
+    if vector_ir.ZMM:
+        return b.udiv(a.hd, g.const(16)), FZ, b.udiv(b.urem(a.hd, g.const(16)), g.const(8))
+    return b.udiv(a.hd, g.const(8)), F8, g.const(0)
+
+
+def _halves(g, v):
+    """A 16-float vector's halves added: 8 floats (an 8-float one as it is)."""
+    if v.type.count == 8:
+        return v
+    return g.b.fadd(g.shuffle(v, v, range(8)), g.shuffle(v, v, range(8, 16)))
+
+
 def _scores(g, a, row):
     """st[t] = the 8 lanes' q . k_t, masked (-inf) where t0 + t is after the lane's position."""
     b = g.b
-    accs = [g.slot(F8) for _ in range(LANES)]
+    wide, ty, rest = _dims(g, a)
+    step = 4 * ty.count
+    accs = [g.slot(ty) for _ in range(LANES)]
+    tails = [g.slot(F8) for _ in range(LANES)]
     pos = g.load(a.pos, g.const(0), _V8)
     neg_inf = g.splat_const(F8, float("-inf"))
     with g.loop(a.n) as t:
-        for acc in accs:
-            b.store(ir.Constant(F8, None), acc)
-        with g.loop(b.udiv(a.hd, g.const(8))) as dv:
-            k = g.load(a.kf, b.add(b.mul(t, row), b.mul(dv, g.const(32))), F8)
+        for acc, tail in zip(accs, tails):
+            b.store(ir.Constant(ty, None), acc)
+            b.store(ir.Constant(F8, None), tail)
+        with g.loop(wide) as dv:
+            k = g.load(a.kf, b.add(b.mul(t, row), b.mul(dv, g.const(step))), ty)
             for j, acc in enumerate(accs):
-                q = g.load(a.qs, b.add(b.mul(g.const(j), row), b.mul(dv, g.const(32))), F8)
+                q = g.load(a.qs, b.add(b.mul(g.const(j), row), b.mul(dv, g.const(step))), ty)
                 b.store(g.fma(q, k, b.load(acc)), acc)
-        s = g.sums8([b.load(acc) for acc in accs])
+        with g.loop(rest) as dv:                                 # hd not a multiple of the wide vector
+            at = b.add(b.mul(wide, g.const(step)), b.mul(dv, g.const(32)))
+            k = g.load(a.kf, b.add(b.mul(t, row), at), F8)
+            for j, tail in enumerate(tails):
+                q = g.load(a.qs, b.add(b.mul(g.const(j), row), at), F8)
+                b.store(g.fma(q, k, b.load(tail)), tail)
+        s = g.sums8([b.fadd(_halves(g, b.load(acc)), b.load(tail)) for acc, tail in zip(accs, tails)])
         after = b.icmp_signed(">", g.splat(_V8, b.add(a.t0, t)), pos)
         g.store(a.st, b.mul(t, g.const(32)), b.select(after, neg_inf, s))
 
@@ -108,27 +136,35 @@ def _softmax(g, a):
 
 
 def _weighted_sum(g, a, row, alpha):
-    """o[j] = o[j] alpha[j] + sum_t P[t, j] v_t, 4 vectors of v (32 values) per pass, then one."""
+    """o[j] = o[j] alpha[j] + sum_t P[t, j] v_t, two lanes and 4 vectors of v per pass (8 sums in
+    flight, each v loaded once for both lanes), then one vector at a time."""
     b = g.b
-    nv = b.udiv(a.hd, g.const(8))
-    for j in range(LANES):
-        aj = g.splat(F8, b.extract_element(alpha, ir.Constant(ir.IntType(32), j)))
+    wide, ty, rest = _dims(g, a)
+    step = 4 * ty.count
+    for j0 in range(0, LANES, 2):
+        lanes = (j0, j0 + 1)
+        scale = {j: b.extract_element(alpha, ir.Constant(ir.IntType(32), j)) for j in lanes}
 
-        def span(dv, width):
-            at = [b.add(b.mul(g.const(j), row), b.mul(b.add(dv, g.const(w)), g.const(32))) for w in range(width)]
-            acc = [g.slot(F8, b.fmul(g.load(a.o, o, F8), aj)) for o in at]
+        def span(at0, width, ty):
+            offs = [b.add(at0, g.const(4 * ty.count * w)) for w in range(width)]
+            at = {j: [b.add(b.mul(g.const(j), row), o) for o in offs] for j in lanes}
+            acc = {j: [g.slot(ty, b.fmul(g.load(a.o, o, ty), g.splat(ty, scale[j]))) for o in at[j]] for j in lanes}
             with g.loop(a.n) as t:
-                p = g.splat(F8, g.load(a.st, b.add(b.mul(t, g.const(32)), g.const(4 * j)), FLOAT))
+                p = {j: g.splat(ty, g.load(a.st, b.add(b.mul(t, g.const(32)), g.const(4 * j)), FLOAT)) for j in lanes}
                 for w in range(width):
-                    v = g.load(a.vf, b.add(b.mul(t, row), b.mul(b.add(dv, g.const(w)), g.const(32))), F8)
-                    b.store(g.fma(p, v, b.load(acc[w])), acc[w])
-            for o, slot in zip(at, acc):
-                g.store(a.o, o, b.load(slot))
+                    v = g.load(a.vf, b.add(b.mul(t, row), offs[w]), ty)
+                    for j in lanes:
+                        b.store(g.fma(p[j], v, b.load(acc[j][w])), acc[j][w])
+            for j in lanes:
+                for o, slot in zip(at[j], acc[j]):
+                    g.store(a.o, o, b.load(slot))
 
-        with g.loop(b.udiv(nv, g.const(4))) as d4:
-            span(b.mul(d4, g.const(4)), 4)
-        with g.loop(b.urem(nv, g.const(4))) as d1:
-            span(b.add(b.mul(b.udiv(nv, g.const(4)), g.const(4)), d1), 1)
+        with g.loop(b.udiv(wide, g.const(4))) as d4:
+            span(b.mul(d4, g.const(4 * step)), 4, ty)
+        with g.loop(b.urem(wide, g.const(4))) as d1:
+            span(b.mul(b.add(b.mul(b.udiv(wide, g.const(4)), g.const(4)), d1), g.const(step)), 1, ty)
+        with g.loop(rest) as d1:
+            span(b.add(b.mul(wide, g.const(step)), b.mul(d1, g.const(32))), 1, F8)
 
 
 @vector_intrinsic
@@ -175,17 +211,21 @@ def merge_state(typingctx, m, l, o, mc, lc, oc, hd):
 
 # ---- the rows: numba around the blocks ---------------------------------------------------------
 
-@njit(cache=True)
+# error_model="numpy" on the loops below: without it numba checks every divisor for zero, and a
+# loop with a check LLVM cannot vectorize (kv_rows converted one value at a time was two thirds of
+# a decode row's attention).
+@njit(cache=True, error_model="numpy")
 def kv_rows(src, table, page_size, lo, hd, t0, n, dst):
     """dst[t] = float32 of columns lo..lo+hd of the cache row holding position t0 + t, t < n."""
     for t in range(n):
         p = t0 + t
         slot = table[p // page_size] * page_size + p % page_size
+        values, out = src[slot, lo:lo + hd], dst[t]
         for d in range(hd):
-            dst[t, d] = as_f32(src[slot, lo + d])
+            out[d] = as_f32(values[d])
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _start(y, m0, n_rows, kvh, rows, dims, hd, w):
     """The tile's queries into w.qs (times the softmax scale), lane positions, empty running
     results; returns (groups, the last position any row sees)."""
@@ -247,15 +287,15 @@ def merge_parts(w, pm, pl, po, n_chunks, groups, hd):
             merge_state(w.m[g], w.l[g], w.o[g], pm[c, g], pl[c, g], po[c, g], hd)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def finish_rows(w, m0, n_rows, kvh, G, hd, out):
     """out[row, columns of head (kvh G + j)] = o / l for the rows' lanes."""
     for i in range(n_rows * G):
         g, lane = i // LANES, i % LANES
         m, col = m0 + i // G, (kvh * G + i % G) * hd
-        total = w.l[g, lane]
+        total, o, dst = w.l[g, lane], w.o[g, lane], out[m, col:col + hd]
         for d in range(hd):
-            out[m, col + d] = w.o[g, lane, d] / total
+            dst[d] = o[d] / total
 
 
 __all__ = ["LANES", "BK", "Workspace", "workspace", "attend_rows", "merge_parts", "finish_rows", "merge_state",
