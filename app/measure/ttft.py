@@ -231,7 +231,9 @@ def summary(record: dict) -> dict:
                 ops = record["prompt_matmul_ops"][n]
                 r["int_gops"] = ops / (r["ttft_ms"] / 1e3) / 1e9
                 r["int_peak_share"] = r["int_gops"] / peak
-            r["same_tokens_as_first"] = recs[0][n]["tokens"] == runs[record["engines"][0]][0][n]["tokens"]
+            ours, first = recs[0][n]["tokens"], runs[record["engines"][0]][0][n]["tokens"]
+            r["same_tokens_as_first"] = ours == first
+            r["parts_at"] = next((i for i, (a, b) in enumerate(zip(ours, first)) if a != b), None)
             rows[n] = r
         out[e] = rows
     return out
@@ -256,7 +258,12 @@ def page(record: dict, source: str) -> str:
              f"that round). Decode: the median step of {st['n_predict'] - 1} after the prompt, at that context. "
              f"Integer peak: {peak.get('instruction') or 'not measured (no AVX2)'}"
              + (f", {_num(peak['gops'].get(str(t)), 0)} Gop/s at {t} thread(s)" if peak.get("gops") else "") + "."
-             + _builds_line(record.get("builds")), "",
+             + _builds_line(record.get("builds"))
+             + f" Same tokens: the first round's greedy tokens against {record['engines'][0]}'s; where they part, "
+             "the token at which."
+             + (" Random weights lead by little, so engines that round differently part early (llama.cpp with flash "
+                "attention on and off part from each other too); the real model's greedy text, and the near-ties "
+                "where a stage may part, are checked by tests/test_stages.py." if record["synthetic"] else ""), "",
              "| engine | prompt | TTFT (ms) | TTFT / llama.cpp's better | decode (ms/token) | decode / llama.cpp's "
              "better | attention share of the prompt | integer Gop/s (share of the peak) | same tokens |",
              "|---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
@@ -266,8 +273,14 @@ def page(record: dict, source: str) -> str:
             att = f"{r['attention_share']:.0%}" if "attention_share" in r else "-"
             lines.append(f"| {e} | {n} | {_num(r['ttft_ms'], 0)} | {_num(r.get('ttft_ms_over_llama'), 2)} "
                          f"| {_num(r['decode_ms'])} | {_num(r.get('decode_ms_over_llama'), 2)} | {att} | {share} "
-                         f"| {'yes' if r['same_tokens_as_first'] else 'no'} |")
+                         f"| {_same(r)} |")
     return "\n".join(lines + memory_lines(record)) + "\n"
+
+
+def _same(r: dict) -> str:
+    if r["same_tokens_as_first"]:
+        return "yes"
+    return "no" if r.get("parts_at") is None else f"from token {r['parts_at'] + 1}"
 
 
 def _builds_line(builds: dict | None) -> str:

@@ -288,7 +288,7 @@ def _quantize(x, m, K, n32, nk, s, pre):
     """Row m of the packs (and of the pair packs, with `pre`) from x [K]."""
     quantize_row(x, m, K, n32, nk, s.p32, s.pk)
     if pre is not None:
-        if ZMM:                         # the pair packs feed the pair kernel only
+        if ZMM and s.xin.shape[0] > 1:  # the pair packs feed the pair kernel only: two rows or more
             x32, xk = _pairs(pre)
             pair_row(m, K, n32, nk, s.p32, s.pk, x32, xk)
 
