@@ -475,6 +475,8 @@ def draw(rec: dict, chart: Path = CHART, table: Path = TABLE):
     ax2.legend(fontsize=7)
     s, m = rec["settings"], rec["machine"]
     threads = f"{s['threads']} thread" + ("s" if s["threads"] != 1 else "")
+    if s.get("ranks", 1) > 1:
+        threads += f" in each of {s['ranks']} ranks"
     rounds = s.get("rounds", 1)
     medians = f"medians of {rounds} alternating rounds" if rounds > 1 else "one round"
     fig.suptitle(f"{s['model']} on {m.get('cpu', '?')} ({threads}): {s['requests']} requests per "
@@ -595,8 +597,9 @@ def main(argv=None) -> int:
         weight_bytes = sum(t.nbytes for name, t in g.tensors.items() if name != "token_embd.weight") \
             + (g.tensors["token_embd.weight"].nbytes if "output.weight" not in g.tensors else 0)
     print("measuring the roofline...", file=sys.stderr)
-    ceil = roofline.measure(threads=args.threads)
-    key = str(args.threads) if str(args.threads) in ceil["bandwidth_gbs"] else "1"
+    cores = args.threads * (args.np or 1)                  # over N ranks every rank's threads read weights
+    ceil = roofline.measure(threads=cores)
+    key = str(cores) if str(cores) in ceil["bandwidth_gbs"] else "1"
     log_dir = Path(tempfile.mkdtemp(prefix="loadtest-"))          # the servers' logs
     engines, alone = measure(args, log_dir)
     rec = {"kind": "batching", "engines": engines,
