@@ -103,7 +103,7 @@ from stages.kernels.toolkit import BF16, F16, F32, Q4_K, Q5_K, Q6_K, block_bytes
 from stages.kernels.vector_ir import ZMM
 
 DECODE_WEIGHTS = 65536  # weights per decode work item: a few microseconds, many items per op
-PREFILL_ITEM_ROWS = 16  # weight rows per prefill work item at least (times every prompt row, or a block of them)
+PREFILL_ITEM_ROWS = 16  # the fewest weight rows in a prefill work item (times every prompt row, or a block of them)
 f32 = np.float32
 
 # How a matrix's rows are stored in the blob.
@@ -331,8 +331,7 @@ def block_rows(act_bytes, K, M):
 
 
 # error_model="numpy": no check for a zero divisor around silu's division, which otherwise keeps
-# LLVM from vectorizing the epilogue (one exp and one division per value, scalar: a quarter of
-# gate_up's time in a prompt).
+# LLVM from vectorizing the epilogue (one exp and one division per value, scalar).
 @njit(cache=True, error_model="numpy")
 def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ph, t, nt, pre):
     """One thread's share of a matmul phase of layer il: work items from counters[ph], each a chunk

@@ -55,10 +55,8 @@ PAIR_TYPES_K = (Q4_K, Q6_K)
 # those instructions per vpdpbusd, until the accumulators no longer fit in the 32 zmm registers with
 # the pieces: Q4_K keeps 4 per pair (two sub-block sums, isum, the mins' sum), Q6_K 5 (four
 # sub-block sums, isum), the 32-value types 2 (isum, the float sum): about 20 accumulators in all.
-# Timed in the prefill stage (a 512-token prompt, 2 threads, TinyLlama's geometry and SmolLM2):
-# Q6_K's W_down 1.1x faster at 4 pairs than 2; Q4_K's matmuls 1.05-1.1x slower at 5 pairs than 4
-# (alone on one thread 5 pairs looked 1.15x faster: time it where it runs); the 32-value types
-# about 1.02x faster at 5 than 4.
+# Time a width in the stage it runs in (a prompt through the prefill stage, every thread), not
+# the kernel alone on one thread: the two have disagreed about Q4_K's best width.
 PAIRS_PER_TILE = {Q4_K: 4, Q6_K: 4, Q4_0: 5, Q4_1: 5, Q8_0: 5}
 
 # The 8-bit packs (q8.py) of rows 2p and 2p + 1 side by side, P = M / 2 pairs:

@@ -68,12 +68,12 @@ def workspace(nt: int, groups: int, hd: int) -> Workspace:
 
 def _dims(g, a):
     """How a row of hd floats is walked: (n wide vectors, their type, the 8-float vectors after
-    them). Where the CPU has 512-bit registers (vector_ir.ZMM) a row is 16 floats to a vector
-    (hd / 16 of them, an 8-float one for the rest), else 8 to a vector."""
+    them, or None). Where the CPU has 512-bit registers (vector_ir.ZMM) a row is 16 floats to a
+    vector (hd / 16 of them, an 8-float one for the rest), else 8 to a vector (no rest)."""
     b = g.b
     if vector_ir.ZMM:
         return b.udiv(a.hd, g.const(16)), FZ, b.udiv(b.urem(a.hd, g.const(16)), g.const(8))
-    return b.udiv(a.hd, g.const(8)), F8, g.const(0)
+    return b.udiv(a.hd, g.const(8)), F8, None
 
 
 def _halves(g, v):
@@ -89,25 +89,29 @@ def _scores(g, a, row):
     wide, ty, rest = _dims(g, a)
     step = 4 * ty.count
     accs = [g.slot(ty) for _ in range(LANES)]
-    tails = [g.slot(F8) for _ in range(LANES)]
+    tails = [g.slot(F8) for _ in range(LANES)] if rest is not None else []
     pos = g.load(a.pos, g.const(0), _V8)
     neg_inf = g.splat_const(F8, float("-inf"))
     with g.loop(a.n) as t:
-        for acc, tail in zip(accs, tails):
+        for acc in accs:
             b.store(ir.Constant(ty, None), acc)
+        for tail in tails:
             b.store(ir.Constant(F8, None), tail)
         with g.loop(wide) as dv:
             k = g.load(a.kf, b.add(b.mul(t, row), b.mul(dv, g.const(step))), ty)
             for j, acc in enumerate(accs):
                 q = g.load(a.qs, b.add(b.mul(g.const(j), row), b.mul(dv, g.const(step))), ty)
                 b.store(g.fma(q, k, b.load(acc)), acc)
-        with g.loop(rest) as dv:                                 # hd not a multiple of the wide vector
-            at = b.add(b.mul(wide, g.const(step)), b.mul(dv, g.const(32)))
-            k = g.load(a.kf, b.add(b.mul(t, row), at), F8)
-            for j, tail in enumerate(tails):
-                q = g.load(a.qs, b.add(b.mul(g.const(j), row), at), F8)
-                b.store(g.fma(q, k, b.load(tail)), tail)
-        s = g.sums8([b.fadd(_halves(g, b.load(acc)), b.load(tail)) for acc, tail in zip(accs, tails)])
+        dots = [_halves(g, b.load(acc)) for acc in accs]
+        if tails:                                                # hd not a multiple of the wide vector
+            with g.loop(rest) as dv:
+                at = b.add(b.mul(wide, g.const(step)), b.mul(dv, g.const(32)))
+                k = g.load(a.kf, b.add(b.mul(t, row), at), F8)
+                for j, tail in enumerate(tails):
+                    q = g.load(a.qs, b.add(b.mul(g.const(j), row), at), F8)
+                    b.store(g.fma(q, k, b.load(tail)), tail)
+            dots = [b.fadd(d, b.load(tail)) for d, tail in zip(dots, tails)]
+        s = g.sums8(dots)
         after = b.icmp_signed(">", g.splat(_V8, b.add(a.t0, t)), pos)
         g.store(a.st, b.mul(t, g.const(32)), b.select(after, neg_inf, s))
 
@@ -163,8 +167,9 @@ def _weighted_sum(g, a, row, alpha):
             span(b.mul(d4, g.const(4 * step)), 4, ty)
         with g.loop(b.urem(wide, g.const(4))) as d1:
             span(b.mul(b.add(b.mul(b.udiv(wide, g.const(4)), g.const(4)), d1), g.const(step)), 1, ty)
-        with g.loop(rest) as d1:
-            span(b.add(b.mul(wide, g.const(step)), b.mul(d1, g.const(32))), 1, F8)
+        if rest is not None:
+            with g.loop(rest) as d1:
+                span(b.add(b.mul(wide, g.const(step)), b.mul(d1, g.const(32))), 1, F8)
 
 
 @vector_intrinsic
@@ -212,8 +217,7 @@ def merge_state(typingctx, m, l, o, mc, lc, oc, hd):
 # ---- the rows: numba around the blocks ---------------------------------------------------------
 
 # error_model="numpy" on the loops below: without it numba checks every divisor for zero, and a
-# loop with a check LLVM cannot vectorize (kv_rows converted one value at a time was two thirds of
-# a decode row's attention).
+# loop with a check LLVM cannot vectorize (kv_rows would convert one value at a time).
 @njit(cache=True, error_model="numpy")
 def kv_rows(src, table, page_size, lo, hd, t0, n, dst):
     """dst[t] = float32 of columns lo..lo+hd of the cache row holding position t0 + t, t < n."""
