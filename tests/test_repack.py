@@ -82,8 +82,9 @@ def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(ggml_type):
 @pytest.mark.skipif(expected_isa() != "vnni", reason=str(lacks_vnni(
     "the AVX2 form is compared with the VNNI one here; without VNNI the AVX2 form runs in every test")))
 def test_the_avx2_form_on_a_vnni_cpu(monkeypatch):
-    """Without VNNI the byte products are vpmaddubsw + vpmaddwd + vpaddd (and 2 rows per tile):
-    compiled here in that form too, the same bits, and no vpdpbusd in its code."""
+    """Without VNNI the byte products are vpmaddubsw + vpmaddwd + vpaddd (and its own tile width,
+    repacked.tile_rows): compiled here in that form too, the same bits for 7 rows (a whole tile of
+    either form and the rows left over), and no vpdpbusd in its code."""
     results, asm = {}, {}
     for isa in ("vnni", "avx2"):
         monkeypatch.setattr(vector_ir, "ISA", isa)
@@ -93,9 +94,9 @@ def test_the_avx2_form_on_a_vnni_cpu(monkeypatch):
             repacked.group_gemm(kind, w, 0, rb, p32, pk, out.shape[0], out, 0, 0, out.shape[1])
         for ggml_type in TYPES:
             raw, K, rng = _weights(ggml_type, 8, 300 + int(ggml_type))
-            x = activations(rng, 5, K)
+            x = activations(rng, 7, K)
             p32, pk = packs_of(x, K)
-            out = np.zeros((5, 8), F32)
+            out = np.zeros((7, 8), F32)
             nb = raw.shape[1] // repacked.BLOCK_BYTES[int(ggml_type)]
             run(int(ggml_type), repacked.repack(raw, int(ggml_type)), raw.shape[1], nb, p32, pk, out)
             results[isa, ggml_type] = out

@@ -191,10 +191,16 @@ def repacked_bytes(n_rows: int, row_bytes: int) -> int:
 
 # ---- the kernels (LLVM IR through stages/kernels/vector_ir.py) --------------------------------
 
-# Activation rows per pass over a group block, by ISA (AVX-512's 32 vector registers hold 4 rows'
-# accumulators; AVX2's 16, two), and fewer for Q6_K, which keeps four partial sums per row.
+# Activation rows per pass over a group block, by ISA. With VNNI a product is one vpdpbusd, and
+# AVX-512's 32 vector registers hold 4 rows' accumulators (2 for Q6_K, which keeps four partial
+# sums per row). With AVX2 a product is vpmaddubsw + vpaddw (the int16 run, scaled_dots) while
+# unpacking a piece (vpand, vpsrlw + vpand) is shared by the tile's rows: a wider tile spends fewer
+# vector instructions per product, and the accumulators that no longer fit in 16 registers are
+# spilled to L1, whose loads and stores leave the vector ports to the multiply-adds. Of 2, 4, 6
+# and 8 rows, 6 timed best where this was measured (a prompt through the prefill stage, 2 threads;
+# time a change there, not the kernel alone).
 TILE_ROWS = {"vnni": {Q6_K: 2}, "avx2": {}}
-TILE_ROWS_DEFAULT = {"vnni": 4, "avx2": 2}
+TILE_ROWS_DEFAULT = {"vnni": 4, "avx2": 6}
 
 
 def tile_rows(kind, isa):
