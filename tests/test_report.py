@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from app.report import charts
+from tests.util import expected_isa
 
 FIXTURE = Path(__file__).parent / "fixtures" / "report" / "test-machine-2c" / "tiny-model"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -227,6 +228,34 @@ def test_the_bandwidth_probe_sums_every_chunk_and_leaves_the_thread_count():
     before = numba.get_num_threads()
     best, median = roofline.bandwidth_gbs(np.ones(1 << 16, np.float32), 2, reps=3)
     assert best >= median > 0 and numba.get_num_threads() == before
+
+
+@pytest.mark.skipif(expected_isa() is None, reason="the integer peak's loop needs AVX2 + F16C: "
+                    "numba's target has neither VNNI nor AVX2 here")
+def test_the_integer_peak_does_every_chains_products(monkeypatch):
+    """The peak's loop runs INT_CHAINS dot products a round, each its own: compiled in the AVX2
+    form (and the VNNI form where the target has it), the code holds a vpmaddubsw (or a vpdpbusd)
+    per chain (its vpmaddwd and vpaddd LLVM may fuse into vpdpwssd where the target has VNNI). With one signed operand shared by every chain LLVM computed the
+    AVX2 products once a round and added them to each chain: the loop timed vpaddd, and the
+    AVX2 peak read nearly three times what the products can do."""
+    import collections
+
+    import numba
+
+    from app.measure import roofline
+    from stages.kernels import vector_ir
+    wanted = {"avx2": "vpmaddubsw", "vnni": "vpdpbusd"}
+    for isa in ("avx2", "vnni") if expected_isa() == "vnni" else ("avx2",):
+        monkeypatch.setattr(vector_ir, "ISA", isa)
+        monkeypatch.setattr(vector_ir, "ZMM", vector_ir.has_zmm() and isa == "vnni")
+
+        @numba.njit
+        def peak(reps):
+            return roofline._int_dots(reps)
+        assert peak(3) == peak(3)
+        asm = "\n".join(peak.inspect_asm().values())
+        counts = collections.Counter(line.split()[0] for line in asm.splitlines() if line.strip())
+        assert counts[wanted[isa]] >= roofline.INT_CHAINS, (isa, counts[wanted[isa]])
 
 
 def test_naive_and_tiling_traffic_follows_their_loop_order():

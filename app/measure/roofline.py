@@ -105,11 +105,15 @@ def _int_dots(typingctx, reps):
         acc_ty, byte_ty = (D16, B64) if vector_ir.ZMM else (D8, B32)
         accs = [g.slot(acc_ty, g.splat_const(acc_ty, i)) for i in range(INT_CHAINS)]
         u = g.slot(acc_ty, g.splat_const(acc_ty, 0x01020304))
-        s = b.bitcast(g.splat_const(acc_ty, 0x05FB07F9), byte_ty)
+        # each chain its own signed bytes: were they the same for all, the AVX2 form's products
+        # (vpmaddubsw, vpmaddwd) would be one common subexpression, computed once a round and
+        # added to every chain, and the loop would time vpaddd
+        ss = [b.bitcast(g.splat_const(acc_ty, int.from_bytes(bytes([c + 1, 254 - c, c + 3, 252 - c]), "little",
+                                                             signed=True)), byte_ty) for c in range(INT_CHAINS)]
         with g.loop(a.reps) as i:
             uu = b.add(b.load(u), g.splat(acc_ty, b.trunc(i, I32)))      # a new operand each round
             b.store(uu, u)
-            for acc in accs:
+            for acc, s in zip(accs, ss):
                 b.store(g.dpbusd(b.load(acc), b.bitcast(uu, byte_ty), s), acc)
         total = b.load(accs[0])
         for acc in accs[1:]:
