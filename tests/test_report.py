@@ -235,9 +235,10 @@ def test_the_bandwidth_probe_sums_every_chunk_and_leaves_the_thread_count():
 def test_the_integer_peak_does_every_chains_products(monkeypatch):
     """The peak's loop runs INT_CHAINS dot products a round, each its own: compiled in the AVX2
     form (and the VNNI form where the target has it), the code holds a vpmaddubsw (or a vpdpbusd)
-    per chain (its vpmaddwd and vpaddd LLVM may fuse into vpdpwssd where the target has VNNI). With one signed operand shared by every chain LLVM computed the
-    AVX2 products once a round and added them to each chain: the loop timed vpaddd, and the
-    AVX2 peak read nearly three times what the products can do."""
+    per chain (the vpmaddwd and vpaddd after it LLVM may fuse into vpdpwssd where the target has
+    VNNI). With one signed operand shared by every chain LLVM computed the AVX2 products once a
+    round and added them to each chain: the loop timed vpaddd, and the AVX2 peak read nearly
+    three times what the products can do."""
     import collections
 
     import numba
