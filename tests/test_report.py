@@ -237,8 +237,7 @@ def test_the_integer_peak_does_every_chains_products(monkeypatch):
     form (and the VNNI form where the target has it), the code holds a vpmaddubsw (or a vpdpbusd)
     per chain (the vpmaddwd and vpaddd after it LLVM may fuse into vpdpwssd where the target has
     VNNI). With one signed operand shared by every chain LLVM computed the AVX2 products once a
-    round and added them to each chain: the loop timed vpaddd, and the AVX2 peak read nearly
-    three times what the products can do."""
+    round and added them to each chain: the loop timed vpaddd, not the products."""
     import collections
 
     import numba
@@ -253,7 +252,7 @@ def test_the_integer_peak_does_every_chains_products(monkeypatch):
         @numba.njit
         def peak(reps):
             return roofline._int_dots(reps)
-        assert peak(3) == peak(3)
+        peak(3)                                                  # compiled
         asm = "\n".join(peak.inspect_asm().values())
         counts = collections.Counter(line.split()[0] for line in asm.splitlines() if line.strip())
         assert counts[wanted[isa]] >= roofline.INT_CHAINS, (isa, counts[wanted[isa]])

@@ -108,8 +108,7 @@ def _int_dots(typingctx, reps):
         # each chain its own signed bytes: were they the same for all, the AVX2 form's products
         # (vpmaddubsw, vpmaddwd) would be one common subexpression, computed once a round and
         # added to every chain, and the loop would time vpaddd
-        ss = [b.bitcast(g.splat_const(acc_ty, int.from_bytes(bytes([c + 1, 254 - c, c + 3, 252 - c]), "little",
-                                                             signed=True)), byte_ty) for c in range(INT_CHAINS)]
+        ss = [b.bitcast(g.splat_const(acc_ty, 0x05FB07F9 + c), byte_ty) for c in range(INT_CHAINS)]
         with g.loop(a.reps) as i:
             uu = b.add(b.load(u), g.splat(acc_ty, b.trunc(i, I32)))      # a new operand each round
             b.store(uu, u)
