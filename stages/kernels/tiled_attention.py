@@ -20,11 +20,14 @@ LANES query vectors, one per lane of a vector register:
     in chunk order; at the end, o / l.
 
 Blocks after every position of a group are skipped (the causal tiles), and a tile's K and V are
-read once for all its R G query vectors. A row alone (decode) is a tile of one row: its chunks
-go to different threads (flash-decoding's split), each chunk's (m, l, o) stored, then merged in
-order by the same merge_state: one row's lanes see the same operations in the same order whether
-it came alone, in a tile, or beside other sequences (a masked key adds an exact zero; a group
-skipped is the same as a block all masked), so its bits do not depend on its neighbours.
+read once for all its R G query vectors. So are the lanes a group does not fill: a decode row of
+a model with G = 3 query heads per KV head (SmolLM2) fills 3 of the 8, and its blocks compute 4
+dot products and 2 pairs of weighted sums, not 8 and 4. A row alone (decode) is a tile of one
+row: its chunks go to different threads (flash-decoding's split), each chunk's (m, l, o) stored,
+then merged in order by the same merge_state: one row's lanes see the same operations in the same
+order whether it came alone, in a tile, or beside other sequences (a masked key adds an exact
+zero; a group skipped is the same as a block all masked; a lane's sums do not read the other
+lanes), so its bits do not depend on its neighbours.
 
     attend_rows(y, m0, n_rows, kvh, c0, c1, il, cache, rows, dims, w)   rows m0.. of one sequence,
                      heads of KV head kvh, chunks c0..c1-1 -> w.m, w.l, w.o (per group and lane)
@@ -84,12 +87,25 @@ def _halves(g, v):
 
 
 def _scores(g, a, row):
-    """st[t] = the 8 lanes' q . k_t, masked (-inf) where t0 + t is after the lane's position."""
+    """st[t] = the 8 lanes' q . k_t, masked (-inf) where t0 + t is after the lane's position. A
+    group with at most 4 lanes in use (a decode row of a model with G <= 4 query heads per KV
+    head) computes 4 dot products, not 8; lanes 4..7 sum to 0 and are masked."""
+    with g.b.if_else(g.b.icmp_unsigned("<=", a.lanes, g.const(4))) as (few, every):
+        with few:
+            _scores_of(g, a, row, 4)
+        with every:
+            _scores_of(g, a, row, LANES)
+
+
+def _scores_of(g, a, row, used):
+    """_scores with lanes 0..used-1 computed: each lane's dot product and its place in sums8's
+    tree are the same whatever the other lanes hold, so a lane's score has the same bits in a
+    group of 4 lanes as in one of 8."""
     b = g.b
     wide, ty, rest = _dims(g, a)
     step = 4 * ty.count
-    accs = [g.slot(ty) for _ in range(LANES)]
-    tails = [g.slot(F8) for _ in range(LANES)] if rest is not None else []
+    accs = [g.slot(ty) for _ in range(used)]
+    tails = [g.slot(F8) for _ in range(used)] if rest is not None else []
     pos = g.load(a.pos, g.const(0), _V8)
     neg_inf = g.splat_const(F8, float("-inf"))
     with g.loop(a.n) as t:
@@ -111,7 +127,7 @@ def _scores(g, a, row):
                     q = g.load(a.qs, b.add(b.mul(g.const(j), row), at), F8)
                     b.store(g.fma(q, k, b.load(tail)), tail)
             dots = [b.fadd(d, b.load(tail)) for d, tail in zip(dots, tails)]
-        s = g.sums8(dots)
+        s = g.sums8(dots + [ir.Constant(F8, None)] * (LANES - used))
         after = b.icmp_signed(">", g.splat(_V8, b.add(a.t0, t)), pos)
         g.store(a.st, b.mul(t, g.const(32)), b.select(after, neg_inf, s))
 
@@ -146,36 +162,43 @@ def _weighted_sum(g, a, row, alpha):
     wide, ty, rest = _dims(g, a)
     step = 4 * ty.count
     for j0 in range(0, LANES, 2):
-        lanes = (j0, j0 + 1)
-        scale = {j: b.extract_element(alpha, ir.Constant(ir.IntType(32), j)) for j in lanes}
+        with b.if_then(b.icmp_unsigned("<", g.const(j0), a.lanes)):       # lanes not in use: o stays 0
+            _weighted_pair(g, a, row, alpha, (j0, j0 + 1), wide, ty, rest, step)
 
-        def span(at0, width, ty):
-            offs = [b.add(at0, g.const(4 * ty.count * w)) for w in range(width)]
-            at = {j: [b.add(b.mul(g.const(j), row), o) for o in offs] for j in lanes}
-            acc = {j: [g.slot(ty, b.fmul(g.load(a.o, o, ty), g.splat(ty, scale[j]))) for o in at[j]] for j in lanes}
-            with g.loop(a.n) as t:
-                p = {j: g.splat(ty, g.load(a.st, b.add(b.mul(t, g.const(32)), g.const(4 * j)), FLOAT)) for j in lanes}
-                for w in range(width):
-                    v = g.load(a.vf, b.add(b.mul(t, row), offs[w]), ty)
-                    for j in lanes:
-                        b.store(g.fma(p[j], v, b.load(acc[j][w])), acc[j][w])
-            for j in lanes:
-                for o, slot in zip(at[j], acc[j]):
-                    g.store(a.o, o, b.load(slot))
 
-        with g.loop(b.udiv(wide, g.const(4))) as d4:
-            span(b.mul(d4, g.const(4 * step)), 4, ty)
-        with g.loop(b.urem(wide, g.const(4))) as d1:
-            span(b.mul(b.add(b.mul(b.udiv(wide, g.const(4)), g.const(4)), d1), g.const(step)), 1, ty)
-        if rest is not None:
-            with g.loop(rest) as d1:
-                span(b.add(b.mul(wide, g.const(step)), b.mul(d1, g.const(32))), 1, F8)
+def _weighted_pair(g, a, row, alpha, lanes, wide, ty, rest, step):
+    """_weighted_sum for two lanes."""
+    b = g.b
+    scale = {j: b.extract_element(alpha, ir.Constant(ir.IntType(32), j)) for j in lanes}
+
+    def span(at0, width, ty):
+        offs = [b.add(at0, g.const(4 * ty.count * w)) for w in range(width)]
+        at = {j: [b.add(b.mul(g.const(j), row), o) for o in offs] for j in lanes}
+        acc = {j: [g.slot(ty, b.fmul(g.load(a.o, o, ty), g.splat(ty, scale[j]))) for o in at[j]] for j in lanes}
+        with g.loop(a.n) as t:
+            p = {j: g.splat(ty, g.load(a.st, b.add(b.mul(t, g.const(32)), g.const(4 * j)), FLOAT)) for j in lanes}
+            for w in range(width):
+                v = g.load(a.vf, b.add(b.mul(t, row), offs[w]), ty)
+                for j in lanes:
+                    b.store(g.fma(p[j], v, b.load(acc[j][w])), acc[j][w])
+        for j in lanes:
+            for o, slot in zip(at[j], acc[j]):
+                g.store(a.o, o, b.load(slot))
+
+    with g.loop(b.udiv(wide, g.const(4))) as d4:
+        span(b.mul(d4, g.const(4 * step)), 4, ty)
+    with g.loop(b.urem(wide, g.const(4))) as d1:
+        span(b.mul(b.add(b.mul(b.udiv(wide, g.const(4)), g.const(4)), d1), g.const(step)), 1, ty)
+    if rest is not None:
+        with g.loop(rest) as d1:
+            span(b.add(b.mul(wide, g.const(step)), b.mul(d1, g.const(32))), 1, F8)
 
 
 @vector_intrinsic
-def attend_block(typingctx, qs, kf, vf, n, t0, hd, pos, st, m, l, o):
+def attend_block(typingctx, qs, kf, vf, n, t0, hd, pos, lanes, st, m, l, o):
     """One group of 8 query vectors qs [8, hd] against the block's first n keys (kf, vf [BK, hd],
-    positions t0..): the group's running m, l [8], o [8, hd] updated (see the module docstring)."""
+    positions t0..): the group's running m, l [8], o [8, hd] updated (see the module docstring).
+    Only lanes 0..lanes-1 hold queries (the rest: position -1); the others' sums are skipped."""
     vector_ir.need_isa("the tiled attention")
 
     def body(g, a):
@@ -183,7 +206,7 @@ def attend_block(typingctx, qs, kf, vf, n, t0, hd, pos, st, m, l, o):
         _scores(g, a, row)
         _weighted_sum(g, a, row, _softmax(g, a))
         return g.c.get_dummy_value()
-    return types.none(qs, kf, vf, n, t0, hd, pos, st, m, l, o), body
+    return types.none(qs, kf, vf, n, t0, hd, pos, lanes, st, m, l, o), body
 
 
 @vector_intrinsic
@@ -220,13 +243,18 @@ def merge_state(typingctx, m, l, o, mc, lc, oc, hd):
 # loop with a check LLVM cannot vectorize (kv_rows would convert one value at a time).
 @njit(cache=True, error_model="numpy")
 def kv_rows(src, table, page_size, lo, hd, t0, n, dst):
-    """dst[t] = float32 of columns lo..lo+hd of the cache row holding position t0 + t, t < n."""
-    for t in range(n):
-        p = t0 + t
-        slot = table[p // page_size] * page_size + p % page_size
-        values, out = src[slot, lo:lo + hd], dst[t]
-        for d in range(hd):
-            out[d] = as_f32(values[d])
+    """dst[t] = float32 of columns lo..lo+hd of the cache row holding position t0 + t, t < n; a
+    page's run of positions at a time (one division per page, not two per position)."""
+    t = 0
+    while t < n:
+        page, first = (t0 + t) // page_size, (t0 + t) % page_size
+        run = min(page_size - first, n - t)
+        slot = table[page] * page_size + first
+        for i in range(run):
+            values, out = src[slot + i, lo:lo + hd], dst[t + i]
+            for d in range(hd):
+                out[d] = as_f32(values[d])
+        t += run
 
 
 @njit(cache=True, error_model="numpy")
@@ -261,6 +289,7 @@ def attend_rows(y, m0, n_rows, kvh, c0, c1, il, cache, rows, dims, w):
     over chunks c0 .. c1 - 1 of their positions: the merged result in w.m, w.l, w.o."""
     hd = cache.k.shape[2] // dims.n_head_kv
     groups, last = _start(y, m0, n_rows, kvh, rows, dims, hd, w)
+    n_q = n_rows * (dims.n_head // dims.n_head_kv)                  # the query vectors: lanes in use
     table = cache.tables[rows.seq[m0]]
     kc, vc, lo = cache.k[il], cache.v[il], kvh * hd
     for c in range(c0, c1):
@@ -274,7 +303,8 @@ def attend_rows(y, m0, n_rows, kvh, c0, c1, il, cache, rows, dims, w):
             kv_rows(vc, table, cache.page_size, lo, hd, t0, n, w.vf)
             for g in range(groups):
                 if w.pos[g].max() >= t0:                 # else every key is after every lane: skipped
-                    attend_block(w.qs[g], w.kf, w.vf, n, t0, hd, w.pos[g], w.st, w.mc[g], w.lc[g], w.oc[g])
+                    attend_block(w.qs[g], w.kf, w.vf, n, t0, hd, w.pos[g], min(LANES, n_q - g * LANES), w.st,
+                                 w.mc[g], w.lc[g], w.oc[g])
         for g in range(groups):
             merge_state(w.m[g], w.l[g], w.o[g], w.mc[g], w.lc[g], w.oc[g], hd)
 
