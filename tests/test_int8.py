@@ -98,6 +98,7 @@ def test_q8_k_blocks_are_ggmls():
     x[2, 256:] = 0.0
     x[0, 7] = -np.abs(x[0]).max() * 2                         # block 0: the largest value negative
     x[1, 300] = np.abs(x[1]).max() * 2                        # block 3: positive
+    x[0, 100], x[1, 400] = -x[0, 7], -x[1, 300]               # ties of magnitude: the first one's sign
     q, d, s, sums = quantize_q8(x, 256)
     rq, rd, rsums = q8_k_reference(x)
     assert np.array_equal(q.reshape(-1, 256), rq)

@@ -22,7 +22,9 @@ import math
 from collections import namedtuple
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from stages.kernels.toolkit import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
@@ -37,19 +39,50 @@ Q8Blocks = namedtuple("Q8Blocks", "q d s sums")
 Q8KBlocks = namedtuple("Q8KBlocks", "q d b16 b32")
 
 
-@njit(cache=True)
+@intrinsic
+def _through_f16(typingctx, f):
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.float32), codegen
+
+
+@njit(cache=True, inline="always")
 def f16_round(f):
     """The float16 value nearest to float32 f (ties to even), as a float32: what storing a
-    scale in a float16 field (GGML_FP32_TO_FP16) and reading it back gives."""
-    a = abs(np.float64(f))
-    if a == 0.0 or a != a:
-        return np.float32(f)
-    if a >= 65520.0:                                     # beyond the largest float16, 65504
-        return np.float32(math.copysign(np.inf, f))
-    if a < 6.103515625e-05:                              # float16 subnormals: multiples of 2^-24
-        return np.float32(math.copysign(np.rint(a * 16777216.0) / 16777216.0, f))
-    m, e = math.frexp(a)                                 # a = m * 2^e, 0.5 <= m < 1
-    return np.float32(math.copysign(math.ldexp(np.rint(m * 2048.0), e - 11), f))   # 11 bits
+    scale in a float16 field (GGML_FP32_TO_FP16) and reading it back gives. The conversion's own
+    instructions (vcvtps2ph, vcvtph2ps: F16C, on every CPU the stages run on) round so, overflow
+    to infinity from 65520 and keep float16's subnormals."""
+    return _through_f16(np.float32(f))
+
+
+@intrinsic
+def _magnitude_bits(typingctx, x):
+    """The bits of float32 |x| as an int32: for numbers, the order of the magnitudes."""
+    def codegen(context, builder, sig, args):
+        bits = builder.bitcast(args[0], ir.IntType(32))
+        return builder.and_(bits, ir.Constant(ir.IntType(32), 0x7FFFFFFF))
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def _f32_of_bits(typingctx, bits):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+# The largest magnitude of a block as an integer max of the magnitudes' bits: the same number as a
+# float max, and a loop LLVM vectorizes (a float max reduction it would not reorder without
+# fastmath, and this module is compiled without it; it ran one vmaxss after another). Only a NaN
+# differs: it now wins the max and makes the block's scale NaN, where the float compare passed
+# over it (a layer that outputs a NaN has no right answer left to keep).
+@njit(cache=True, inline="always")
+def _amax_bits(x, k0, n):
+    top = np.int32(0)
+    for j in range(n):
+        bits = _magnitude_bits(x[k0 + j])
+        top = bits if bits > top else top
+    return top
 
 
 @njit(cache=True, inline="always")
@@ -57,9 +90,7 @@ def quantize_row_32(x, q, d, s, sums):
     """Q8_0 / Q8_1 blocks of one row x [K]: q [K], d, s, sums [K/32]."""
     for b in range(x.shape[0] // 32):
         k0 = b * 32
-        amax = f32(0.0)
-        for j in range(32):
-            amax = max(amax, abs(x[k0 + j]))
+        amax = _f32_of_bits(_amax_bits(x, k0, 32))
         dd = amax / f32(127.0)
         inv = f32(1.0) / dd if dd != 0 else f32(0.0)
         total = 0
@@ -80,13 +111,13 @@ def quantize_row_k(x, q, d, b16, b32):
     every 32 (b32), int16."""
     for b in range(x.shape[0] // 256):
         k0 = b * 256
-        amax = f32(0.0)
-        vmax = f32(0.0)
+        top = _amax_bits(x, k0, 256)
+        first = 256                                 # the first value of that magnitude: its sign
         for j in range(256):
-            v = x[k0 + j]
-            if abs(v) > amax:
-                amax = abs(v)
-                vmax = v
+            at = j if _magnitude_bits(x[k0 + j]) == top else 256
+            first = at if at < first else first
+        amax = _f32_of_bits(top)
+        vmax = x[k0 + first] if first < 256 else f32(0.0)
         if amax == 0:
             d[b] = 0.0
             for j in range(256):
