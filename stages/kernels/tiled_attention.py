@@ -86,6 +86,16 @@ def _halves(g, v):
     return g.b.fadd(g.shuffle(v, v, range(8)), g.shuffle(v, v, range(8, 16)))
 
 
+def _lanes_in_use(g, a):
+    """1 + the last lane with a position (>= 0), as an int64: 8 - the leading zeros of the 8-bit
+    mask of lanes in use (_start fills a group's lanes from the first)."""
+    b = g.b
+    used = b.icmp_signed(">=", g.load(a.pos, g.const(0), _V8), ir.Constant(_V8, None))
+    mask = b.bitcast(used, ir.IntType(8))
+    zeros = g.call("llvm.ctlz.i8", ir.IntType(8), mask, ir.Constant(ir.IntType(1), 0))
+    return b.sub(g.const(LANES), b.zext(zeros, I64))
+
+
 def _scores(g, a, row):
     """st[t] = the 8 lanes' q . k_t, masked (-inf) where t0 + t is after the lane's position. A
     group with at most 4 lanes in use (a decode row of a model with G <= 4 query heads per KV
@@ -195,18 +205,19 @@ def _weighted_pair(g, a, row, alpha, lanes, wide, ty, rest, step):
 
 
 @vector_intrinsic
-def attend_block(typingctx, qs, kf, vf, n, t0, hd, pos, lanes, st, m, l, o):
+def attend_block(typingctx, qs, kf, vf, n, t0, hd, pos, st, m, l, o):
     """One group of 8 query vectors qs [8, hd] against the block's first n keys (kf, vf [BK, hd],
     positions t0..): the group's running m, l [8], o [8, hd] updated (see the module docstring).
-    Only lanes 0..lanes-1 hold queries (the rest: position -1); the others' sums are skipped."""
+    The lanes after the last one with a position (>= 0) hold no query: their sums are skipped."""
     vector_ir.need_isa("the tiled attention")
 
     def body(g, a):
         row = g.b.mul(a.hd, g.const(4))
+        a.lanes = _lanes_in_use(g, a)
         _scores(g, a, row)
         _weighted_sum(g, a, row, _softmax(g, a))
         return g.c.get_dummy_value()
-    return types.none(qs, kf, vf, n, t0, hd, pos, lanes, st, m, l, o), body
+    return types.none(qs, kf, vf, n, t0, hd, pos, st, m, l, o), body
 
 
 @vector_intrinsic
@@ -289,7 +300,6 @@ def attend_rows(y, m0, n_rows, kvh, c0, c1, il, cache, rows, dims, w):
     over chunks c0 .. c1 - 1 of their positions: the merged result in w.m, w.l, w.o."""
     hd = cache.k.shape[2] // dims.n_head_kv
     groups, last = _start(y, m0, n_rows, kvh, rows, dims, hd, w)
-    n_q = n_rows * (dims.n_head // dims.n_head_kv)                  # the query vectors: lanes in use
     table = cache.tables[rows.seq[m0]]
     kc, vc, lo = cache.k[il], cache.v[il], kvh * hd
     for c in range(c0, c1):
@@ -303,8 +313,7 @@ def attend_rows(y, m0, n_rows, kvh, c0, c1, il, cache, rows, dims, w):
             kv_rows(vc, table, cache.page_size, lo, hd, t0, n, w.vf)
             for g in range(groups):
                 if w.pos[g].max() >= t0:                 # else every key is after every lane: skipped
-                    attend_block(w.qs[g], w.kf, w.vf, n, t0, hd, w.pos[g], min(LANES, n_q - g * LANES), w.st,
-                                 w.mc[g], w.lc[g], w.oc[g])
+                    attend_block(w.qs[g], w.kf, w.vf, n, t0, hd, w.pos[g], w.st, w.mc[g], w.lc[g], w.oc[g])
         for g in range(groups):
             merge_state(w.m[g], w.l[g], w.o[g], w.mc[g], w.lc[g], w.oc[g], hd)
 
