@@ -24,17 +24,10 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from stages.kernels.toolkit import FASTMATH
+from stages.kernels.toolkit import FASTMATH, f32_from_bits
 
 CHUNK = 256             # positions per attention work item (flash-decoding's split)
 i32, f32 = np.int32, np.float32
-
-
-@intrinsic
-def _f32_from_bits(typingctx, bits):
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.int32), codegen
 
 
 @njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -53,7 +46,7 @@ def fast_exp(x):
     p = p * r + f32(1.6666665459e-1)
     p = p * r + f32(5.0000001201e-1)
     y = p * r * r + r + f32(1.0)
-    return y * _f32_from_bits(i32((i32(n) + i32(127)) << i32(23)))
+    return y * f32_from_bits(i32((i32(n) + i32(127)) << i32(23)))
 
 
 @njit(cache=True, fastmath=FASTMATH, inline="always")

@@ -26,7 +26,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from stages.kernels.toolkit import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from stages.kernels.toolkit import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, f32_from_bits
 
 f32 = np.float32
 
@@ -64,13 +64,6 @@ def _magnitude_bits(typingctx, x):
     return types.int32(types.float32), codegen
 
 
-@intrinsic
-def _f32_of_bits(typingctx, bits):
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.int32), codegen
-
-
 # The largest magnitude of a block as an integer max of the magnitudes' bits: the same number as a
 # float max, and a loop LLVM vectorizes (a float max reduction it would not reorder without
 # fastmath, and this module is compiled without it; it ran one vmaxss after another). Only a NaN
@@ -90,7 +83,7 @@ def quantize_row_32(x, q, d, s, sums):
     """Q8_0 / Q8_1 blocks of one row x [K]: q [K], d, s, sums [K/32]."""
     for b in range(x.shape[0] // 32):
         k0 = b * 32
-        amax = _f32_of_bits(_amax_bits(x, k0, 32))
+        amax = f32_from_bits(_amax_bits(x, k0, 32))
         dd = amax / f32(127.0)
         inv = f32(1.0) / dd if dd != 0 else f32(0.0)
         total = 0
@@ -116,7 +109,7 @@ def quantize_row_k(x, q, d, b16, b32):
         for j in range(256):
             at = j if _magnitude_bits(x[k0 + j]) == top else 256
             first = at if at < first else first
-        amax = _f32_of_bits(top)
+        amax = f32_from_bits(top)
         vmax = x[k0 + first] if first < 256 else f32(0.0)
         if amax == 0:
             d[b] = 0.0

@@ -9,6 +9,7 @@ block readers every format's kernel calls, and a guard for numba's on-disk cache
     FIELDS          where each field of a block starts and ends, by name (common/quants.py's
                     BLOCK_DTYPES, the one definition): FIELDS[Q6_K]["scales"] == (192, 208)
     F16_TO_F32      every float16 bit pattern -> its float32 value: how a kernel reads a scale
+    f32_from_bits(i)                 the float32 whose bits are int32 i (a bitcast, no conversion)
     read_f16(row, o, table), read_u32(row, o)    little-endian fields inside a block
     guard_cache     empty a module's cached kernels when a file they call into has changed
 """
@@ -19,7 +20,9 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from common.gguf import BLOCK_SIZES, GGMLType
 from common.quants import BLOCK_DTYPES
@@ -28,6 +31,14 @@ from common.quants import BLOCK_DTYPES
 # into fused multiply-adds, and ignoring the sign of zero: what vectorizing a sum needs, and
 # nothing more. NaN and Inf keep their meaning (no 'nnan', 'ninf').
 FASTMATH = {"reassoc", "contract", "nsz"}
+
+
+@intrinsic
+def f32_from_bits(typingctx, bits):
+    """The float32 whose bits are the int32 `bits`."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
 
 F32, F16, BF16 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16)
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (int(GGMLType.Q4_0), int(GGMLType.Q4_1), int(GGMLType.Q5_0),
