@@ -138,14 +138,18 @@ class NgramIndex:
             self.tokens.append(int(t))
 
     def find(self, k: int, n_min: int = 1) -> tuple[int, list]:
-        """(n, up to k tokens that followed the most recent earlier occurrence of the text's last
-        n tokens), for the longest n that occurred; (0, []) if none did. (The ending itself is
-        not indexed yet: no token follows it.)"""
+        """(n, k tokens that followed the most recent earlier occurrence of the text's last n
+        tokens), for the longest n that occurred; (0, []) if none did. (The ending itself is not
+        indexed yet: no token follows it.) What followed runs into the text's end when the match
+        is recent: the guess then goes on as the copy would, the text repeating with the period
+        L - at (the overlapping copy of an LZ77 decoder), so a list or a loop that repeats every
+        few tokens is guessed k ahead, not only up to the end."""
         L = len(self.tokens)
         for n in range(min(self.n_max, L - 1), n_min - 1, -1):
             at = self.after.get(tuple(self.tokens[L - n:]))
             if at is not None:
-                return n, self.tokens[at:at + k]
+                period = L - at
+                return n, [self.tokens[at + i % period] for i in range(k)]
         return 0, []
 
 
@@ -160,9 +164,8 @@ class PromptLookup:
         self.index = NgramIndex(n_max)
 
     def find(self, tokens, k: int) -> tuple[int, list]:
-        """(n, up to k tokens that followed the most recent earlier occurrence of the text's last
-        n tokens), for the longest n that occurred; (0, []) if none did. The index follows the
-        text: extended while the text only grew, built again when it changed."""
+        """NgramIndex.find on this text: (n, k tokens guessed), (0, []) if nothing matched. The
+        index follows the text: extended while the text only grew, built again when it changed."""
         tokens = list(tokens)
         have = self.index.tokens
         if len(tokens) < len(have) or tokens[:len(have)] != have:

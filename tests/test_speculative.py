@@ -90,7 +90,8 @@ def test_lookup_proposes_what_followed_the_longest_recent_match():
     assert look.find(text, 4) == (2, [3, 7, 1, 2])         # [1, 2] last seen at 6, not at 1
     assert look.find(text + [3], 4) == (3, [7, 1, 2, 3])   # [1, 2, 3]: the 3-gram beats the shorter ones
     assert look.find(text + [3], 2) == (3, [7, 1])         # at most k
-    assert look.find([4, 4, 4, 4], 3) == (3, [4])          # what is there, up to the end
+    assert look.find([4, 4, 4, 4], 3) == (3, [4, 4, 4])    # runs into the end: the text repeats
+    assert look.find([7, 1, 2, 1, 2], 5) == (2, [1, 2, 1, 2, 1])   # with the period it has (2 here)
     assert look.find([1, 2, 3, 4], 3) == (0, [])           # nothing occurred before
     assert look.find([6], 3) == (0, [])
     assert sp.PromptLookup(2, 3).find([5, 1, 2, 1], 3) == (0, [])     # n_min = 2: a single 1 does not count
@@ -99,14 +100,18 @@ def test_lookup_proposes_what_followed_the_longest_recent_match():
 
 
 def scanned(tokens, k: int, n_min: int, n_max: int) -> tuple[int, list]:
-    """The search NgramIndex keeps up to date, done the slow way: a scan of the whole text."""
+    """The search NgramIndex keeps up to date, done the slow way: a scan of the whole text, and
+    the copy token by token (a guess that runs past the text's end reads the guesses before it)."""
     t = np.asarray(tokens, dtype=np.int64)
     L = len(t)
     for n in range(min(n_max, L - 1), n_min - 1, -1):
         windows = np.lib.stride_tricks.sliding_window_view(t[:L - 1], n)     # each ends before the text does
         hits = np.flatnonzero((windows == t[L - n:]).all(axis=1))
         if len(hits):
-            return n, t[int(hits[-1]) + n:int(hits[-1]) + n + k].tolist()
+            text = t.tolist()
+            for i in range(k):
+                text.append(text[int(hits[-1]) + n + i])
+            return n, text[L:]
     return 0, []
 
 
@@ -143,16 +148,16 @@ def test_the_index_finds_what_a_scan_of_the_text_finds():
     assert index_mismatches(KeepsTheFirst) > 0                   # the planted index is caught
     look = sp.PromptLookup(1, 4)
     assert [look.find(t, 3) for t in ([1, 2, 3, 1, 2], [1, 2, 3, 1, 2, 3], [5, 2, 5])] == \
-        [(2, [3, 1, 2]), (3, [1, 2, 3]), (1, [2, 5])]          # grown, then another text: built again
+        [(2, [3, 1, 2]), (3, [1, 2, 3]), (1, [2, 5, 2])]       # grown, then another text: built again
     index = sp.NgramIndex(3, [1, 2, 3, 1, 2])
-    assert index.find(4) == (2, [3, 1, 2]) and index.find(4, n_min=3) == (0, [])
+    assert index.find(4) == (2, [3, 1, 2, 3]) and index.find(4, n_min=3) == (0, [])
 
 
 def test_lookup_drafts_through_the_length_policy():
     look = sp.PromptLookup()
     length = sp.DraftLength(8, FreeRows())
     draft = look.draft([1, 2, 3, 4, 5, 1, 2], 8, length, Sampler())
-    assert draft.tokens == [3, 4, 5, 1, 2] and draft.q is None and draft.key == ("ngram", 2)
+    assert draft.tokens == [3, 4, 5, 1, 2, 3, 4, 5] and draft.q is None and draft.key == ("ngram", 2)
     assert look.draft([1, 2, 3], 8, length, Sampler()) is None
 
 

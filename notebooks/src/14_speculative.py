@@ -79,7 +79,11 @@ findings["the ridge"] = (f"at {roof['ridge_rows']:.1f} rows here: reading the we
 #
 # The cheapest guess needs no model: find the longest n-gram at the end of the text that occurred
 # earlier in it, and propose what followed it there. Text that copies itself (code being edited,
-# a list recited, a passage quoted) is full of such matches; free text has few.
+# a list recited, a passage quoted) is full of such matches; free text has few. When the match is
+# recent, what followed it runs into the text's end, and the guess goes on as the copy would (an
+# LZ77 decoder's overlapping copy): a text that repeats every p tokens is guessed k ahead, not p.
+# Small models fall into such loops ("cheese, cheese, cheese, ..."), and lists and tables repeat
+# their separators.
 #
 # A scan of the whole text at every step would grow with the text; `NgramIndex` keeps, for every
 # n-gram seen, the position after its latest occurrence, so a step looks its ending up in a few
