@@ -49,7 +49,7 @@ from numba import types
 from stages.kernels import vector_ir
 from stages.kernels.int_dot import q6_top_bits
 from stages.kernels.toolkit import BLOCK_BYTES, FIELDS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TYPES_K
-from stages.kernels.vector_ir import B32, D8, F8, FLOAT, I16, I32, vector_intrinsic
+from stages.kernels.vector_ir import B32, D8, F8, FLOAT, I32, vector_intrinsic
 
 GROUP = 8                                    # rows per group: one int32 or float32 lane each (ymm)
 REPACK_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
@@ -295,8 +295,12 @@ def _block_k4(g, kind, gb, blk, acts, accs):
 
 
 def _block_q6(g, gb, blk, acts, accs):
-    """Q6_K: 16 sub-blocks of 16 values, int8 scales; the -32 of every value taken off each
-    sub-block's sum as 32 * b16_s before its scale multiplies it; acc += float(isum) * d_a * d_w."""
+    """Q6_K: 16 sub-blocks of 16 values, int8 scales; acc += float(isum) * d_a * d_w with
+    isum = sum_s sc_s (dot of sub-block s) - 32 sum_s sc_s b16_s (the -32 of every stored value;
+    b16_s the sum of the activation's 16 values there). The second sum is one multiply-add of int16
+    pairs per two sub-blocks (their scales side by side in each row's lane, b16_s and b16_s+1 side
+    by side in memory): 8 for the block, where each sub-block took a multiply of its own. Exact
+    integers either way (|32 sum| < 2^28), so the same bits."""
     b, C = g.b, acts.C
     lay = GROUP_AT[Q6_K]
     k = b.mul(blk, g.const(256))
@@ -318,12 +322,17 @@ def _block_q6(g, gb, blk, acts, accs):
                 for c in range(C):
                     acts_q = [_splat_q(g, acts, c, b.add(k, g.const(128 * h + 32 * i + 4 * (4 * jh + jj))))
                               for jj in range(4)]
-                    b16 = b.sext(g.load(acts.b16[c], b.mul(b.add(b.mul(blk, g.const(16)), g.const(s)), g.const(2)),
-                                        I16), I32)
-                    offset = g.splat(D8, b.shl(b16, ir.Constant(I32, 5)))
-                    isum[c] = b.sub(g.scaled_dots(isum[c], vals[i], acts_q, scale, 63), b.mul(offset, scale))
+                    isum[c] = g.scaled_dots(isum[c], vals[i], acts_q, scale, 63)
+    sc = [g.widen_s8(gb, g.const(lay["scales"] + GROUP * s)) for s in range(16)]
+    sc_pairs = [b.or_(b.and_(sc[2 * u], g.splat_const(D8, 0xFFFF)), b.shl(sc[2 * u + 1], g.splat_const(D8, 16)))
+                for u in range(8)]
     dw = g.halves(gb, g.const(lay["d"]))
     for c in range(C):
+        offsets = ir.Constant(D8, None)
+        for u in range(8):
+            b16 = g.splat_i32(acts.b16[c], b.mul(b.add(b.mul(blk, g.const(16)), g.const(2 * u)), g.const(2)))
+            offsets = g.dpwssd(offsets, sc_pairs[u], b16)
+        isum[c] = b.sub(isum[c], b.shl(offsets, g.splat_const(D8, 5)))
         da = _splat_f32(g, acts.d[c], blk)
         b.store(g.fma(b.fmul(g.to_float(isum[c]), da), dw, b.load(accs[c])), accs[c])
 
