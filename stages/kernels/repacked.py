@@ -323,9 +323,9 @@ def _block_q6(g, gb, blk, acts, accs):
                     acts_q = [_splat_q(g, acts, c, b.add(k, g.const(128 * h + 32 * i + 4 * (4 * jh + jj))))
                               for jj in range(4)]
                     isum[c] = g.scaled_dots(isum[c], vals[i], acts_q, scale, 63)
+    # the scales loaded again, not kept from the loop: kept, the 16 would hold 16 registers through it
     sc = [g.widen_s8(gb, g.const(lay["scales"] + GROUP * s)) for s in range(16)]
-    sc_pairs = [b.or_(b.and_(sc[2 * u], g.splat_const(D8, 0xFFFF)), b.shl(sc[2 * u + 1], g.splat_const(D8, 16)))
-                for u in range(8)]
+    sc_pairs = [g.int16_pair(sc[2 * u], sc[2 * u + 1]) for u in range(8)]
     dw = g.halves(gb, g.const(lay["d"]))
     for c in range(C):
         offsets = ir.Constant(D8, None)

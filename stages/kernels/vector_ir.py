@@ -352,6 +352,12 @@ class Emit:
             return self.call(f"llvm.x86.avx512.vpdpbusd.{32 * n}", acc.type, acc, cast(u), cast(s))
         return self.b.add(acc, self.madd(self.pairs(u, s), self.splat_const(ir.VectorType(I16, 2 * n), 1)))
 
+    def int16_pair(self, lo, hi):
+        """Two int32 lanes' values, each in int16's range, as one lane's pair of int16 (lo in the
+        low half): the operand vpmaddwd and vpdpwssd multiply pair by pair."""
+        b = self.b
+        return b.or_(b.and_(lo, self.splat_const(lo.type, 0xFFFF)), b.shl(hi, self.splat_const(hi.type, 16)))
+
     def dpwssd(self, acc, a, b):
         """acc + lane i: a[2i] b[2i] + a[2i+1] b[2i+1] (int16 pairs, given as int32 lanes). VNNI:
         vpdpwssd (one instruction); else vpmaddwd + vpaddd."""
@@ -386,11 +392,7 @@ class Emit:
                 d = self.dpbusd(d, u, s)
             return b.add(acc, d if scale is None else b.mul(d, scale))
         w16 = ir.VectorType(I16, 2 * n)
-        if scale is None:
-            both = self.splat_const(w16, 1)
-        else:
-            low = b.and_(scale, self.splat_const(acc.type, 0xFFFF))
-            both = b.bitcast(b.or_(low, b.shl(scale, self.splat_const(acc.type, 16))), w16)
+        both = self.splat_const(w16, 1) if scale is None else b.bitcast(self.int16_pair(scale, scale), w16)
         per_run = max(1, 32767 // (2 * most * 127))
         for i in range(0, len(us), per_run):
             run = self.pairs(us[i], ss[i])
