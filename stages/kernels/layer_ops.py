@@ -109,7 +109,7 @@ def slot_of(table, t, page_size):
     return table[t // page_size] * page_size + t % page_size
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(cache=True, fastmath=FASTMATH, _nrt=False)    # no reference counts: layer_stack.py says why
 def attend_chunk(q, kc, vc, table, page_size, kvh, hd, t0, t1, scale, scores, part):
     """One head's query q [hd] against positions t0..t1-1 of one sequence (kc, vc [n_slots,
     kv_dim] this layer's cache, read through its page table): part = (max, sum of exp, sum of

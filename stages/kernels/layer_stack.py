@@ -269,6 +269,15 @@ def multiple_of(mat):
 
 # ---- the phases --------------------------------------------------------------------------------
 
+# `_nrt=False` on every function a thread calls per phase or per work item (here, and next_item,
+# barrier, attend_rows, merge_parts, finish_rows, attend_chunk): numba's runtime (NRT) counts the
+# references to each array a function is given, an atomic add on entry and another on exit, and
+# the counters sit in the arrays' parents, which both threads share. A call that took the prefill
+# stage's Prefill (25 arrays) beside the scratch paid some hundred atomic operations on cache
+# lines the other core was writing too: on SmolLM2 that made prefill's decode step about 15%
+# slower than repack's, though the kernels were the same. These functions allocate nothing (where
+# one would, the compiler refuses: "NRT required but not enabled"), so they need no counts.
+
 @njit(cache=True, inline="always")
 def _needs(mats, j0, j1):
     """(any integer matrix of j0..j1-1 takes Q8_0/Q8_1 blocks, any takes Q8_K)."""
@@ -293,7 +302,7 @@ def _quantize(x, m, K, n32, nk, s, pre):
             pair_row(m, K, n32, nk, s.p32, s.pk, x32, xk)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _norm_rows(h, il, which, eps, weights, s, ph, t, nt, pre):
     """x = rms_norm(h) * norm `which` of layer il, row by row, rounded for the matrices after it."""
     M, D = h.shape
@@ -308,7 +317,7 @@ def _norm_rows(h, il, which, eps, weights, s, ph, t, nt, pre):
         _quantize(s.xin[m], m, D, n32, nk, s, pre)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _round_f(il, weights, s, ph, t, nt, pre):
     """f = silu(gate) * up, rounded for W_down."""
     M, n_ff = s.fbuf.shape
@@ -332,7 +341,7 @@ def block_rows(act_bytes, K, M):
 
 # error_model="numpy": no check for a zero divisor around silu's division, which otherwise keeps
 # LLVM from vectorizing the epilogue (one exp and one division per value, scalar).
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", _nrt=False)
 def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ph, t, nt, pre):
     """One thread's share of a matmul phase of layer il: work items from counters[ph], each a chunk
     of weight rows times a block of activation rows (all of them without `pre`) into s.y, then
@@ -407,7 +416,7 @@ def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ph, t, nt, pre):
                     sums[m, r] += y[m, r]
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _attend(il, cache, rows, dims, s, ph, t, nt):
     """Work items (query row m, head, chunk c of its positions 0..positions[m]) -> s.part[m, head, c]."""
     M, H, n_chunks = s.part.shape[0], s.part.shape[1], s.part.shape[2]
@@ -429,7 +438,7 @@ def _attend(il, cache, rows, dims, s, ph, t, nt):
                          hh // group, hd, t0, t1, dims.scale, scores, s.part[m, hh, c])
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _merge(il, weights, cache, rows, dims, s, ph, t, nt):
     """Each row's heads: its own chunks merged in order (flash-decoding's reduction), then rounded for Wo."""
     M, H = s.part.shape[0], s.part.shape[1]
@@ -457,7 +466,7 @@ def _workspace(pre, t):
                      pre.o[t], pre.mc[t], pre.lc[t], pre.oc[t])
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _attend_tiles(il, cache, rows, dims, s, pre, ph, t, nt):
     """With `pre`: work items (query tile, KV head), each tile's result straight into s.xin; then
     (decode row, KV head, chunk), each chunk's result into pre.pm, pl, po (tiled_attention.py)."""
@@ -484,12 +493,15 @@ def _attend_tiles(il, cache, rows, dims, s, pre, ph, t, nt):
         if c < chunks_of(rows.positions[m]):
             attend_rows(s.y, m, 1, kvh, c, c + 1, il, cache, rows, dims, w)
             groups = (G + LANES - 1) // LANES
-            pre.pm[k, kvh, c] = w.m[:groups]
-            pre.pl[k, kvh, c] = w.l[:groups]
-            pre.po[k, kvh, c] = w.o[:groups]
+            for gi in range(groups):        # element by element: a slice assignment allocates (no NRT here)
+                for ln in range(LANES):
+                    pre.pm[k, kvh, c, gi, ln] = w.m[gi, ln]
+                    pre.pl[k, kvh, c, gi, ln] = w.l[gi, ln]
+                    for e in range(hd):
+                        pre.po[k, kvh, c, gi, ln, e] = w.o[gi, ln, e]
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _merge_tiles(il, weights, cache, rows, dims, s, pre, ph, t, nt):
     """With `pre`: each decode row's chunks merged in order (the tiles' rows are done), every row
     rounded for Wo."""
@@ -520,7 +532,7 @@ def _work(s, p32, pk):
     return Work(s.xin, s.fbuf, s.y, s.part, s.scores, s.fs, s.counters, p32, pk)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _worker(t, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre):
     """Thread t of the nt the scratch was made for: every phase of the span, its share of each, a
     barrier between two; thread 0 adds each phase's cycles to sync[CLOCK + i] where new_sync made
@@ -611,7 +623,7 @@ def run_phases(h, weights, cache, rows, dims, sync, nt, span, pre, scratch, p32,
 
 # ---- one matrix: the output head ---------------------------------------------------------------
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _head_worker(x, blob, mats, scratch, p32, pk, out, per, t, nt):
     M = x.shape[0]
     mat = mats[0]

@@ -252,7 +252,7 @@ def merge_state(typingctx, m, l, o, mc, lc, oc, hd):
 
 # error_model="numpy" on the loops below: without it numba checks every divisor for zero, and a
 # loop with a check LLVM cannot vectorize (kv_rows would convert one value at a time).
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", _nrt=False)    # no reference counts: layer_stack.py says why
 def kv_rows(src, table, page_size, lo, hd, t0, n, dst):
     """dst[t] = float32 of columns lo..lo+hd of the cache row holding position t0 + t, t < n; a
     page's run of positions at a time (one division per page, not two per position)."""
@@ -268,7 +268,7 @@ def kv_rows(src, table, page_size, lo, hd, t0, n, dst):
         t += run
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", _nrt=False)    # no reference counts: layer_stack.py says why
 def _start(y, m0, n_rows, kvh, rows, dims, hd, w):
     """The tile's queries into w.qs (times the softmax scale), lane positions, empty running
     results; returns (groups, the last position any row sees)."""
@@ -294,7 +294,16 @@ def _start(y, m0, n_rows, kvh, rows, dims, hd, w):
     return groups, last
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
+def _latest(pos):
+    """The largest of a group's positions (a loop: an array method needs numba's runtime, NRT)."""
+    top = pos[0]
+    for i in range(1, pos.shape[0]):
+        top = max(top, pos[i])
+    return top
+
+
+@njit(cache=True, _nrt=False)    # no reference counts: layer_stack.py says why
 def attend_rows(y, m0, n_rows, kvh, c0, c1, il, cache, rows, dims, w):
     """Rows m0 .. m0 + n_rows - 1 (one sequence, queries in y) for the query heads of KV head kvh,
     over chunks c0 .. c1 - 1 of their positions: the merged result in w.m, w.l, w.o."""
@@ -312,13 +321,13 @@ def attend_rows(y, m0, n_rows, kvh, c0, c1, il, cache, rows, dims, w):
             kv_rows(kc, table, cache.page_size, lo, hd, t0, n, w.kf)
             kv_rows(vc, table, cache.page_size, lo, hd, t0, n, w.vf)
             for g in range(groups):
-                if w.pos[g].max() >= t0:                 # else every key is after every lane: skipped
+                if _latest(w.pos[g]) >= t0:              # else every key is after every lane: skipped
                     attend_block(w.qs[g], w.kf, w.vf, n, t0, hd, w.pos[g], w.st, w.mc[g], w.lc[g], w.oc[g])
         for g in range(groups):
             merge_state(w.m[g], w.l[g], w.o[g], w.mc[g], w.lc[g], w.oc[g], hd)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)    # no reference counts: layer_stack.py says why
 def merge_parts(w, pm, pl, po, n_chunks, groups, hd):
     """w's running result = the chunks' stored results pm, pl [c, groups, 8], po [c, groups, 8, hd]
     merged in chunk order (a row alone: its chunks came from attend_rows over one chunk each)."""
@@ -330,7 +339,7 @@ def merge_parts(w, pm, pl, po, n_chunks, groups, hd):
             merge_state(w.m[g], w.l[g], w.o[g], pm[c, g], pl[c, g], po[c, g], hd)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", _nrt=False)    # no reference counts: layer_stack.py says why
 def finish_rows(w, m0, n_rows, kvh, G, hd, out):
     """out[row, columns of head (kvh G + j)] = o / l for the rows' lanes."""
     for i in range(n_rows * G):
