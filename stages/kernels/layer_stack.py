@@ -269,14 +269,14 @@ def multiple_of(mat):
 
 # ---- the phases --------------------------------------------------------------------------------
 
-# `_nrt=False` on every function a thread calls per phase or per work item (here, and next_item,
-# barrier, attend_rows, merge_parts, finish_rows, attend_chunk): numba's runtime (NRT) counts the
+# `_nrt=False` on every function a thread calls per phase or per work item (here, and the ones
+# they call in sync.py, tiled_attention.py and layer_ops.py): numba's runtime (NRT) counts the
 # references to each array a function is given, an atomic add on entry and another on exit, and
 # the counters sit in the arrays' parents, which both threads share. A call that took the prefill
-# stage's Prefill (25 arrays) beside the scratch paid some hundred atomic operations on cache
-# lines the other core was writing too: on SmolLM2 that made prefill's decode step about 15%
-# slower than repack's, though the kernels were the same. These functions allocate nothing (where
-# one would, the compiler refuses: "NRT required but not enabled"), so they need no counts.
+# stage's Prefill (two dozen arrays) beside the scratch paid some hundred atomic operations on
+# cache lines the other core was writing too, a fixed cost per call that made prefill's decode
+# step slower than repack's with the same kernels. These functions allocate nothing (where one
+# would, the compiler refuses: "NRT required but not enabled"), so they need no counts.
 
 @njit(cache=True, inline="always")
 def _needs(mats, j0, j1):

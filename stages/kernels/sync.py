@@ -168,7 +168,7 @@ def futex_wake(typingctx, arr, idx):
     return types.none(arr, idx), codegen
 
 
-@njit(cache=True, _nrt=False)    # no reference counts: layer_stack.py says why
+@njit(cache=True)
 def _ticks():
     return cycles()
 
