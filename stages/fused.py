@@ -188,6 +188,7 @@ def kv_view(a: np.ndarray) -> np.ndarray:
 class FusedBackend(Int8Backend):
     name = "fused"
     fuses_layers = True
+    head_pairs = False              # the output head's rows two to a 512-bit register (the prefill stage)
 
     @staticmethod
     def unavailable_reason() -> str | None:
@@ -298,6 +299,6 @@ class FusedBackend(Int8Backend):
         x = np.ascontiguousarray(x, dtype=np.float32)
         nt = self._threads()
         t0 = time.perf_counter()
-        y = matmul_rows(x, blob, mat, nt)
+        y = matmul_rows(x, blob, mat, nt, self.head_pairs)
         self.kernel_seconds += time.perf_counter() - t0
         return y

@@ -23,7 +23,8 @@ repack stage's prompt is taken apart in two:
   items are a chunk of weight rows times a block of prompt rows whose 8-bit values fill a quarter
   of the L2 cache (read from sysfs: common/cpu.py), so every loaded weight block serves the whole block
   of rows from the cache. A call of a few rows (a batch of decode rows, a verify pass of guesses)
-  is one block, an odd row included, so its weights stream from memory once, not once per pair.
+  is one block, an odd row included, so its weights stream from memory once, not once per pair;
+  the output head's rows of such a call go through the same kernel.
   Each (weight row, prompt row) gets the repack kernel's integer sums and the same float steps: a
   prompt row's result is repack's bits, and decode stays repack's kernel.
 * A prompt goes through the stack in pieces of PIECE_ROWS rows: the scratch of a call is sized
@@ -108,6 +109,7 @@ def scratch_bytes(cfg, rows: int, threads: int, n_ctx: int, tile_rows: int, alon
 class PrefillBackend(RepackBackend):
     name = "prefill"
     max_batch = PIECE_ROWS
+    head_pairs = True
 
     def __init__(self, threads: int | None = None, kv_type: str | None = None):
         super().__init__(threads, kv_type)

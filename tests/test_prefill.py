@@ -145,6 +145,37 @@ def test_pairs_are_repacks_bits(ggml_type):
         assert np.array_equal(got[m0:m1], want[m0:m1]), (m0, m1)
 
 
+@needs_zmm
+@pytest.mark.parametrize("ggml_type", [GGMLType(t) for t in pair_gemm.PAIR_TYPES], ids=lambda t: t.name)
+def test_the_head_in_pairs_is_repacks_bits(ggml_type):
+    """The output head's rows through the pair kernel (matmul_rows with `pairs`, the prefill
+    stage's head): 2, 5 and 12 rows of 19 weight rows (two work items, the last group part of
+    one) give repack's kernel's bits, and so does one row (which stays on repack's kernel)."""
+    raw, K, rng = _weights(ggml_type, 19, 700 + int(ggml_type))
+    mat = L.matrix_table([(0, 19, raw.shape[1], int(ggml_type), L.REPACKED)])
+    blob = repacked.repack(raw, int(ggml_type))
+    nt = numba.get_num_threads()
+    for M in (1, 2, 5, 12):
+        x = np.ascontiguousarray(activations(rng, M, K))
+        want = L.matmul_rows(x, blob, mat, nt, False)
+        got = L.matmul_rows(x, blob, mat, nt, True)
+        assert np.array_equal(got, want), M
+
+
+def test_the_prefill_stage_asks_for_the_head_in_pairs(monkeypatch):
+    """The prefill stage's head passes `pairs` to matmul_rows; repack's does not (its lesson is
+    the one-row kernel)."""
+    import stages.fused as fused_stage
+    from stages.prefill import PrefillBackend
+    from stages.repack import RepackBackend
+    seen = []
+    monkeypatch.setattr(fused_stage, "matmul_rows", lambda x, blob, mat, nt, pairs: seen.append(pairs) or x)
+    monkeypatch.setattr(fused_stage.FusedBackend, "_head", lambda self, w: (None, None))
+    for backend in (PrefillBackend(threads=1), RepackBackend(threads=1)):
+        backend.matmul_blocks(np.zeros((3, 4), np.float32), None)
+    assert seen == [True, False]
+
+
 # ---- the stage -------------------------------------------------------------------------------------
 
 def test_a_few_rows_are_one_block_and_blocks_start_on_pairs():

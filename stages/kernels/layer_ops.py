@@ -24,7 +24,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from stages.kernels.toolkit import FASTMATH, f32_from_bits
+from stages.kernels.toolkit import FASTMATH, f32_from_bits, per_phase
 
 CHUNK = 256             # positions per attention work item (flash-decoding's split)
 i32, f32 = np.int32, np.float32
@@ -109,7 +109,7 @@ def slot_of(table, t, page_size):
     return table[t // page_size] * page_size + t % page_size
 
 
-@njit(cache=True, fastmath=FASTMATH, _nrt=False)    # no reference counts: layer_stack.py says why
+@per_phase(fastmath=FASTMATH)
 def attend_chunk(q, kc, vc, table, page_size, kvh, hd, t0, t1, scale, scores, part):
     """One head's query q [hd] against positions t0..t1-1 of one sequence (kc, vc [n_slots,
     kv_dim] this layer's cache, read through its page table): part = (max, sum of exp, sum of

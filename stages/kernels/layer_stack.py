@@ -7,7 +7,7 @@
     run_phases(..., span, pre, *scratch_for(...))         the phases span.first..span.last-1 only,
                                                           Wo and W_down adding into span.sums (the tp
                                                           stage: it stops after each, to all-reduce)
-    matmul_rows(x, blob, mats, nt)                        one weight matrix (the output head)
+    matmul_rows(x, blob, mats, nt, pairs)                 one weight matrix (the output head)
 
 The ops of one layer are the table PHASES (OPS_PER_LAYER of them, a barrier after each; the
 region's fork and join once per call). Each is split into work items that the threads take from
@@ -95,11 +95,11 @@ from stages.kernels.layer_ops import (
     rope_rows,
     silu_mul,
 )
-from stages.kernels.pair_gemm import Pairs32, PairsK, pair_row, pairs_take
+from stages.kernels.pair_gemm import Pairs32, PairsK, pair_arrays, pair_row, pairs_take
 from stages.kernels.q8 import Q8Blocks, Q8KBlocks, pack_arrays, quantize_row
 from stages.kernels.sync import CLOCK, barrier, cycles, next_item
 from stages.kernels.tiled_attention import LANES, Workspace, attend_rows, finish_rows, merge_parts
-from stages.kernels.toolkit import BF16, F16, F32, Q4_K, Q5_K, Q6_K, block_bytes, block_values
+from stages.kernels.toolkit import BF16, F16, F32, Q4_K, Q5_K, Q6_K, block_bytes, block_values, per_phase
 from stages.kernels.vector_ir import ZMM
 
 DECODE_WEIGHTS = 65536  # weights per decode work item: a few microseconds, many items per op
@@ -269,14 +269,8 @@ def multiple_of(mat):
 
 # ---- the phases --------------------------------------------------------------------------------
 
-# `_nrt=False` on every function a thread calls per phase or per work item (here, and the ones
-# they call in sync.py, tiled_attention.py and layer_ops.py): numba's runtime (NRT) counts the
-# references to each array a function is given, an atomic add on entry and another on exit, and
-# the counters sit in the arrays' parents, which both threads share. A call that took the prefill
-# stage's Prefill (two dozen arrays) beside the scratch paid some hundred atomic operations on
-# cache lines the other core was writing too, a fixed cost per call that made prefill's decode
-# step slower than repack's with the same kernels. These functions allocate nothing (where one
-# would, the compiler refuses: "NRT required but not enabled"), so they need no counts.
+# Every function a thread calls per phase or per work item compiles as toolkit.per_phase (no
+# reference counts: toolkit.py says why).
 
 @njit(cache=True, inline="always")
 def _needs(mats, j0, j1):
@@ -302,7 +296,7 @@ def _quantize(x, m, K, n32, nk, s, pre):
             pair_row(m, K, n32, nk, s.p32, s.pk, x32, xk)
 
 
-@njit(cache=True, _nrt=False)
+@per_phase
 def _norm_rows(h, il, which, eps, weights, s, ph, t, nt, pre):
     """x = rms_norm(h) * norm `which` of layer il, row by row, rounded for the matrices after it."""
     M, D = h.shape
@@ -317,7 +311,7 @@ def _norm_rows(h, il, which, eps, weights, s, ph, t, nt, pre):
         _quantize(s.xin[m], m, D, n32, nk, s, pre)
 
 
-@njit(cache=True, _nrt=False)
+@per_phase
 def _round_f(il, weights, s, ph, t, nt, pre):
     """f = silu(gate) * up, rounded for W_down."""
     M, n_ff = s.fbuf.shape
@@ -341,7 +335,7 @@ def block_rows(act_bytes, K, M):
 
 # error_model="numpy": no check for a zero divisor around silu's division, which otherwise keeps
 # LLVM from vectorizing the epilogue (one exp and one division per value, scalar).
-@njit(cache=True, error_model="numpy", _nrt=False)
+@per_phase(error_model="numpy")
 def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ph, t, nt, pre):
     """One thread's share of a matmul phase of layer il: work items from counters[ph], each a chunk
     of weight rows times a block of activation rows (all of them without `pre`) into s.y, then
@@ -416,7 +410,7 @@ def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ph, t, nt, pre):
                     sums[m, r] += y[m, r]
 
 
-@njit(cache=True, _nrt=False)
+@per_phase
 def _attend(il, cache, rows, dims, s, ph, t, nt):
     """Work items (query row m, head, chunk c of its positions 0..positions[m]) -> s.part[m, head, c]."""
     M, H, n_chunks = s.part.shape[0], s.part.shape[1], s.part.shape[2]
@@ -438,7 +432,7 @@ def _attend(il, cache, rows, dims, s, ph, t, nt):
                          hh // group, hd, t0, t1, dims.scale, scores, s.part[m, hh, c])
 
 
-@njit(cache=True, _nrt=False)
+@per_phase
 def _merge(il, weights, cache, rows, dims, s, ph, t, nt):
     """Each row's heads: its own chunks merged in order (flash-decoding's reduction), then rounded for Wo."""
     M, H = s.part.shape[0], s.part.shape[1]
@@ -466,7 +460,7 @@ def _workspace(pre, t):
                      pre.o[t], pre.mc[t], pre.lc[t], pre.oc[t])
 
 
-@njit(cache=True, _nrt=False)
+@per_phase
 def _attend_tiles(il, cache, rows, dims, s, pre, ph, t, nt):
     """With `pre`: work items (query tile, KV head), each tile's result straight into s.xin; then
     (decode row, KV head, chunk), each chunk's result into pre.pm, pl, po (tiled_attention.py)."""
@@ -501,7 +495,7 @@ def _attend_tiles(il, cache, rows, dims, s, pre, ph, t, nt):
                         pre.po[k, kvh, c, gi, ln, e] = w.o[gi, ln, e]
 
 
-@njit(cache=True, _nrt=False)
+@per_phase
 def _merge_tiles(il, weights, cache, rows, dims, s, pre, ph, t, nt):
     """With `pre`: each decode row's chunks merged in order (the tiles' rows are done), every row
     rounded for Wo."""
@@ -532,7 +526,7 @@ def _work(s, p32, pk):
     return Work(s.xin, s.fbuf, s.y, s.part, s.scores, s.fs, s.counters, p32, pk)
 
 
-@njit(cache=True, _nrt=False)
+@per_phase
 def _worker(t, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre):
     """Thread t of the nt the scratch was made for: every phase of the span, its share of each, a
     barrier between two; thread 0 adds each phase's cycles to sync[CLOCK + i] where new_sync made
@@ -623,46 +617,66 @@ def run_phases(h, weights, cache, rows, dims, sync, nt, span, pre, scratch, p32,
 
 # ---- one matrix: the output head ---------------------------------------------------------------
 
-@njit(cache=True, _nrt=False)
-def _head_worker(x, blob, mats, scratch, p32, pk, out, per, t, nt):
+@per_phase
+def _head_worker(x, blob, mats, scratch, p32, pk, b, pairs, out, per, t, nt):
     M = x.shape[0]
     mat = mats[0]
     s = _work(scratch, p32, pk)
+    x32, xk = Pairs32(b[0], b[1], b[2], b[3]), PairsK(b[4], b[5], b[6], b[7])
     n_items = (mat.rows + per - 1) // per
     while True:
         item = next_item(s.counters, 0, t, nt, n_items)
         if item < 0:
             break
         r0 = item * per
-        chunk(mat, blob, r0, min(mat.rows, r0 + per), 0, M, x, s, out, 0, s.fs[t], None)
+        r1 = min(mat.rows, r0 + per)
+        if ZMM:                         # a constant, as in chunk()
+            if pairs:
+                pair_gemm.pair_gemm(mat.kind, blob, mat.offset, mat.row_bytes, x32, xk, 0, M, out, 0, (r0, r1))
+                continue
+        chunk(mat, blob, r0, r1, 0, M, x, s, out, 0, s.fs[t], None)
+
+
+@njit(cache=True)
+def _pair_rows(M, K, k, p32, pk, b):
+    """Rows 0..M-1 of the packs into the pair packs (the arrays b: pair_gemm.pair_arrays)."""
+    x32, xk = Pairs32(b[0], b[1], b[2], b[3]), PairsK(b[4], b[5], b[6], b[7])
+    for m in range(M):
+        pair_row(m, K, not k, k, p32, pk, x32, xk)
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def matmul_rows(x, blob, mats, nt):
+def matmul_rows(x, blob, mats, nt, pairs=False):
     """x [M, K] times one weight (mats: one MATRIX record, in blob) -> [M, N]: the activation
-    rounded once, the rows in work items over nt threads (numba's thread count)."""
+    rounded once, the rows in work items over nt threads (numba's thread count). `pairs` (the
+    prefill stage): two rows or more of a type pair_gemm takes go there, two to a register, for
+    the same bits as repack's kernel."""
     M, K = x.shape
     mat = mats[0]
     a = pack_arrays(M, K)
     p32, pk = Q8Blocks(a[0], a[1], a[2], a[3]), Q8KBlocks(a[4], a[5], a[6], a[7])
+    pairs = ZMM and pairs and M > 1 and mat.layout == REPACKED and pairs_take(mat.kind)
+    b = pair_arrays(M if pairs else 1, K if pairs else 32)     # a plain tuple: q8.pack_arrays says why
     if not is_float(mat.kind):
         for m in range(M):
             quantize_row(x[m], m, K, not is_k(mat.kind), is_k(mat.kind), p32, pk)
+        if pairs:
+            _pair_rows(M, K, is_k(mat.kind), p32, pk, b)
     out = np.empty((M, mat.rows), np.float32)
     s = Scratch(x, x, out, np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1), np.float32),
                 np.zeros((nt, 1, K), np.float32), np.zeros((1, nt), np.int64))
     per = rows_per_item(K, M, multiple_of(mat))
     for t in prange(nt):
-        _head_worker(x, blob, mats, s, p32, pk, out, per, np.int64(t), nt)    # one type: see run_phases
+        _head_worker(x, blob, mats, s, p32, pk, b, pairs, out, per, np.int64(t), nt)    # one type: see run_phases
     return out
 
 
 __all__ = ["run_layers", "run_phases", "scratch_for", "matmul_rows", "matrix_table", "Weights", "Cache", "Rows", "Dims",
            "Span", "Prefill", "MATRIX", "ROWS", "REPACKED", "OPS_PER_LAYER", "PHASES", "CHUNK", "block_rows"]
 
-toolkit.guard_cache(__name__, [run_phases, scratch_for, matmul_rows, _worker, _head_worker, _matmul_op, _attend, _merge,
-                               _attend_tiles, _merge_tiles, _norm_rows, _round_f, _chunk_float, _chunk_tiles,
-                               _chunk_loops],
+toolkit.guard_cache(__name__, [run_phases, scratch_for, matmul_rows, _pair_rows, _worker, _head_worker, _matmul_op,
+                               _attend, _merge, _attend_tiles, _merge_tiles, _norm_rows, _round_f, _chunk_float,
+                               _chunk_tiles, _chunk_loops],
                     [int_tiles.__file__, int_dot.__file__, dequant_dot.__file__, sync.__file__, toolkit.__file__,
                      q8.__file__, layer_ops.__file__, repacked.__file__, vector_ir.__file__, pair_gemm.__file__,
                      tiled_attention.__file__])

@@ -31,7 +31,7 @@ is what a pass of a few rows (a verify pass, a batch of decode rows) needs most.
         rows r0..r1 (r0 a multiple of GROUP) of the repacked matrix at w[off:] times activation
         rows m0..m1 (m0 even) of the pair packs -> out[m, col + r]
     pair_row(m, K, need32, needk, p32, pk, x32, xk)    row m of the 8-bit packs into the pair packs
-    Pairs32(q, d, s, sums), PairsK(q, d, b32, b16), new_pairs(M, K)
+    Pairs32(q, d, s, sums), PairsK(q, d, b32, b16), new_pairs(M, K), pair_arrays(M, K)
 """
 
 from __future__ import annotations
@@ -70,13 +70,21 @@ PairsK = namedtuple("PairsK", "q d b32 b16")
 
 
 @njit(cache=True)
+def pair_arrays(M, K):
+    """The arrays of both pair packs for M rows (rounded up to pairs) of length up to K, zeros,
+    Pairs32's then PairsK's: a plain tuple, for a parallel kernel (q8.pack_arrays says why)."""
+    P, k32, kk = (M + 1) // 2, max(1, K // 32), max(1, K // 256)
+    return (np.zeros((P, 2 * K), np.int8), np.zeros((P, 2 * k32), np.float32),
+            np.zeros((P, 2 * k32), np.float32), np.zeros((P, 2 * k32), np.int32),
+            np.zeros((P, 2 * K), np.int8), np.zeros((P, 2 * kk), np.float32),
+            np.zeros((P, 2 * k32), np.int16), np.zeros((P, 2 * (K // 16)), np.int32))
+
+
+@njit(cache=True)
 def new_pairs(M, K):
     """Both pair packs for M rows (rounded up to pairs) of length up to K, zeros."""
-    P, k32, kk = (M + 1) // 2, max(1, K // 32), max(1, K // 256)
-    return (Pairs32(np.zeros((P, 2 * K), np.int8), np.zeros((P, 2 * k32), np.float32),
-                    np.zeros((P, 2 * k32), np.float32), np.zeros((P, 2 * k32), np.int32)),
-            PairsK(np.zeros((P, 2 * K), np.int8), np.zeros((P, 2 * kk), np.float32),
-                   np.zeros((P, 2 * k32), np.int16), np.zeros((P, 2 * (K // 16)), np.int32)))
+    a = pair_arrays(M, K)
+    return Pairs32(a[0], a[1], a[2], a[3]), PairsK(a[4], a[5], a[6], a[7])
 
 
 @njit(cache=True, inline="always")
@@ -312,4 +320,4 @@ def pair_gemm(typingctx, kind, w, off, row_bytes, x32, xk, m0, m1, out, col, row
     return types.none(kind, w, off, row_bytes, x32, xk, m0, m1, out, col, rows), body
 
 
-__all__ = ["PAIR_TYPES", "Pairs32", "PairsK", "new_pairs", "pair_row", "pair_gemm", "pairs_take"]
+__all__ = ["PAIR_TYPES", "Pairs32", "PairsK", "new_pairs", "pair_arrays", "pair_row", "pair_gemm", "pairs_take"]

@@ -49,6 +49,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from stages.kernels.toolkit import per_phase
+
 SPIN_NS = 50_000        # how long a waiting thread spins before it sleeps, at most: a futex wake-up
                         # costs tens of microseconds, so a shorter wait is cheaper spun
 SPIN_FLOOR = 64         # the least a loaded machine's barriers spin: SPIN_NS / SPIN_FLOOR
@@ -184,7 +186,7 @@ def ticks_per_ns() -> float:
     return max(1e-3, (c1 - c0) / (t1 - t0))
 
 
-@njit(cache=True, _nrt=False)    # no reference counts: layer_stack.py says why
+@per_phase
 def next_item(counters, op, t, nt, n):
     """The next work item (0 <= item < n) of op `op` for thread t of nt, or -1 when none is left.
     The items are cut into nt contiguous ranges, one per thread, each with its own counter
@@ -201,7 +203,7 @@ def next_item(counters, op, t, nt, n):
     return -1
 
 
-@njit(cache=True, _nrt=False)    # no reference counts: layer_stack.py says why
+@per_phase
 def _arrived(sync, target):
     """The last thread in: the next generation, and the sleepers woken (if any sleep)."""
     atomic_add(sync, GEN, 1)
@@ -210,7 +212,7 @@ def _arrived(sync, target):
     return atomic_load(sync, ABORT) == 0
 
 
-@njit(cache=True, _nrt=False)    # no reference counts: layer_stack.py says why
+@per_phase
 def barrier(sync, nt, k):
     """All nt threads past barrier k (sync[ARRIVALS] counts arrivals), or False if the region
     aborted. Spin for up to sync[SPIN] ticks, then sleep on the futex until the last one wakes us."""

@@ -46,6 +46,7 @@ from numba import njit, types
 
 from stages.kernels import vector_ir
 from stages.kernels.layer_ops import CHUNK, as_f32
+from stages.kernels.toolkit import per_phase
 from stages.kernels.vector_ir import F8, FLOAT, FZ, I64, vector_intrinsic
 
 LANES = 8               # query vectors per group: one lane each of an 8-float register
@@ -252,7 +253,7 @@ def merge_state(typingctx, m, l, o, mc, lc, oc, hd):
 
 # error_model="numpy" on the loops below: without it numba checks every divisor for zero, and a
 # loop with a check LLVM cannot vectorize (kv_rows would convert one value at a time).
-@njit(cache=True, error_model="numpy", _nrt=False)    # no reference counts: layer_stack.py says why
+@per_phase(error_model="numpy")
 def kv_rows(src, table, page_size, lo, hd, t0, n, dst):
     """dst[t] = float32 of columns lo..lo+hd of the cache row holding position t0 + t, t < n; a
     page's run of positions at a time (one division per page, not two per position)."""
@@ -268,7 +269,7 @@ def kv_rows(src, table, page_size, lo, hd, t0, n, dst):
         t += run
 
 
-@njit(cache=True, error_model="numpy", _nrt=False)    # no reference counts: layer_stack.py says why
+@per_phase(error_model="numpy")
 def _start(y, m0, n_rows, kvh, rows, dims, hd, w):
     """The tile's queries into w.qs (times the softmax scale), lane positions, empty running
     results; returns (groups, the last position any row sees)."""
@@ -303,7 +304,7 @@ def _latest(pos):
     return top
 
 
-@njit(cache=True, _nrt=False)    # no reference counts: layer_stack.py says why
+@per_phase
 def attend_rows(y, m0, n_rows, kvh, c0, c1, il, cache, rows, dims, w):
     """Rows m0 .. m0 + n_rows - 1 (one sequence, queries in y) for the query heads of KV head kvh,
     over chunks c0 .. c1 - 1 of their positions: the merged result in w.m, w.l, w.o."""
@@ -327,7 +328,7 @@ def attend_rows(y, m0, n_rows, kvh, c0, c1, il, cache, rows, dims, w):
             merge_state(w.m[g], w.l[g], w.o[g], w.mc[g], w.lc[g], w.oc[g], hd)
 
 
-@njit(cache=True, _nrt=False)    # no reference counts: layer_stack.py says why
+@per_phase
 def merge_parts(w, pm, pl, po, n_chunks, groups, hd):
     """w's running result = the chunks' stored results pm, pl [c, groups, 8], po [c, groups, 8, hd]
     merged in chunk order (a row alone: its chunks came from attend_rows over one chunk each)."""
@@ -339,7 +340,7 @@ def merge_parts(w, pm, pl, po, n_chunks, groups, hd):
             merge_state(w.m[g], w.l[g], w.o[g], pm[c, g], pl[c, g], po[c, g], hd)
 
 
-@njit(cache=True, error_model="numpy", _nrt=False)    # no reference counts: layer_stack.py says why
+@per_phase(error_model="numpy")
 def finish_rows(w, m0, n_rows, kvh, G, hd, out):
     """out[row, columns of head (kvh G + j)] = o / l for the rows' lanes."""
     for i in range(n_rows * G):

@@ -11,12 +11,14 @@ block readers every format's kernel calls, and a guard for numba's on-disk cache
     F16_TO_F32      every float16 bit pattern -> its float32 value: how a kernel reads a scale
     f32_from_bits(i)                 the float32 whose bits are int32 i (a bitcast, no conversion)
     read_f16(row, o, table), read_u32(row, o)    little-endian fields inside a block
+    per_phase       njit for what a thread calls per phase or per work item: cached, no reference counts
     guard_cache     empty a module's cached kernels when a file they call into has changed
 """
 
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,18 @@ from common.quants import BLOCK_DTYPES
 # into fused multiply-adds, and ignoring the sign of zero: what vectorizing a sum needs, and
 # nothing more. NaN and Inf keep their meaning (no 'nnan', 'ninf').
 FASTMATH = {"reassoc", "contract", "nsz"}
+
+
+# per_phase: every function a thread of the layer stack (layer_stack.py) calls per phase or per
+# work item, and the ones they call (sync.py, tiled_attention.py, layer_ops.py), compiles without
+# numba's runtime (NRT), which counts the references to each array a function is given: an atomic
+# add on entry and another on exit, on counters in the arrays' parents, which both threads share.
+# A call that took the prefill stage's Prefill (two dozen arrays) beside the scratch paid some
+# hundred atomic operations on cache lines the other core was writing too, a fixed cost per call
+# that made prefill's decode step slower than repack's with the same kernels. These functions
+# allocate nothing (where one would, the compiler refuses: "NRT required but not enabled"), so
+# they need no counts.  @per_phase, or @per_phase(error_model="numpy", ...)
+per_phase = partial(njit, cache=True, _nrt=False)
 
 
 @intrinsic
