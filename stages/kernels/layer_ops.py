@@ -1,4 +1,5 @@
-"""The small ops of the one-call layer stack (stages/kernels/layer_stack.py): per row, inlined.
+"""The small ops of the one-call layer stack (stages/kernels/layer_stack.py): per row, inlined
+into the phase that calls them (all but rms_norm_row: its comment says why).
 
     rms_norm_row(x, w, eps, out)              out = x / sqrt(mean(x^2) + eps) * w
     rope_rows(y, r0, r1, hd, cos, sin, pos, m0, m1)    columns r0..r1 of rows m0..m1 of y
@@ -54,7 +55,11 @@ def silu_mul(g, u):
     return g / (f32(1.0) + fast_exp(-g)) * u
 
 
-@njit(cache=True, fastmath=FASTMATH, inline="always")
+# Not inlined by numba: a function numba inlines ("always") is compiled with its caller's flags,
+# and a phase compiled without FASTMATH made this sum one add after another (a chain of dependent
+# float64 adds, several times the time of the vector sum). Called, it keeps its own flags, and
+# LLVM may still inline it.
+@per_phase(fastmath=FASTMATH)
 def rms_norm_row(x, w, eps, out):
     """out = x / sqrt(mean(x^2) + eps) * w, the sum of squares in float64 (naive's rms_norm)."""
     ss = 0.0
