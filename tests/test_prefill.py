@@ -102,6 +102,27 @@ def test_tiles_against_numpy_and_a_row_alone(H, Hkv, hd, T, tile):
     assert np.array_equal(alone, tiled)
 
 
+@pytest.mark.isa_paths
+@needs_isa
+def test_a_float32_cache_of_the_same_values_gives_the_same_bits():
+    """LLM_KV_TYPE=f32: K and V read as float32 rows (copied, not converted), the same values as
+    the float16 cache's (converted exactly): every row's result has the same bits."""
+    H, Hkv, hd, T = 9, 3, 64, 90
+    y, _, _, cache, rows, dims = _case(np.random.default_rng(1), H, Hkv, hd, T, page_size=16)
+    wide = L.Cache(*(c.view(np.float16).astype(F32) for c in (cache.k, cache.v)), cache.tables, cache.page_size)
+    G = H // Hkv
+    w = tiled_attention.Workspace(*(a[0] for a in tiled_attention.workspace(1, -(-5 * G // 8), hd)))
+    out = {}
+    for name, c in (("f16", cache), ("f32", wide)):
+        out[name] = np.zeros_like(y)
+        for m0 in range(0, T, 5):
+            for kvh in range(Hkv):
+                tiled_attention.attend_rows(y, m0, 5, kvh, 0, chunks_of(m0 + 4), 0, c, rows, dims, w)
+                tiled_attention.finish_rows(w, m0, 5, kvh, G, hd, out[name])
+    assert np.abs(out["f16"]).max() > 0
+    assert np.array_equal(out["f16"], out["f32"])
+
+
 # ---- the pair kernel -------------------------------------------------------------------------------
 
 @numba.njit

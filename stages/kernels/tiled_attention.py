@@ -45,7 +45,7 @@ from llvmlite import ir
 from numba import njit, types
 
 from stages.kernels import vector_ir
-from stages.kernels.layer_ops import CHUNK, as_f32
+from stages.kernels.layer_ops import CHUNK
 from stages.kernels.toolkit import per_phase
 from stages.kernels.vector_ir import F8, FLOAT, FZ, I64, vector_intrinsic
 
@@ -249,10 +249,30 @@ def merge_state(typingctx, m, l, o, mc, lc, oc, hd):
     return types.none(m, l, o, mc, lc, oc, hd), body
 
 
+@vector_intrinsic
+def row_f32(typingctx, src, s, dst, d, n):
+    """dst.flat[d .. d + n - 1] = src.flat[s .. s + n - 1] as float32, 8 values at a time (n a
+    multiple of 8; both arrays contiguous): float16 bits through vcvtph2ps, float32 copied."""
+    if not all(isinstance(x, types.Array) and x.layout == "C" for x in (src, dst)) or dst.dtype != types.float32:
+        return None
+    half = src.dtype == types.uint16
+
+    def body(g, a):
+        b = g.b
+        with g.loop(b.udiv(a.n, g.const(8))) as i:
+            at = b.mul(b.add(a.s, b.mul(i, g.const(8))), g.const(2 if half else 4))      # bytes
+            v = g.halves(a.src, at) if half else g.load(a.src, at, F8)
+            g.store(a.dst, b.mul(b.add(a.d, b.mul(i, g.const(8))), g.const(4)), v)
+        return g.c.get_dummy_value()
+    return types.none(src, s, dst, d, n), body
+
+
 # ---- the rows: numba around the blocks ---------------------------------------------------------
 
 # error_model="numpy" on the loops below: without it numba checks every divisor for zero, and a
-# loop with a check LLVM cannot vectorize (kv_rows would convert one value at a time).
+# loop with a check LLVM cannot vectorize. kv_rows converts each row with row_f32: left to LLVM,
+# each row of hd values was a vectorized loop behind a run-time test of overlap between the two
+# arrays, with a scalar remainder, which cost more than the conversion itself.
 @per_phase(error_model="numpy")
 def kv_rows(src, table, page_size, lo, hd, t0, n, dst):
     """dst[t] = float32 of columns lo..lo+hd of the cache row holding position t0 + t, t < n; a
@@ -263,9 +283,7 @@ def kv_rows(src, table, page_size, lo, hd, t0, n, dst):
         run = min(page_size - first, n - t)
         slot = table[page] * page_size + first
         for i in range(run):
-            values, out = src[slot + i, lo:lo + hd], dst[t + i]
-            for d in range(hd):
-                out[d] = as_f32(values[d])
+            row_f32(src, (slot + i) * src.shape[1] + lo, dst, (t + i) * dst.shape[1], hd)
         t += run
 
 
