@@ -95,7 +95,7 @@ from stages.kernels.layer_ops import (
     rope_rows,
     silu_mul,
 )
-from stages.kernels.pair_gemm import Pairs32, PairsK, pair_arrays, pair_row, pairs_take
+from stages.kernels.pair_gemm import Pairs32, PairsK, named_pairs, pair_arrays, pair_row, pairs_take
 from stages.kernels.q8 import Q8Blocks, Q8KBlocks, pack_arrays, quantize_row
 from stages.kernels.sync import CLOCK, barrier, cycles, next_item
 from stages.kernels.tiled_attention import LANES, Workspace, attend_rows, finish_rows, merge_parts
@@ -622,7 +622,7 @@ def _head_worker(x, blob, mats, scratch, p32, pk, b, pairs, out, per, t, nt):
     M = x.shape[0]
     mat = mats[0]
     s = _work(scratch, p32, pk)
-    x32, xk = Pairs32(b[0], b[1], b[2], b[3]), PairsK(b[4], b[5], b[6], b[7])
+    x32, xk = named_pairs(b)
     n_items = (mat.rows + per - 1) // per
     while True:
         item = next_item(s.counters, 0, t, nt, n_items)
@@ -640,7 +640,7 @@ def _head_worker(x, blob, mats, scratch, p32, pk, b, pairs, out, per, t, nt):
 @njit(cache=True)
 def _pair_rows(M, K, k, p32, pk, b):
     """Rows 0..M-1 of the packs into the pair packs (the arrays b: pair_gemm.pair_arrays)."""
-    x32, xk = Pairs32(b[0], b[1], b[2], b[3]), PairsK(b[4], b[5], b[6], b[7])
+    x32, xk = named_pairs(b)
     for m in range(M):
         pair_row(m, K, not k, k, p32, pk, x32, xk)
 

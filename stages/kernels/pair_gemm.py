@@ -31,7 +31,7 @@ is what a pass of a few rows (a verify pass, a batch of decode rows) needs most.
         rows r0..r1 (r0 a multiple of GROUP) of the repacked matrix at w[off:] times activation
         rows m0..m1 (m0 even) of the pair packs -> out[m, col + r]
     pair_row(m, K, need32, needk, p32, pk, x32, xk)    row m of the 8-bit packs into the pair packs
-    Pairs32(q, d, s, sums), PairsK(q, d, b32, b16), new_pairs(M, K), pair_arrays(M, K)
+    Pairs32(q, d, s, sums), PairsK(q, d, b32, b16), new_pairs(M, K), pair_arrays(M, K), named_pairs(a)
 """
 
 from __future__ import annotations
@@ -80,11 +80,16 @@ def pair_arrays(M, K):
             np.zeros((P, 2 * k32), np.int16), np.zeros((P, 2 * (K // 16)), np.int32))
 
 
+@njit(cache=True, inline="always")
+def named_pairs(a):
+    """pair_arrays' plain tuple as the two packs, named (inside the function that uses them)."""
+    return Pairs32(a[0], a[1], a[2], a[3]), PairsK(a[4], a[5], a[6], a[7])
+
+
 @njit(cache=True)
 def new_pairs(M, K):
     """Both pair packs for M rows (rounded up to pairs) of length up to K, zeros."""
-    a = pair_arrays(M, K)
-    return Pairs32(a[0], a[1], a[2], a[3]), PairsK(a[4], a[5], a[6], a[7])
+    return named_pairs(pair_arrays(M, K))
 
 
 @njit(cache=True, inline="always")
@@ -320,4 +325,5 @@ def pair_gemm(typingctx, kind, w, off, row_bytes, x32, xk, m0, m1, out, col, row
     return types.none(kind, w, off, row_bytes, x32, xk, m0, m1, out, col, rows), body
 
 
-__all__ = ["PAIR_TYPES", "Pairs32", "PairsK", "new_pairs", "pair_arrays", "pair_row", "pair_gemm", "pairs_take"]
+__all__ = ["PAIR_TYPES", "Pairs32", "PairsK", "new_pairs", "pair_arrays", "named_pairs", "pair_row", "pair_gemm",
+           "pairs_take"]
