@@ -545,9 +545,9 @@ def test_greedy_text_with_a_draft_models_guesses_is_plain_servings(batching_engi
     """The model's first 24 layers (of 30) guessing (app/draft_model.py) for a crowd of copy-heavy
     and free prompts: each text is plain serving's, token for token; guesses kept and refused; the
     pages of both models' pools all back. SmolLM2 cut short guesses right almost never until most
-    of its layers are kept (of about 216 guesses on a Zen 4: 2 layers kept none, where they kept some
-    on the Ice Lake this last passed on, the CPU's rounding deciding; 8 layers 3; 24 layers 27 of
-    155), so both outcomes are certain on any CPU only with most layers."""
+    of its layers are kept: with its first 2 layers, whether any guess was kept at all was the
+    CPU's rounding (some on one CPU, none on another), so both outcomes are certain on any CPU only
+    with most layers."""
     from app.draft_model import first_layers
     from app.measure.speculative import prompt_sets
     from stages import load

@@ -142,36 +142,48 @@ def expected(rank_model):
     from tests.tp_model import greedy
     engine = load(info("tp").builds_on, rank_model, threads=1)
     return {"logits": stage_logits(engine), "greedy": greedy(engine, TOKENS, GREEDY),
-            "reference": reference.forward(GGUFFile(rank_model), TOKENS), "engine": engine}
+            "reference": reference.forward(GGUFFile(rank_model), TOKENS), "path": rank_model}
+
+
+def parting_problem(reference_row, base_pick: int, tp_pick: int) -> str | None:
+    """Why two 8-bit stages may not part here (None if they may): where the base and tp pick
+    different tokens, the float64 reference must nearly tie the two picks with its best. Each
+    stage's rounding moves a logit by up to about NEAR_TIE from the reference (test_stages), so a
+    gap read off one of them counts its rounding twice (on the default model, a step where the
+    reference's three best were nearly tied read, in the base's own logits, as a gap well past
+    NEAR_TIE)."""
+    best = reference_row.max()
+    behind = {pick: float(best - reference_row[pick]) for pick in (base_pick, tp_pick)}
+    far = {pick: round(gap, 3) for pick, gap in behind.items() if gap > NEAR_TIE}
+    return None if not far else f"behind the float64 reference's best by {far} (a near-tie is {NEAR_TIE})"
 
 
 def greedy_departs(got, want) -> str | None:
     """Why greedy tokens `got` are not the base's (None if they are): they part at a step where the
-    base's own logits did not nearly tie its token and got's."""
+    float64 reference did not nearly tie the two picks (parting_problem)."""
     i = next((i for i, (a, b) in enumerate(zip(got, want["greedy"])) if a != b), None)
     if i is None:
         return None
-    engine = want["engine"]
-    engine.reset()
-    row = engine.forward(TOKENS + list(want["greedy"][:i]), 0, all_logits=False)[0]
-    gap = row.max() - row[got[i]]
-    return None if gap <= NEAR_TIE else f"greedy step {i}: token {got[i]}, {gap:.3f} below the base's best"
+    row = reference.forward(GGUFFile(want["path"]), TOKENS + list(want["greedy"][:i]))[-1]
+    problem = parting_problem(row, want["greedy"][i], got[i])
+    return None if problem is None else f"greedy step {i}: token {got[i]}, the base's {want['greedy'][i]}: {problem}"
 
 
 def departs(got, want) -> str | None:
     """Why logits `got` are not the tp stage's (None if they are): NaN or Inf; farther from the
-    float64 reference than TOLERANCE; another greedy token than the base's, unless the base's own
-    logits nearly tied the two there."""
+    float64 reference than TOLERANCE; another greedy token than the base's where the reference did
+    not nearly tie the two (parting_problem)."""
     if not np.isfinite(got).all():
         return "NaN or Inf in the logits"
-    err = np.abs(got - want["reference"]).max()
+    ref = want["reference"]
+    err = np.abs(got - ref).max()
     if err > TOLERANCE:
         return f"max |logit - float64 reference| = {err:.3f} > {TOLERANCE}"
-    base = want["logits"]
-    for i in np.flatnonzero(got.argmax(1) != base.argmax(1)):
-        gap = base[i].max() - base[i, got[i].argmax()]
-        if gap > NEAR_TIE:
-            return f"position {i}: another greedy token, {gap:.3f} below the base's best (not a near-tie)"
+    base = want["logits"].argmax(1)
+    for i in np.flatnonzero(got.argmax(1) != base):
+        problem = parting_problem(ref[i], int(base[i]), int(got[i].argmax()))
+        if problem is not None:
+            return f"position {i}: another greedy token than the base's, {problem}"
     return None
 
 
@@ -403,18 +415,6 @@ def test_the_chart_draws_from_the_record(record, tmp_path):
 
 
 # ---- the command a reader runs ---------------------------------------------------------------------
-
-def parting_problem(reference_row, base_pick: int, tp_pick: int) -> str | None:
-    """Why two 8-bit stages may not part here (None if they may): where the base and tp pick
-    different tokens, the float64 reference must nearly tie the two picks with its best. Each
-    stage's rounding moves a logit by up to about NEAR_TIE from the reference (test_stages), so a
-    gap read off one of them counts its rounding twice: on a Zen 4 the base's own logits put tp's
-    pick 0.42 behind where the reference had the three candidates within 0.08."""
-    best = reference_row.max()
-    behind = {pick: float(best - reference_row[pick]) for pick in (base_pick, tp_pick)}
-    far = {pick: round(gap, 3) for pick, gap in behind.items() if gap > NEAR_TIE}
-    return None if not far else f"behind the float64 reference's best by {far} (a near-tie is {NEAR_TIE})"
-
 
 def test_the_parting_check_refuses_a_pick_far_behind():
     row = np.array([5.0, 4.9, 4.8, 1.0])
