@@ -158,7 +158,7 @@ def test_pairs_are_repacks_bits(ggml_type):
     w = repacked.repack(raw, int(ggml_type))
     want = np.zeros((12, 19), F32)
     _group(int(ggml_type), w, raw.shape[1], p32, pk, want, 19)
-    for m0, m1 in [(2, 10), (0, 12), (2, 11), (0, 3), (4, 9), (0, 2), (2, 7)]:
+    for m0, m1 in [(2, 10), (0, 12), (2, 11), (0, 3), (4, 9), (0, 2), (2, 7), (0, 1), (0, 7), (0, 11)]:
         got = np.full((12, 19), np.nan, F32)
         _pair(int(ggml_type), w, raw.shape[1], x32, xk, m0, m1, got, 19)
         outside = [m for m in range(12) if not m0 <= m < m1]

@@ -60,6 +60,44 @@ def test_every_type_against_the_int8_loops(ggml_type):
         assert np.isfinite(runs[0]).all() and err.max() < 2e-6, f"{ggml_type.name} M={M}: {err.max():.2e}"
 
 
+def test_the_prefetch_follows_the_cpus_maker_and_the_type():
+    """An AMD CPU's K-quants ask for their lines into L2 far ahead, everything else into L1 near
+    (stages/kernels/repacked.py says what was measured on each maker's CPU)."""
+    amd = repacked.group_prefetch({"vendor_id": "AuthenticAMD"})
+    intel = repacked.group_prefetch({"vendor_id": "GenuineIntel"})
+    assert all(amd[k] == (repacked.L2_FAR if k in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K) else repacked.L1_NEAR)
+               for k in repacked.REPACK_TYPES)
+    assert set(intel.values()) == {repacked.L1_NEAR} and repacked.group_prefetch({}) == intel
+    assert repacked.GROUP_PREFETCH == repacked.group_prefetch()
+
+
+@needs_isa
+def test_the_prefetch_changes_no_bit(monkeypatch):
+    """The kernel compiled with each prefetch (none, into L1 near, into L2 far: the ones this CPU
+    does not take included) has that instruction in its machine code and nothing else, and gives
+    the same bits: where the lines are asked for is speed alone."""
+    results = []
+    for choice, instruction in (((0, 0), None), (repacked.L1_NEAR, "prefetcht0"), (repacked.L2_FAR, "prefetcht1")):
+        monkeypatch.setattr(repacked, "GROUP_PREFETCH", dict.fromkeys(repacked.REPACK_TYPES, choice))
+
+        @numba.njit
+        def run(kind, w, row_bytes, p32, pk, out, r1):
+            repacked.group_gemm(kind, w, 0, row_bytes, p32, pk, out.shape[0], out, 0, 0, r1)
+        got = []
+        for t in (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q4_1):
+            raw, K, rng = _weights(t, 19, 300 + int(t))
+            p32, pk = packs_of(activations(rng, 3, K), K)
+            out = np.zeros((3, 19), F32)
+            run(int(t), repacked.repack(raw, int(t)), raw.shape[1], p32, pk, out, 19)
+            got.append(out)
+        results.append(got)
+        asm = run.inspect_asm(run.signatures[0])
+        assert {i for i in ("prefetcht0", "prefetcht1", "prefetcht2", "prefetchnta") if i in asm} == \
+            ({instruction} if instruction else set()), choice
+    assert all(np.array_equal(a, b) for r in results[1:] for a, b in zip(results[0], r))
+    assert all(np.isfinite(a).all() and np.abs(a).max() > 0 for a in results[0])
+
+
 @pytest.mark.isa_paths
 @needs_isa
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)

@@ -1,6 +1,6 @@
 """The generated pages under profiles/bench/: one markdown page per record that has one
 (a comparison with llama.cpp, time to first token against the prompt's length, the kernel throughput,
-speculative decoding, tensor parallelism's costs, constrained decoding's mask),
+speculative decoding, tensor parallelism's costs, constrained decoding's mask, the kernels' prefetch),
 redrawn from the record alone."""
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from app.measure import compare, constrain_bench, kernel_bench, tp_bench, ttft
+from app.measure import compare, constrain_bench, kernel_bench, prefetch_bench, tp_bench, ttft
 from app.report import speculative
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = {"comparison": compare.page, "kernels": kernel_bench.page, "speculative": speculative.page,
-         "tp": tp_bench.page, "ttft_sweep": ttft.page, "constrain": constrain_bench.page}
+         "tp": tp_bench.page, "ttft_sweep": ttft.page, "constrain": constrain_bench.page,
+         "prefetch": prefetch_bench.page}
 
 
 def page_for(record_path: Path) -> str | None:

@@ -44,7 +44,7 @@ from numba import njit, types
 
 from stages.kernels import vector_ir
 from stages.kernels.int_dot import q6_top_bits
-from stages.kernels.repacked import GROUP, GROUP_AT, GROUP_PREFETCH_BYTES, OFFSETS, _store, group_k4_scales
+from stages.kernels.repacked import GROUP, GROUP_AT, OFFSETS, _store, group_k4_scales, prefetch_group_block
 from stages.kernels.toolkit import BLOCK_BYTES, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
 from stages.kernels.vector_ir import B64, D8, D16, FZ, vector_intrinsic
 
@@ -293,8 +293,7 @@ def _gemm_body(g, a, kind):
             accs = [g.slot(FZ) for _ in range(width)]
             with g.loop(nb) as blk:
                 gb = g.at(base, b.mul(blk, gbytes))
-                for line in range(0, GROUP * BLOCK_BYTES[kind], 64):
-                    g.prefetch(gb, g.const(GROUP_PREFETCH_BYTES + line))
+                prefetch_group_block(g, gb, kind)
                 _pair_block(g, kind, gb, blk, acts, accs)
             for t in range(width):
                 x, y = unpair(g, b.load(accs[t]))

@@ -46,6 +46,7 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 
+from common.cpu import cpuinfo
 from stages.kernels import vector_ir
 from stages.kernels.int_dot import q6_top_bits
 from stages.kernels.toolkit import BLOCK_BYTES, FIELDS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TYPES_K
@@ -207,11 +208,37 @@ def tile_rows(kind, isa):
     return TILE_ROWS.get(isa, {}).get(kind, TILE_ROWS_DEFAULT.get(isa, 1))
 
 
-# Every cache line of a group block is asked for this far ahead of the block being multiplied
-# (prefetcht0): one thread otherwise waits on memory for part of each block. Timed on the machine
-# first measured (Ice Lake, one thread, a 300 MB Q4_K / Q6_K / Q4_1 matrix): 2 to 8 KiB ahead
-# were alike and about a fifth faster than the hardware prefetchers alone.
-GROUP_PREFETCH_BYTES = 4096
+# Every cache line of a group block is asked for ahead of the block being multiplied (a software
+# prefetch): one thread otherwise waits on memory for part of each block. Into which cache and how
+# far ahead follow the CPU's maker and the type, each timed on one CPU of the maker (one thread
+# streaming a matrix larger than the caches; scripts/bench_prefetch.py times the choices on the
+# machine at hand, profiles/bench/prefetch/ keeps what it found):
+#   Intel (Ice Lake, a 300 MB Q4_K / Q6_K / Q4_1 matrix): into L1 (prefetcht0), 2 to 8 KiB ahead
+#       alike, about a fifth faster than the hardware prefetchers alone;
+#   AMD (Zen 4): for the K-quants, whose group blocks are 1 to 2 KiB, into L1 was slower than no
+#       software prefetch at all and into L2 (prefetcht1) 16 to 64 KiB ahead faster than both,
+#       most for Q6_K, whose group block the kernel reads out of order (ql's two halves, then
+#       qh); for the 32-value types (group blocks of 144 to 272 bytes) into L1 4 KiB ahead was
+#       about as fast as none and faster than into L2.
+# {type: (cache level, bytes ahead)}; level 0: none (scripts/bench_prefetch.py times that too).
+L1_NEAR, L2_FAR = (1, 4096), (2, 32768)
+
+
+def group_prefetch(info: dict | None = None) -> dict:
+    """Each type's prefetch on this CPU (or on the one `info` describes: /proc/cpuinfo's fields)."""
+    amd = (cpuinfo() if info is None else info).get("vendor_id") == "AuthenticAMD"
+    return {kind: L2_FAR if amd and kind in TYPES_K else L1_NEAR for kind in REPACK_TYPES}
+
+
+GROUP_PREFETCH = group_prefetch()
+
+
+def prefetch_group_block(g, gb, kind):
+    """Every line of the group block of type `kind` at gb, the type's bytes ahead, into its cache."""
+    level, ahead = GROUP_PREFETCH[kind]
+    if level:
+        for line in range(0, GROUP * BLOCK_BYTES[kind], 64):
+            g.prefetch(gb, g.const(ahead + line), level)
 
 
 class _Acts:
@@ -429,8 +456,7 @@ def _gemm_body(g, a, kind):
             accs = [g.slot(F8) for _ in range(width)]
             with g.loop(nb) as blk:
                 gb = g.at(base, b.mul(blk, gbytes))
-                for line in range(0, GROUP * BLOCK_BYTES[kind], 64):
-                    g.prefetch(gb, g.const(GROUP_PREFETCH_BYTES + line))
+                prefetch_group_block(g, gb, kind)
                 _group_block(g, kind, gb, blk, acts, accs)
             for c in range(width):
                 _store(g, a, acts.rows[c], b.add(a.col, r), lanes, b.load(accs[c]))

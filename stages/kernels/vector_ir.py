@@ -239,11 +239,13 @@ class Emit:
     def store(self, p, off, value):
         self.b.store(value, self.b.bitcast(self.at(p, off), value.type.as_pointer()), align=1)
 
-    def prefetch(self, p, off):
-        """llvm.prefetch (read, keep in all cache levels) of the line at p+off: prefetcht0, never faults."""
+    def prefetch(self, p, off, level: int = 1):
+        """llvm.prefetch (a read) of the line at p+off into the level-1 cache (prefetcht0) or only
+        as far as level 2 (prefetcht1); never faults."""
         fn = cgutils.get_or_insert_function(
             self.b.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), _PREFETCH)
-        self.b.call(fn, [self.at(p, off), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+        locality = {1: 3, 2: 2}[level]                      # llvm's locality: 3 keeps it in every level
+        self.b.call(fn, [self.at(p, off), ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)])
 
     def slot(self, ty, init=None):
         """A stack slot (an accumulator LLVM keeps in a register), zero unless init is given."""
