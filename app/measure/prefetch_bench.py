@@ -2,12 +2,13 @@
 decode kernel (stages/kernels/repacked.py, one activation row) streaming a matrix larger than the
 caches, compiled once per choice of cache level and distance (and once with no software prefetch,
 the hardware prefetchers alone), on one thread and on two (each its half of the rows, as the
-stages split a matmul). Behind profiles/bench/prefetch.md (`python scripts/bench_prefetch.py`).
+stages split a matmul). Behind profiles/bench/prefetch/<machine id>.md (`python
+scripts/bench_prefetch.py`).
 
 The choices run in alternating rounds (the order reversed every other round) and the figure is
 the median round, so a burst of other work on a shared machine falls on every choice alike; the
-ratio column is each choice's median round-by-round speed over the one this CPU runs now
-(repacked.GROUP_PREFETCH).
+figure in brackets beside it is that choice's round-by-round speed over the one the kernels make
+for the type on this CPU (repacked.GROUP_PREFETCH), the median.
 """
 
 from __future__ import annotations
