@@ -96,11 +96,13 @@ def test_roofline_points_place_decode_below_prefill():
 @pytest.mark.parametrize("params, measured", [(135e6, ["naive", "tiling", "simd"]), (1.1e9, ["simd"])])
 def test_report_leaves_the_recompute_stages_out_on_large_models(monkeypatch, tmp_path, capsys, params, measured):
     """Above a stage's max_params (naive and tiling: LARGE_MODEL_PARAMS) the stage would take tens
-    of minutes: left out, and said so; the rest measured, and another model's table written
-    beside its charts."""
+    of minutes: left out, and said so; the rest compiled first (none measured while numba compiles
+    it: its peak RSS would hold LLVM's), then measured, and another model's table written beside
+    its charts."""
     from app.report import report
     from stages.registry import LARGE_MODEL_PARAMS
     calls = []
+    monkeypatch.setattr(report, "compile_all", lambda jobs, model, at_once: calls.append(("compiled", jobs, model)))
     rec = dict(fixture_record("simd"), stage="simd")
 
     def fake_measure(stage, model, folder, threads=None, workload=None):
@@ -119,7 +121,7 @@ def test_report_leaves_the_recompute_stages_out_on_large_models(monkeypatch, tmp
     model = tmp_path / "big.gguf"
     model.write_bytes(b"not read: model_params is stubbed")
     report.run(model=str(model), baseline=False)
-    assert calls == measured
+    assert calls == [("compiled", measured, str(model))] + measured
     err = capsys.readouterr().err
     assert ("skipping naive: a 1.1B-parameter model" in err) == (params > LARGE_MODEL_PARAMS)
     assert (tmp_path / "profiles" / "big" / "results.md").read_text().count("| simd |") == 1
@@ -132,7 +134,8 @@ def test_the_article_workload_measures_every_stage_at_512_tokens(monkeypatch, tm
     harness extrapolates them), 2 tokens for the stages without a KV cache and 16 for the others,
     into <model>-prompt512 beside the model's own folder, and the ledger drawn."""
     from app.report import report
-    calls, drawn = [], []
+    calls, drawn, compiled = [], [], []
+    monkeypatch.setattr(report, "compile_all", lambda jobs, model, at_once: compiled.append((jobs, model)))
 
     def fake_measure(stage, model, folder, threads=None, workload=None):
         calls.append((stage, workload.prompt_tokens, workload.n_predict(stage), workload.profile_n(stage)))
@@ -152,6 +155,7 @@ def test_the_article_workload_measures_every_stage_at_512_tokens(monkeypatch, tm
     monkeypatch.setattr(report, "runnable_stages", lambda: ["naive", "tiling", "simd", "kv_cache", "quantized"])
     monkeypatch.setattr(report.lessons, "write", lambda out_dir, results_dir=None: drawn.append(out_dir) or [])
     report.run(article=True, baseline=False)
+    assert compiled == [(["naive", "tiling", "simd", "kv_cache", "quantized"], str(model))]
     assert calls == [("naive", 512, 2, 0), ("tiling", 512, 2, 0), ("simd", 512, 2, 0), ("kv_cache", 512, 16, 0),
                      ("quantized", 512, 16, 0)]
     folder = tmp_path / "results" / "m" / "tinyllama-1.1b-synthetic.Q4_K_M-prompt512"

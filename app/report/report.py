@@ -8,8 +8,10 @@ table, the generated pages and the lessons ledger from the JSON records.
 Each stage is measured in its own process (clean peak RSS, its own JIT warm-up) through the
 one harness (app/measure/bench.py), with the registry's settings (stages/registry.py): the same
 prompt length for every stage so TTFT compares like with like, and fewer generated tokens for
-the stages that recompute the whole text per token (the chart says so). The machine's bandwidth
-and peak FLOP/s are measured once (profiles/results/<machine>/machine.json) for the roofline.
+the stages that recompute the whole text per token (the chart says so). The stages are compiled
+into numba's disk cache first (app/compile.py, not measured: warm_the_cache), so no measured
+process runs the compiler. The machine's bandwidth and peak FLOP/s are measured once
+(profiles/results/<machine>/machine.json) for the roofline.
 llama.cpp's rows (1 thread, the article's setting, and all cores) are measured when
 llama-cpp-python is installed (`make baseline`).
 
@@ -49,6 +51,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from app.compile import compile_all
 from app.measure import perplexity, roofline
 from app.measure.baseline import llama_cpp_version
 from app.measure.bench import BASELINE, measure_in_child, results_dir
@@ -169,6 +172,18 @@ def nothing_to_draw(folder: Path) -> str:
             f"page is drawn only from the machine it names); nothing was redrawn")
 
 
+def warm_the_cache(todo: list, model: Path) -> None:
+    """The stages about to be measured compiled first (app/compile.py: a prompt and a few steps
+    of each on `model`, processes of their own, not measured), so that each measured process
+    loads its kernels from numba's disk cache. A process that compiled them would count LLVM's
+    memory in its peak RSS: a layer stack takes a few hundred MiB to compile (SmolLM2 on int8,
+    measured with a cold cache on a Zen 4: 645 MiB against 394 warm)."""
+    jobs = [s for s in todo if s != "cuda"]            # PyCUDA builds its own kernels (nvcc)
+    if jobs:
+        print(f"warming numba's cache (not measured): {', '.join(jobs)}", file=sys.stderr)
+        compile_all(jobs, str(model), physical_cores())
+
+
 def run(model=None, stages=None, draw_only=False, baseline=True, remeasure_machine=False, article=False,
         with_perplexity=False):
     workload = ARTICLE if article else REPORT
@@ -194,6 +209,7 @@ def run(model=None, stages=None, draw_only=False, baseline=True, remeasure_machi
             todo = [s for s in todo if s not in left_out]
         print("measuring the machine's bandwidth and peak FLOP/s ...", file=sys.stderr)
         measure_machine(folder.parent, force=remeasure_machine)
+        warm_the_cache(todo, model)
         bar = tqdm(todo, desc="stages", unit="stage")
         for stage in bar:
             bar.set_postfix_str(stage)
