@@ -9,7 +9,6 @@ Writes profiles/bench/kernels.json and the page drawn from it, profiles/bench/ke
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import app  # noqa: E402
 app.configure_numba()
 
 from app.measure.kernel_bench import bench_kernels  # noqa: E402
-from app.report.pages import redraw_pages  # noqa: E402
+from app.report.pages import write_record  # noqa: E402
 
 OUT = ROOT / "profiles" / "bench" / "kernels.json"
 
@@ -33,10 +32,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     record = bench_kernels(args.model or ["smollm2", "tinyllama-synthetic"], args.passes,
                            log=lambda m: print(m, file=sys.stderr, flush=True))
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(record, indent=1))
-    redraw_pages(OUT.parent)
-    print(OUT.with_suffix(".md").read_text())
+    print(write_record(record, OUT))
     return 0
 
 

@@ -12,7 +12,6 @@ page drawn from it beside it. A benchmark, not a test: a few minutes, on a quiet
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ app.configure_numba()
 
 from app.measure.machine import machine_id  # noqa: E402
 from app.measure.prefetch_bench import bench_prefetch  # noqa: E402
-from app.report.pages import redraw_pages  # noqa: E402
+from app.report.pages import write_record  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -34,11 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=9, help="alternating rounds (default: %(default)s)")
     args = p.parse_args(argv)
     record = bench_prefetch(args.mib, args.rounds, log=lambda m: print(m, file=sys.stderr, flush=True))
-    out = ROOT / "profiles" / "bench" / "prefetch" / f"{machine_id(record['machine'])}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
-    redraw_pages(out.parent)
-    print(out.with_suffix(".md").read_text())
+    print(write_record(record, ROOT / "profiles" / "bench" / "prefetch" / f"{machine_id(record['machine'])}.json"))
     return 0
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from app.report import charts
-from app.report.pages import PAGES, page_for
+from app.report.pages import PAGES, page_for, write_record
 from app.report.report import too_large
 from stages import STAGES
 
@@ -53,6 +53,17 @@ PAGED = [r for r in sorted(BENCH.rglob("*.json")) if _kind(r) in PAGES]
 @pytest.mark.parametrize("record", PAGED, ids=lambda p: p.relative_to(BENCH).as_posix())
 def test_generated_pages_match_their_records(record):
     assert record.with_suffix(".md").read_text() == page_for(record), "redraw with `python -m app report --draw-only`"
+
+
+def test_a_written_record_comes_back_as_its_own_page(tmp_path):
+    """write_record (the benchmark scripts' last step): the record as written, and the page returned is
+    the one drawn from it, in the folder beside it."""
+    record = json.loads(next((ROOT / "profiles" / "bench" / "prefetch").glob("*.json")).read_text())
+    path = tmp_path / "prefetch" / "m.json"
+    shown = write_record(record, path)
+    assert json.loads(path.read_text()) == record
+    assert shown == path.with_suffix(".md").read_text() == page_for(path)
+    assert record["command"] in shown
 
 
 def test_the_records_without_a_page_are_of_kinds_that_have_none():

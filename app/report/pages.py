@@ -39,3 +39,13 @@ def redraw_pages(folder: Path) -> list[Path]:
             out.write_text(text)
             written.append(out)
     return written
+
+
+def write_record(record: dict, path: Path) -> str:
+    """A benchmark's record written to `path` (JSON) and its folder's pages redrawn; returns the
+    record's own page (what a benchmark script prints when it is done)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+    redraw_pages(path.parent)
+    return path.with_suffix(".md").read_text()

@@ -176,8 +176,8 @@ def warm_the_cache(todo: list, model: Path) -> None:
     """The stages about to be measured compiled first (app/compile.py: a prompt and a few steps
     of each on `model`, processes of their own, not measured), so that each measured process
     loads its kernels from numba's disk cache. A process that compiled them would count LLVM's
-    memory in its peak RSS: a layer stack takes a few hundred MiB to compile (SmolLM2 on int8,
-    measured with a cold cache on a Zen 4: 645 MiB against 394 warm)."""
+    memory in its peak RSS (a layer stack takes hundreds of MiB to compile) and record a figure
+    that depends on whether the cache was warm."""
     jobs = [s for s in todo if s != "cuda"]            # PyCUDA builds its own kernels (nvcc)
     if jobs:
         print(f"warming numba's cache (not measured): {', '.join(jobs)}", file=sys.stderr)

@@ -214,7 +214,8 @@ def tile_rows(kind, isa):
 # streaming a matrix larger than the caches; scripts/bench_prefetch.py times the choices on the
 # machine at hand, profiles/bench/prefetch/ keeps what it found):
 #   Intel (Ice Lake, a 300 MB Q4_K / Q6_K / Q4_1 matrix): into L1 (prefetcht0), 2 to 8 KiB ahead
-#       alike, about a fifth faster than the hardware prefetchers alone;
+#       alike, faster than the hardware prefetchers alone (timed before the bench existed: no record
+#       of it yet; the bench on such a CPU writes one);
 #   AMD (Zen 4): for the K-quants, whose group blocks are 1 to 2 KiB, into L1 was slower than no
 #       software prefetch at all and into L2 (prefetcht1) 16 to 64 KiB ahead faster than both,
 #       most for Q6_K, whose group block the kernel reads out of order (ql's two halves, then
