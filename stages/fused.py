@@ -54,6 +54,7 @@ from stages.kernels.layer_stack import (
     Weights,
     matmul_rows,
     matrix_table,
+    read_only,
     run_layers,
 )
 from stages.kernels.sync import ABORT, ARRIVALS, CLOCK, new_sync
@@ -177,7 +178,7 @@ class _Plan:
         table = matrix_table([(o, m.shape[0], m.row_bytes, m.kind, layout_of(m)) for o, m in zip(offsets, mats)])
         norms = np.ascontiguousarray(np.stack([np.stack([L.attn_norm, L.ffn_norm]) for L in model.layers]),
                                      dtype=np.float32)
-        self.weights = Weights(blob, table, norms)
+        self.weights = Weights(read_only(blob), table, norms)
 
 
 def kv_view(a: np.ndarray) -> np.ndarray:
@@ -284,7 +285,7 @@ class FusedBackend(Int8Backend):
         itself: were it let go, a later matrix could be given its id and read its record."""
         head = self._heads.get(id(w))
         if head is None or head[0] is not w:
-            head = self._heads[id(w)] = (w, w.data.reshape(-1),
+            head = self._heads[id(w)] = (w, read_only(w.data.reshape(-1)),
                                          matrix_table([(0, w.shape[0], w.row_bytes, w.kind, self.layout_of(w))]))
         return head[1:]
 

@@ -1,7 +1,8 @@
 """The fused stage: the integer tiles against the int8 stage's loops for every type and shape,
 the activation blocks against int8's, the flash-decoding split against numpy, the barrier that
-gives up instead of hanging, one compiled call per token, and the model: 1 thread and N bit for
-bit, within int8's tolerance of the float64 reference, int8's greedy tokens but at near-ties.
+gives up instead of hanging, one compiled call per token, one compile shared with repack, and the
+model: 1 thread and N bit for bit, within int8's tolerance of the float64 reference, int8's greedy
+tokens but at near-ties.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _matmul(x, raw, ggml_type, threads, layout=F.ROWS):
     mat = F.matrix_table([(0, raw.shape[0], raw.shape[1], int(ggml_type), layout)])
     numba.set_num_threads(threads)
     blob = raw.reshape(-1) if layout == F.ROWS else repacked.repack(raw, int(ggml_type))
-    return F.matmul_rows(np.ascontiguousarray(x), blob, mat, threads)
+    return F.matmul_rows(np.ascontiguousarray(x), F.read_only(blob), mat, threads, False)
 
 
 @pytest.mark.isa_paths
@@ -312,6 +313,20 @@ def test_one_compiled_call_per_token_for_the_layers(tiny_path, monkeypatch):
     # the threads count the barriers they cross: one after every phase but the last
     assert engine.backend.barriers == engine.config.n_layer * F.OPS_PER_LAYER - 1
     assert F.OPS_PER_LAYER == len(F.PHASES)
+
+
+def test_after_repacks_float32_stack_fused_compiles_nothing(default_model_path, monkeypatch):
+    """The fused stage's layer stack and output head take the types of the repack stage's with
+    float32 K and V: the weights are a read-only array in both (layer_stack.read_only; fused reads
+    the mapped file, repack its own buffer), so numba compiles them once (and `make compile`,
+    repack's job first, leaves fused's nothing to do): after repack's calls, fused's add no
+    signature to either."""
+    monkeypatch.setenv("LLM_KV_TYPE", "f32")
+    compiled = (F.run_phases, F.matmul_rows)
+    load("repack", default_model_path, n_ctx=64).greedy_next([1, 2, 3], 0)
+    after_repack = [set(f.signatures) for f in compiled]
+    load("fused", default_model_path, n_ctx=64).greedy_next([1, 2, 3], 0)
+    assert [set(f.signatures) for f in compiled] == after_repack
 
 
 @pytest.fixture(scope="module")

@@ -174,7 +174,7 @@ def test_the_head_in_pairs_is_repacks_bits(ggml_type):
     one) give repack's kernel's bits, and so does one row (which stays on repack's kernel)."""
     raw, K, rng = _weights(ggml_type, 19, 700 + int(ggml_type))
     mat = L.matrix_table([(0, 19, raw.shape[1], int(ggml_type), L.REPACKED)])
-    blob = repacked.repack(raw, int(ggml_type))
+    blob = L.read_only(repacked.repack(raw, int(ggml_type)))
     nt = numba.get_num_threads()
     for M in (1, 2, 5, 12):
         x = np.ascontiguousarray(activations(rng, M, K))

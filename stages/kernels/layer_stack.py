@@ -31,8 +31,9 @@ through its page table (stages/kernels/layer_ops.py). One sequence's arena is on
 
 What it reads, as named records (numba compiles named tuples of arrays):
 
-    Weights(blob, mats, norms)   blob uint8: every layer matrix (the mapped file itself when they
-                                 all come from it); mats: MATRIX records, WQ..DOWN of each layer;
+    Weights(blob, mats, norms)   blob uint8, read-only (read_only): every layer matrix (the mapped
+                                 file itself when they all come from it); mats: MATRIX records,
+                                 WQ..DOWN of each layer;
                                  norms float32 [n_layer, 2, D] (attn_norm, ffn_norm)
     Cache(k, v, tables, page_size)      k, v [n_layer, n_slots, kv_dim]: float32, or float16 bits
                                  (uint16); tables int64 [S, pages]: each sequence's pages
@@ -146,6 +147,17 @@ _PHASES = np.array(PHASES, dtype=np.int64)
 def matrix_table(entries) -> np.ndarray:
     """MATRIX records from (offset, rows, row_bytes, kind, layout) tuples."""
     return np.array([tuple(int(v) for v in e) for e in entries], dtype=MATRIX)
+
+
+def read_only(blob: np.ndarray) -> np.ndarray:
+    """The weights as the compiled calls take them (Weights.blob, matmul_rows' blob): a read-only
+    view. numba types a read-only array apart from a writable one, and compiles a function and
+    everything it calls once for each: the mapped file is read-only and the repack stage's buffer
+    is not, so without this the fused and repack stages compiled the same stack and head twice (the
+    slowest things here to compile)."""
+    view = blob.view()
+    view.flags.writeable = False
+    return view
 
 
 # ---- one chunk of weight rows times every activation row ---------------------------------------
@@ -646,11 +658,12 @@ def _pair_rows(M, K, k, p32, pk, b):
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def matmul_rows(x, blob, mats, nt, pairs=False):
-    """x [M, K] times one weight (mats: one MATRIX record, in blob) -> [M, N]: the activation
-    rounded once, the rows in work items over nt threads (numba's thread count). `pairs` (the
-    prefill stage): two rows or more of a type pair_gemm takes go there, two to a register, for
-    the same bits as repack's kernel."""
+def matmul_rows(x, blob, mats, nt, pairs):
+    """x [M, K] times one weight (mats: one MATRIX record, in blob: read_only) -> [M, N]: the
+    activation rounded once, the rows in work items over nt threads (numba's thread count).
+    `pairs`, a bool never left out (an omitted argument is another type, another compile): in the
+    prefill stage two rows or more of a type pair_gemm takes go there, two to a register, for the
+    same bits as repack's kernel."""
     M, K = x.shape
     mat = mats[0]
     a = pack_arrays(M, K)
@@ -671,8 +684,9 @@ def matmul_rows(x, blob, mats, nt, pairs=False):
     return out
 
 
-__all__ = ["run_layers", "run_phases", "scratch_for", "matmul_rows", "matrix_table", "Weights", "Cache", "Rows", "Dims",
-           "Span", "Prefill", "MATRIX", "ROWS", "REPACKED", "OPS_PER_LAYER", "PHASES", "CHUNK", "block_rows"]
+__all__ = ["run_layers", "run_phases", "scratch_for", "matmul_rows", "matrix_table", "read_only", "Weights", "Cache",
+           "Rows", "Dims", "Span", "Prefill", "MATRIX", "ROWS", "REPACKED", "OPS_PER_LAYER", "PHASES", "CHUNK",
+           "block_rows"]
 
 toolkit.guard_cache(__name__, [run_phases, scratch_for, matmul_rows, _pair_rows, _worker, _head_worker, _matmul_op,
                                _attend, _merge, _attend_tiles, _merge_tiles, _norm_rows, _round_f, _chunk_float,
