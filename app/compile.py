@@ -83,8 +83,12 @@ def compile_jobs() -> list[str]:
     cpu = [s for s in STAGES if s != "cuda" and unavailable_reason(s) is None]
     jobs = {s: [s] + [v for v in VARIANTS if info(v).variant_of == s and unavailable_reason(v) is None]
             for s in cpu}
-    order = [s for s in SLOWEST if s in cpu] + [s for s in cpu if s not in SLOWEST]
-    return [",".join(jobs[s]) for s in order]
+    return [",".join(jobs[s]) for s in in_compile_order(cpu)]
+
+
+def in_compile_order(stages: list[str]) -> list[str]:
+    """The stages in the order their jobs start: SLOWEST's first, in its order, then the rest."""
+    return [s for s in SLOWEST if s in stages] + [s for s in stages if s not in SLOWEST]
 
 
 def compile_all(jobs: list[str], model: str, at_once: int) -> int:

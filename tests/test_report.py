@@ -93,6 +93,16 @@ def test_roofline_points_place_decode_below_prefill():
     assert pts["decode"][0] < pts["prefill"][0]
 
 
+def test_the_report_compiles_its_stages_in_make_compiles_order(monkeypatch):
+    """The report warms the cache in app/compile.py's order (repack before fused, which then loads
+    repack's stack instead of compiling it again), whatever order it measures in; cuda is left to nvcc."""
+    from app.report import report
+    jobs = []
+    monkeypatch.setattr(report, "compile_all", lambda todo, model, at_once: jobs.append(todo))
+    report.warm_the_cache(["naive", "fused", "repack", "cuda", "prefill"], Path("m.gguf"))
+    assert jobs == [["repack", "prefill", "fused", "naive"]]
+
+
 @pytest.mark.parametrize("params, measured", [(135e6, ["naive", "tiling", "simd"]), (1.1e9, ["simd"])])
 def test_report_leaves_the_recompute_stages_out_on_large_models(monkeypatch, tmp_path, capsys, params, measured):
     """Above a stage's max_params (naive and tiling: LARGE_MODEL_PARAMS) the stage would take tens

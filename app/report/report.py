@@ -51,7 +51,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from app.compile import compile_all
+from app.compile import compile_all, in_compile_order
 from app.measure import perplexity, roofline
 from app.measure.baseline import llama_cpp_version
 from app.measure.bench import BASELINE, measure_in_child, results_dir
@@ -178,7 +178,7 @@ def warm_the_cache(todo: list, model: Path) -> None:
     loads its kernels from numba's disk cache. A process that compiled them would count LLVM's
     memory in its peak RSS (a layer stack takes hundreds of MiB to compile) and record a figure
     that depends on whether the cache was warm."""
-    jobs = [s for s in todo if s != "cuda"]            # PyCUDA builds its own kernels (nvcc)
+    jobs = in_compile_order([s for s in todo if s != "cuda"])      # PyCUDA builds its own kernels (nvcc)
     if jobs:
         print(f"warming numba's cache (not measured): {', '.join(jobs)}", file=sys.stderr)
         compile_all(jobs, str(model), physical_cores())
