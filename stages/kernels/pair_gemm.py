@@ -27,6 +27,15 @@ here (PAIR_TYPES); other types go through repack's kernel. An odd last row rides
 half of a pair whose second half is not stored: the weights are read once for all the rows, which
 is what a pass of a few rows (a verify pass, a batch of decode rows) needs most.
 
+Why not give the odd row 256-bit lanes of its own, half a 512-bit instruction on a CPU that runs
+those as two 256-bit halves (a Zen 4)? It was tried. In a tile of its own the odd row unpacks every
+piece again, which costs what the pair's second half saved. Beside the pairs in one tile, on the
+lower halves of their unpacked pieces, the compiler first unpacks the odd row's halves again, and
+when an empty inline asm stops that, schedules all of the pairs' work before the odd row's and
+spills the pieces in between; a second one that makes each piece wait for the odd row's last
+product holds them together, and then a pass of 5 rows is only a little faster, for a kernel with
+twice the tile shapes that is much slower to compile. Not taken.
+
     pair_gemm(kind, w, off, row_bytes, x32, xk, m0, m1, out, col, (r0, r1))
         rows r0..r1 (r0 a multiple of GROUP) of the repacked matrix at w[off:] times activation
         rows m0..m1 (m0 even) of the pair packs -> out[m, col + r]
