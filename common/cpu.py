@@ -43,16 +43,22 @@ def cpu_flags(info: dict | None = None) -> set:
     return set((info.get("flags") or info.get("Features") or "").split())
 
 
-def physical_cores() -> int:
-    """Physical cores this process may use (hyperthreads counted once)."""
-    try:
-        cpus = os.sched_getaffinity(0)
-    except AttributeError:
-        cpus = set(range(os.cpu_count() or 1))
+SYSFS_CPU = Path("/sys/devices/system/cpu")
+
+
+def physical_cores(cpus=None, sysfs: Path = SYSFS_CPU) -> int:
+    """Physical cores this process may use (hyperthreads counted once): the (package, core) pairs
+    of the CPUs it may run on. `cpus` and `sysfs` stand in for its affinity and the kernel's
+    topology folder (another machine's, as data)."""
+    if cpus is None:
+        try:
+            cpus = os.sched_getaffinity(0)
+        except AttributeError:
+            cpus = set(range(os.cpu_count() or 1))
     cores = set()
     for c in cpus:
         try:
-            p = Path(f"/sys/devices/system/cpu/cpu{c}/topology")
+            p = sysfs / f"cpu{c}" / "topology"
             cores.add(((p / "physical_package_id").read_text().strip(), (p / "core_id").read_text().strip()))
         except OSError:
             cores.add((None, c))

@@ -13,12 +13,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # argv: cache folder, locked|bare (app.configure_numba or numba's own save), key, then what to
-# plant: "dawdle" (after reading the index, say so, then wait until the other saver is about to
-# save, and half a second more, before writing it back), "announce" (say, by a file beside the
-# folder, that this save is about to begin), "check-order" (at the moment the index is written,
-# the entry's data file must exist).
+# plant: "dawdle" (after reading the index, say "read" and wait for a line on stdin before writing
+# it back), "contend" (say "waits" when the index's lock is held by another process, just before
+# waiting for it; "saved" once the save is done), "check-order" (at the moment the index is
+# written, the entry's data file must exist).
 SAVER = """
-import os, sys, time
+import fcntl, os, sys
 folder, mode, key, plant = sys.argv[1:5]
 if mode == "locked":
     import app
@@ -30,14 +30,19 @@ if plant == "dawdle":
     def dawdle():
         got = read()
         print("read", flush=True)
-        deadline = time.time() + 60
-        while not os.path.exists(folder + ".announced") and time.time() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.5)                 # the other's save (locked: its wait for the lock) is under way
+        sys.stdin.readline()            # the other saver has saved, or waits for this one's lock
         return got
     f._load_index = dawdle
-elif plant == "announce":
-    open(folder + ".announced", "w").close()
+elif plant == "contend":
+    flock = fcntl.flock
+    def contended(fd, op):
+        if op == fcntl.LOCK_EX:
+            try:
+                return flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:     # another process holds it: say so, then wait for it
+                print("waits", flush=True)
+        return flock(fd, op)
+    fcntl.flock = contended
 elif plant == "check-order":
     write = f._save_index
     def checked(overloads):
@@ -45,12 +50,13 @@ elif plant == "check-order":
         write(overloads)
     f._save_index = checked
 f.save(key, key * 1000)
+print("saved", flush=True)
 """
 
 
 def save(folder, mode, key, plant="") -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", SAVER, str(folder), mode, key, plant or "-"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def entries(folder) -> dict:
@@ -60,11 +66,17 @@ def entries(folder) -> dict:
 
 
 def two_at_once(folder, mode) -> dict:
-    """A reads the index and waits; B saves meanwhile; then A writes."""
+    """A reads the index and waits; B saves meanwhile (numba's own save: it saves; the locked
+    save: it waits for A's lock, which B says before it waits); then A writes. Ordered by what
+    each process says, never by a clock."""
     folder.mkdir()
     a = save(folder, mode, "A", "dawdle")
     assert a.stdout.readline().strip() == "read", a.stderr.read()
-    b = save(folder, mode, "B", "announce")
+    b = save(folder, mode, "B", "contend")
+    said = b.stdout.readline().strip()
+    assert said == ("waits" if mode == "locked" else "saved"), (said, b.stderr.read())
+    a.stdin.write("go\n")
+    a.stdin.flush()
     for p in (b, a):
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-2000:]
