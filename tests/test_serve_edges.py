@@ -387,3 +387,71 @@ def test_metrics_count_per_request_and_per_choice_as_they_say(default_model_path
                 self.metrics.outcome(o) for o in outcomes])
         problems = per_request_problems(s)
     assert (problems == []) == (planted is None), problems
+
+
+# ---- a reply under tools: its finish reason, whole and streamed -------------------------------------------
+
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+# pieces of the generated text, how the engine ended it, then the reply's finish_reason, content, calls
+TOOL_REPLIES = [
+    (["The weather", " is fine."], "stop", "stop", "The weather is fine.", []),       # auto: words
+    (['{"name": "get_weather", ', '"arguments": {"city": "Paris"}}'], "stop", "tool_calls", None, ["get_weather"]),
+    (['{"name": "get_weather", "arguments": {"ci'], "length", "length", None, ["get_weather"]),  # cut in a call
+    (['{"name": "get_weather", "argu'], "length", "length", '{"name": "get_weather", "argu', []),  # in its head
+]
+
+
+def tool_reply(tok, reply_class):
+    from types import SimpleNamespace
+
+    from app.structured import Structured
+    job = SimpleNamespace(chat=True, n=1, logprobs=None, prompt=[1],
+                          structured=Structured(tools=[WEATHER], tool_choice="auto"))
+    return reply_class(job, "m", tok)
+
+
+def tool_reply_problems(tok, reply_class) -> list[str]:
+    """tool_choice auto (words or calls): the finish reason says which, whole and streamed; a
+    reply cut by max_tokens says length, in a call or not."""
+    problems = []
+    for pieces, ended, finish, content, names in TOOL_REPLIES:
+        whole = tool_reply(tok, reply_class).whole(["".join(pieces)], [[]], [ended], [])["choices"][0]
+        got = (whole["finish_reason"], whole["message"]["content"],
+               [c["function"]["name"] for c in whole["message"].get("tool_calls", [])])
+        if got != (finish, content, names):
+            problems.append(f"whole {pieces}: {got}")
+        reply = tool_reply(tok, reply_class)
+        sent = "".join(reply.piece(0, p, []) for p in pieces) + reply.piece(0, "", [], ended)
+        chunks = [c["choices"][0] for c in map(json.loads, (x[6:] for x in sent.split("\n\n") if x))]
+        streamed = ("".join(c["delta"].get("content") or "" for c in chunks) or None,
+                    [d["function"]["name"] for c in chunks for d in c["delta"].get("tool_calls", []) if "id" in d])
+        if (chunks[-1]["finish_reason"], *streamed) != (finish, content, names):
+            problems.append(f"streamed {pieces}: {chunks[-1]['finish_reason']}, {streamed}")
+    return problems
+
+
+class StreamSaysCalled(replies.Reply):
+    """A planted bug: a streamed reply under tools ends "tool_calls" whether it called or not."""
+
+    def tool_pieces(self, i, text, entries, finish=None):
+        out = super().tool_pieces(i, text, entries, finish)
+        return out.replace('"finish_reason": "stop"', '"finish_reason": "tool_calls"')
+
+
+class WholeSaysCalled(replies.Reply):
+    """A planted bug: a whole reply under tools ends "tool_calls" whether it called or not."""
+
+    def whole(self, texts, entries, finish, seqs):
+        out = super().whole(texts, entries, finish, seqs)
+        for c in out["choices"]:
+            c["finish_reason"] = replies.called(c["finish_reason"])
+        return out
+
+
+@pytest.mark.parametrize("planted", [None, StreamSaysCalled, WholeSaysCalled, "called always"],
+                         ids=["reply", "stream says called", "whole says called", "called always"])
+def test_under_tool_choice_auto_the_finish_reason_says_words_or_calls(text_tok, monkeypatch, planted):
+    reply_class = planted if isinstance(planted, type) else replies.Reply
+    if planted == "called always":                 # planted: a reply with calls ends "tool_calls" even when cut
+        monkeypatch.setattr(replies, "called", lambda finish: "tool_calls")
+    assert (tool_reply_problems(text_tok, reply_class) == []) == (planted is None)
