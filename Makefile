@@ -21,7 +21,7 @@ args   ?=
 
 .DEFAULT_GOAL := help
 
-.PHONY: help setup model vocab compile test test-all test-avx2 run bench report lessons baseline llama-cpp notebooks setup-cuda clean
+.PHONY: help setup model vocab compile test test-all test-avx2 run bench report lessons baseline llama-cpp notebooks book book-execute setup-cuda clean
 
 help:  ## list the targets and the stages
 	@echo "usage: make TARGET [stage=NAME prompt=TEXT n=N model=PATH name=MODEL]"
@@ -31,10 +31,10 @@ help:  ## list the targets and the stages
 	@echo "stages (stage=NAME):"
 	@$(PYTHON) stages/registry.py
 
-$(STAMP): requirements.txt requirements-test.txt
+$(STAMP): requirements.txt requirements-test.txt requirements-book.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { echo "error: '$(PYTHON) -m venv' failed; install Python 3.10+ with venv (Debian: apt-get install python3-venv)"; exit 1; }
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt -r requirements-test.txt
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-test.txt -r requirements-book.txt
 	@touch $@
 
 setup: $(STAMP)  ## create .venv and install the requirements
@@ -131,8 +131,19 @@ lessons: $(STAMP)  ## the article's claims beside this machine's records (profil
 baseline: llama-cpp $(MODEL_FILE)  ## install llama-cpp-python if needed and record llama.cpp's row
 	$(PY) -m app baseline -m $(model) $(args)
 
-notebooks: $(STAMP) $(MODEL_FILE)  ## start Jupyter Lab on notebooks/ (LLM_NOTEBOOK_QUICK=1: tiny settings)
+notebooks: $(STAMP) $(MODEL_FILE)  ## start Jupyter Lab on notebooks/: run a chapter for your machine's figures (LLM_NOTEBOOK_QUICK=1: tiny settings)
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/ $(args)
+
+# The book renders the chapters as committed: the outputs of one execution for the book, named in
+# each chapter's first output. It executes nothing; book-execute does, after `make report` has
+# written the records the chapters read, and its notebooks are committed.
+chapters ?=
+book: $(STAMP)  ## the chapters as a static site, as executed for the book: build/book/html/index.html (executes nothing)
+	$(PY) notebooks/build.py --book
+
+book-execute: $(STAMP) $(MODEL_FILE)  ## execute the chapters at full settings and write notebooks/*.ipynb with their outputs [chapters="02 12"]
+	$(PY) -m app compile
+	$(PY) notebooks/build.py --execute $(chapters)
 
 setup-cuda: $(STAMP)  ## build and install PyCUDA for the cuda stage (needs an NVIDIA GPU, driver and nvcc)
 	PYTHON=$(PY) bash scripts/install_pycuda.sh
