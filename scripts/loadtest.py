@@ -74,6 +74,7 @@ from app.measure.bench import BENCH_TEXT, add_context  # noqa: E402
 from app.measure.local_server import LocalServer  # noqa: E402
 from app.measure.speculative import prompt_sets  # noqa: E402
 from app.models import DEFAULT_MODEL, resolve  # noqa: E402
+from app.report.charts import machine_label  # noqa: E402
 from app.serve.command import serving_stage  # noqa: E402
 from common.cpu import physical_cores  # noqa: E402
 from common.gguf import GGUFFile  # noqa: E402
@@ -479,9 +480,9 @@ def draw(rec: dict, chart: Path = CHART, table: Path = TABLE):
         threads += f" in each of {s['ranks']} ranks"
     rounds = s.get("rounds", 1)
     medians = f"medians of {rounds} alternating rounds" if rounds > 1 else "one round"
-    fig.suptitle(f"{s['model']} on {m.get('cpu', '?')} ({threads}): {s['requests']} requests per "
-                 f"client, {s['max_tokens']} tokens each, ~{s['prompt_tokens']}-token prompts, {medians}; "
-                 f"commit {str(rec['provenance'].get('commit', '?'))[:7]}", fontsize=9)
+    fig.suptitle(f"Many users at once: {Path(s['model']).stem} on {machine_label(m)}\n{threads}, "
+                 f"{s['requests']} requests per client, {s['max_tokens']} tokens each, ~{s['prompt_tokens']}-token "
+                 f"prompts, {medians}; commit {str(rec['provenance'].get('commit', '?'))[:7]}", fontsize=9.5)
     fig.tight_layout()
     chart.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(chart, dpi=110)

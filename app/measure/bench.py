@@ -45,6 +45,7 @@ from app.measure import roofline
 from app.measure.counters import Counters, evict
 from app.measure.machine import machine_id, machine_info, rusage
 from app.measure.provenance import provenance
+from app.measure.ttft import PHASE_NAMES
 from app.models import resolve
 from common.generate import Generation, Sampler, generate
 from common.model import LlamaConfig, flops_per_token, n_params, prompt_matmul_ops
@@ -180,11 +181,35 @@ def write_record(rec: dict, out_dir=None) -> Path:
 
 def profile_run(engine, stage: str, prompt_tokens: int, n_predict: int) -> list[dict]:
     """A separate, per-op profiled run (the timers slow it a little; figures come from measure):
-    the stage's own profiler's rows (common/profile.py)."""
+    the stage's own profiler's rows (common/profile.py). Where the layer stack runs as one compiled
+    call that keeps a clock per phase (the backend's phase_seconds), that call's row also carries
+    `phases_ms`: the run's time in each phase (ttft.PHASE_NAMES), which the per-op chart splits it by."""
     prompt = bench_prompt(engine.tokenizer, prompt_tokens)
+    clock = getattr(engine.backend, "phase_seconds", None)
+    before = None if clock is None else np.array(clock, dtype=np.float64)
     with engine.backend.profiler(engine) as prof:
         generate(engine, prompt, n_predict, Sampler(), ignore_eos=True)
-    return prof.rows()
+    rows = prof.rows()
+    if before is not None:
+        with_phases(rows, np.asarray(engine.backend.phase_seconds, dtype=np.float64) - before)
+    return rows
+
+
+def with_phases(rows: list[dict], seconds) -> list[dict]:
+    """rows with the compiled stack's row given `phases_ms` ({phase: ms}, in layer_stack.PHASES'
+    order) from the seconds its clock counted per phase, or `phase_clock: False` where it counted
+    none (a stage whose compiled calls keep no clock: the chart says so)."""
+    if len(seconds) != len(PHASE_NAMES):
+        raise ValueError(f"the layer stack counted {len(seconds)} phases and app/measure/ttft.py names "
+                         f"{len(PHASE_NAMES)} (PHASE_NAMES): name them in layer_stack.PHASES' order")
+    stack = next((r for r in rows if r["op"] in ("forward_layers", "forward_layers_batch")), None)
+    if stack is None:
+        return rows
+    if np.sum(seconds) > 0:
+        stack["phases_ms"] = {name: float(s * 1e3) for name, s in zip(PHASE_NAMES, seconds)}
+    else:
+        stack["phase_clock"] = False
+    return rows
 
 
 def too_slow_for(stage: str, params: int) -> bool:

@@ -433,7 +433,7 @@ def chart(record: dict, path):
     bars = [(f"{name}\nrank {r}" if c["stage"] == "tp" else name, rk)
             for name, c in s.items() for r, rk in enumerate(c["ranks"])]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5))
-    names = [b[0] for b in bars]
+    names = [b[0].replace(", ", "\n").replace(" over a ", "\nover a ") for b in bars]     # labels that fit a bar
     bottom = np.zeros(len(bars))
     for key, color, what in (("compute_ms", "#2f6db3", "compute"), ("allreduce_ms", "#d9822b", "all-reduces"),
                              ("gather_ms", "#8f5fbf", "gather of the logits")):
@@ -451,7 +451,9 @@ def chart(record: dict, path):
     a2.set_title("Memory per rank, against one process")
     for ax in (a1, a2):
         ax.tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"{record['runs'][0]['model_info']['file']}: tp against {record['base_stage']}")
+    from app.report.charts import machine_label
+    fig.suptitle(f"{record['runs'][0]['model_info']['file']}: tp against {record['base_stage']}, on "
+                 f"{machine_label(record.get('machine'))}", fontsize=10.5)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
