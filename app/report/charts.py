@@ -369,7 +369,7 @@ def draw_journey(fig, res: Results, highlight: str | None = None):
             if r["stage"] == highlight:
                 tick.set_fontweight("bold")
                 tick.set_color(JOURNEY_HIGHLIGHT)
-    what = f"{highlight}'s place in the journey" if highlight else "The journey"
+    what = f"Where {highlight} stands in the journey" if highlight else "The journey"
     fig.suptitle(f"{what}: {_title(res)}\nbars: ms; beside each, its multiple of the machine's floor (dashed)",
                  fontsize=10.5)
     note = _settings_note(res, rows)

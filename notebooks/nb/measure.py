@@ -226,7 +226,9 @@ def recorded(results_root=None) -> Recorded:
     root = Path(results_root or RESULTS_DIR)
     stem = model_path().stem
     mine = root / machine_id() / stem
-    candidates = [mine] + sorted(p for p in root.glob(f"*/{stem}") if p != mine)
+    # another machine's: the one that recorded the most (an older folder may hold a few stages only)
+    others = sorted((p for p in root.glob(f"*/{stem}") if p != mine), key=lambda p: (-len(list(p.glob("*.json"))), p))
+    candidates = [mine] + others
     for folder in candidates:
         if folder.is_dir() and any(folder.glob("*.json")):
             res = load_results(folder)

@@ -199,5 +199,16 @@ findings["roofline"] = (f"at best {best:.2f} GFLOP/s, {best / ceil['peak_gflops'
 nb.md(rec.note)
 nb.stage_chart([live], rec, ["naive"], "naive: live run and record")
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). naive is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("naive")
+
 # %%
 findings.show()

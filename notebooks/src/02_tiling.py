@@ -236,5 +236,16 @@ nb.stage_chart(live, rec, ["naive", "tiling"], "naive -> tiling")
 # What tiling cannot fix: inside a tile, the `k` loop is still one chain of dependent additions
 # (`acc += a * b`), each waiting for the one before. The next chapter breaks that chain.
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). tiling is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("tiling")
+
 # %%
 findings.show()

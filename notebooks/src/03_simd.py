@@ -210,5 +210,16 @@ nb.stage_chart(live, rec, ["naive", "tiling", "simd"], "naive -> tiling -> simd"
 # simd still has no KV cache: every decode step pushes the whole text through the model again.
 # That waste is the next chapter.
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). simd is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("simd")
+
 # %%
 findings.show()

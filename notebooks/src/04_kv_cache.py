@@ -132,5 +132,16 @@ nb.stage_chart(live, rec, ["naive", "tiling", "simd", "kv_cache"], "naive -> ...
 # back at 0.5 FLOP per byte, deep under the memory ceiling. From here on the way forward is
 # fewer bytes per weight: the next chapter.
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). kv_cache is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("kv_cache")
+
 # %%
 findings.show()

@@ -214,5 +214,16 @@ if rec.get("quantized") is None:
 nb.stage_chart([] if missing else live, rec, ["naive", "tiling", "simd", "kv_cache", "quantized"],
                "naive -> ... -> quantized")
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). quantized is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("quantized")
+
 # %%
 findings.show()

@@ -6,9 +6,9 @@
 # The stage after `quantized` changes one thing: the quantized kernels' rows (and prompt panels,
 # and attention heads) split over every core, and attention fused into one kernel per layer.
 #
-# Decode streams every weight once per token. The roofline chapter said that makes it
-# **bandwidth-bound**, so the question is: what does a second core buy, when the memory is
-# shared? Measure it.
+# Decode streams every weight once per token. Chapter 05 set it against that floor (the weights'
+# bytes over the memory bandwidth): it is **bandwidth-bound**, so the question is: what does a
+# second core buy, when the memory is shared? Measure it.
 
 # %%
 import numpy as np
@@ -165,6 +165,17 @@ if not missing["threads"]:
 recorded = nb.show_vs_llama(["threads"], "_No recorded comparison yet: `python scripts/bench_vs_llama.py` writes it._")
 if recorded:
     findings["recorded ratios"] = nb.decode_ratios(recorded)
+
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). threads is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("threads")
 
 # %%
 findings.show()

@@ -173,5 +173,16 @@ if recorded_rows:
     findings["recorded ratios"] = (f"decode slower than llama.cpp in {behind} of {len(recorded_rows)} rows "
                                    f"(profiles/bench/vs_llama_*.md)")
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). int8 is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("int8")
+
 # %%
 findings.show()

@@ -251,5 +251,16 @@ recorded = nb.show_vs_llama(["fused"], "_No recorded comparison of the fused sta
 if recorded:
     findings["recorded ratios"] = nb.decode_ratios(recorded)
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). fused is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("fused")
+
 # %%
 findings.show()

@@ -200,5 +200,16 @@ recorded = nb.show_vs_llama(["repack"], "_No recorded comparison of the repack s
 if recorded:
     findings["recorded ratios"] = nb.decode_ratios(recorded)
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). repack is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("repack")
+
 # %%
 findings.show()

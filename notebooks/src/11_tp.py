@@ -274,5 +274,16 @@ if not why:
 # that does not split (the interpreter, numba, the header and vocabulary), which the memory
 # table shows beside the weights and the KV cache.
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). tp is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("tp")
+
 # %%
 findings.show()

@@ -166,5 +166,16 @@ if recorded:
 else:
     nb.md("_No recorded sweep yet: `python scripts/bench_vs_llama.py --ttft-lengths 128,512,1024,2048` writes it._")
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). prefill is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("prefill")
+
 # %%
 findings.show()
