@@ -53,16 +53,15 @@ def test_readme_table_holds_the_fixture_numbers(res):
     assert rows["llama.cpp (2 threads)"][1] == "5.0"
     for stage in ("naive", "simd", "kv_cache"):
         rec = fixture_record(stage)
-        ttft, decode, tps = (float(c.replace(",", "")) for c in rows[stage][:3])
+        ttft, decode = (float(c.replace(",", "")) for c in rows[stage][:2])
         assert ttft == pytest.approx(rec["ttft_ms"], abs=0.05)
         assert decode == pytest.approx(rec["decode_ms"], abs=0.05)
-        assert tps == pytest.approx(rec["tokens_per_s"], abs=0.05)
     # speedups over naive and over the stage before, from the decode figures
-    assert rows["simd"][3] == f"{8500 / 420:,.1f}x" and rows["kv_cache"][4] == f"{420 / 30:,.2f}x"
+    assert rows["simd"][2] == f"{8500 / 420:,.1f}x" and rows["kv_cache"][3] == f"{420 / 30:,.2f}x"
     # × the floor: the fixture's 540 MB of weights at its 2-thread 15 GB/s is 36 ms; no prompt floor
     # (no record says its prompt's operations)
-    assert rows["simd"][6] == f"{420 / 36:.1f}×" and rows["kv_cache"][6] == f"{30 / 36:.2f}×"
-    assert rows["simd"][5] == "-" and rows["llama.cpp (2 threads)"][6] == f"{5 / 36:.2f}×"
+    assert rows["simd"][5] == f"{420 / 36:.1f}×" and rows["kv_cache"][5] == f"{30 / 36:.2f}×"
+    assert rows["simd"][4] == "-" and rows["llama.cpp (2 threads)"][5] == f"{5 / 36:.2f}×"
     assert "tiling" in table and "NaN" in table                  # the problem is stated under the table
     assert not re.search(r"\|\s*nan\s*\|", table, re.I)
 
@@ -347,7 +346,7 @@ def floor_problems(res) -> list[str]:
     for r in res.stages + res.baselines:
         name = next(n for n in rows if n.split(" (")[0] == r["stage"] and
                     (r.get("kind") != "baseline" or f"({r['threads']} thread" in n))
-        for col, key, floor in ((5, "ttft_ms", ttft), (6, "decode_ms", decode)):
+        for col, key, floor in ((4, "ttft_ms", ttft), (5, "decode_ms", decode)):
             want = f"{charts._ratio(r[key] / floor)}×" if floor else "-"
             if rows[name][col] != want:
                 problems.append(f"{name} {key}: {rows[name][col]}, the records give {want}")

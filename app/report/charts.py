@@ -175,7 +175,7 @@ def _row_name(r: dict) -> str:
     """A stage's or llama.cpp's row, as the charts label it: 'prefill · 2 threads'."""
     t = _threads(r)
     name = "llama.cpp" if r.get("kind") == "baseline" else r["stage"]
-    return f"{name} · {t} thread{'s' if t > 1 else ''}" + (" · extrapolated" if r.get("extrapolated") else "")
+    return f"{name} · {t} thread{'s' if t > 1 else ''}" + ("\n(extrapolated)" if r.get("extrapolated") else "")
 
 
 def _settings_note(res: Results, rows: list[dict]) -> str:
@@ -320,6 +320,12 @@ def answer(res: Results, shown_folder: str) -> str:
 
 # ---- the journey: every stage's time, and the floor ---------------------------------------------
 
+def journey_size(rows: int) -> tuple:
+    """The journey's figure size in inches for so many rows: narrow enough that its labels stay
+    readable where a page scales it to its column."""
+    return (11, 0.34 * rows + 3.2)
+
+
 JOURNEY_BLUE, JOURNEY_HIGHLIGHT, JOURNEY_PALE, JOURNEY_GREY = "#2f6db3", "#d9480f", "#b9cbe3", "#9aa5b1"
 
 
@@ -351,18 +357,18 @@ def draw_journey(fig, res: Results, highlight: str | None = None):
             times = f.times(r, key) if f else None
             text = f"{_ms(v)} ms" + (f" · {_ratio(times)}×" if times else "")
             bold = highlight is not None and r["stage"] == highlight
-            ax.annotate(text, (v, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7.5,
+            ax.annotate(text, (v, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8.5,
                         fontweight="bold" if bold else "normal")
         low = min(values + ([floor] if floor else []))
         ax.set_xscale("log")
-        ax.set_xlim(low / 2, max(values) * 12)                 # room for the labels at the bars' ends
+        ax.set_xlim(low / 2, max(values) * 25)                 # room for the labels at the bars' ends
         if floor:
             ax.axvline(floor, color="black", lw=1.2, ls="--", zorder=0.5)
             ax.annotate(f"floor {_ms(floor)} ms: {why}", (floor, -0.75), xytext=(3, 0), textcoords="offset points",
-                        fontsize=7.5, va="center")
-        ax.set_xlabel(label)
+                        fontsize=8.5, va="center")
+        ax.set_xlabel(label, fontsize=10)
         ax.grid(axis="x", which="major", alpha=0.3)
-    axes[0].set_yticks(list(ys), [_row_name(r) for r in rows], fontsize=8.5)
+    axes[0].set_yticks(list(ys), [_row_name(r) for r in rows], fontsize=9.5)
     axes[0].set_ylim(len(rows) - 0.5, -1.3)                     # first stage on top, room for the floor's label
     if highlight is not None:
         for tick, r in zip(axes[0].get_yticklabels(), rows):
@@ -371,7 +377,7 @@ def draw_journey(fig, res: Results, highlight: str | None = None):
                 tick.set_color(JOURNEY_HIGHLIGHT)
     what = f"Where {highlight} stands in the journey" if highlight else "The journey"
     fig.suptitle(f"{what}: {_title(res)}\nbars: ms; beside each, its multiple of the machine's floor (dashed)",
-                 fontsize=10.5)
+                 fontsize=11.5)
     note = _settings_note(res, rows)
     if f:
         note = (f"floor, decode: {f.decode_text()} | prompt: {f.ttft_text()} ({f.peak_name}, "
@@ -384,7 +390,7 @@ def draw_journey(fig, res: Results, highlight: str | None = None):
 def journey_chart(res: Results, path, highlight: str | None = None):
     """draw_journey into a PNG at `path`."""
     plt = _pyplot()
-    fig = plt.figure(figsize=(12, 0.32 * (len(res.stages) + len(res.baselines)) + 3.2))
+    fig = plt.figure(figsize=journey_size(len(res.stages) + len(res.baselines)))
     try:
         draw_journey(fig, res, highlight)
         fig.savefig(path, dpi=110)
@@ -681,9 +687,9 @@ def _fmt(x, digits=1):
 def results_table(res: Results) -> str:
     """The README's markdown table: one row per stage, llama.cpp last; "× floor": each time over this
     machine's floor for it (Floors), said under the table."""
-    head = ("| stage | TTFT (ms) | decode (ms/token) | tokens/s | decode vs naive | vs previous | TTFT × floor "
+    head = ("| stage | TTFT (ms) | decode (ms/token) | decode vs naive | vs previous | TTFT × floor "
             "| decode × floor | peak RSS (MiB) | prompt / generated |")
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     f = floors(res)
 
     def times(r, key):
@@ -696,7 +702,7 @@ def results_table(res: Results) -> str:
         threads = s.get("threads") or r.get("threads") or 1
         name = r["stage"] + (f" ({threads} threads)" if threads > 1 else "") + \
             (" (extrapolated)" if r.get("extrapolated") else "")
-        lines.append(f"| {name} | {_fmt(r['ttft_ms'])} | {_fmt(r['decode_ms'])} | {_fmt(r['tokens_per_s'])} "
+        lines.append(f"| {name} | {_fmt(r['ttft_ms'])} | {_fmt(r['decode_ms'])} "
                      f"| {_fmt(vs_naive) + 'x' if vs_naive else '-'} | {_fmt(vs_prev, 2) + 'x' if vs_prev else '-'} "
                      f"| {times(r, 'ttft_ms')} | {times(r, 'decode_ms')} "
                      f"| {_fmt(r.get('peak_rss_mb'), 0)} | {s.get('prompt_tokens', r['n_prompt'])} / "
@@ -704,11 +710,11 @@ def results_table(res: Results) -> str:
     for b in sorted(res.baselines, key=lambda b: b.get("threads") or 1):
         t = b.get("threads") or 1
         lines.append(f"| llama.cpp ({t} thread{'s' if t > 1 else ''}) | {_fmt(b['ttft_ms'])} | {_fmt(b['decode_ms'])} "
-                     f"| {_fmt(b['tokens_per_s'])} | - | - | {times(b, 'ttft_ms')} | {times(b, 'decode_ms')} "
+                     f"| - | - | {times(b, 'ttft_ms')} | {times(b, 'decode_ms')} "
                      f"| {_fmt(b.get('peak_rss_mb'), 0)} | {b['n_prompt']} / {b['n_generated']} |")
     for r in res.failed:
         v = r["validation"]
-        lines.append(f"| {r['stage']} | **failed validation** | - | - | - | - | - | - | - | max logit error "
+        lines.append(f"| {r['stage']} | **failed validation** | - | - | - | - | - | - | max logit error "
                      f"{_fmt(v['max_abs_diff'], 3)} > {v['tolerance']:g} |")
     if f:
         lines.append(f"\n_{floor_note(f)}_")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from app.report.charts import _ratio, draw_journey, floors
+from app.report.charts import _ratio, draw_journey, floors, journey_size
 from notebooks.nb.measure import recorded
 from notebooks.nb.plots import show
 from notebooks.nb.text import md
@@ -38,7 +38,7 @@ def journey(stage: str, results_root=None) -> str:
         return f"{stage}: no records to place it among the others (`make report` writes them)"
     res = rec.results
     here = stage in res.names
-    fig = plt.figure(figsize=(12, 0.32 * (len(res.stages) + len(res.baselines)) + 3.2))
+    fig = plt.figure(figsize=journey_size(len(res.stages) + len(res.baselines)))
     draw_journey(fig, res, stage if here else None)
     show(fig)
     md(rec.note)
