@@ -469,6 +469,25 @@ def test_every_chart_title_fits_and_names_the_machine(res, monkeypatch, tmp_path
     assert clipped_text(figs[0])
 
 
+@pytest.mark.parametrize("name", ["batching", "speculative"])
+def test_the_benchmark_charts_titles_fit_and_name_their_machine(monkeypatch, tmp_path, name):
+    """The load test's chart (profiles/batching.png) and speculative decoding's, drawn from their
+    committed records: the title fits and names the machine the record measured (which need not be
+    the results table's)."""
+    from app.report import speculative
+    from scripts.loadtest import draw
+    bench = Path(__file__).resolve().parent.parent / "profiles" / "bench"
+    rec = json.loads((bench / f"{name}.json").read_text())
+    figs = drawn_figures(monkeypatch)
+    if name == "batching":
+        draw(rec, tmp_path / "b.png", tmp_path / "b.md")
+    else:
+        speculative.chart(rec, tmp_path / "s.png")
+    (fig,) = figs
+    assert clipped_text(fig) == []
+    assert charts.machine_label(rec["machine"]) in fig._suptitle.get_text()
+
+
 def test_a_machine_is_named_by_its_design_not_only_its_brand():
     assert charts.machine_label({"cpu": "Intel(R) Xeon(R) Processor @ 2.60GHz", "physical_cores": 2,
                                  "simd": ["avx2", "avx512_vnni"]}) == "Intel Xeon (AVX-512 VNNI, 2 cores)"

@@ -2,6 +2,9 @@
 table, the generated pages and the lessons ledger from the JSON records.
 
     python -m app report [-m MODEL] [--stages naive,simd] [--draw-only] [--no-baseline]
+    python -m app report --draw-only        redraw the charts, tables, pages and the README's answer and
+                                            table from the committed records; measures nothing and
+                                            needs no model file (-m names whose records, --article too)
     python -m app report --article          the article's workload, every stage (see below)
     python -m app report --perplexity       also the perplexity comparison (perplexity.json)
 
