@@ -518,9 +518,9 @@ def test_the_compiled_stack_is_split_by_its_own_clock():
 
 
 def test_every_phase_of_the_layer_stack_has_a_name_and_a_group():
-    """The phases are named in layer_stack.PHASES' order (ttft.PHASE_NAMES: as many as
+    """The phases are named in layer_stack.PHASES' order (phases.PHASE_NAMES: as many as
     OPS_PER_LAYER) and each lands in a group of the chart."""
-    from app.measure.ttft import PHASE_NAMES
+    from app.measure.phases import PHASE_NAMES
     from stages.kernels.layer_stack import OPS_PER_LAYER
     assert len(PHASE_NAMES) == OPS_PER_LAYER
     assert set(charts.PHASE_GROUPS) == set(PHASE_NAMES)
@@ -534,7 +534,7 @@ def test_the_profile_keeps_the_phases_the_clock_counted():
     import numpy as np
 
     from app.measure import bench
-    from app.measure.ttft import PHASE_NAMES
+    from app.measure.phases import PHASE_NAMES
     rows = bench.with_phases([dict(STACK), {"op": "argmax", "total_ms": 1.0}], np.arange(len(PHASE_NAMES)) / 1e3)
     assert rows[0]["phases_ms"] == {n: pytest.approx(float(i)) for i, n in enumerate(PHASE_NAMES)}
     assert "phases_ms" not in rows[1]
@@ -581,7 +581,7 @@ def test_a_profiled_run_of_a_compiled_stack_keeps_its_phases(default_model_path,
     it inside the compiled stack's row; a stage whose calls keep no clock (tp's pieces, today) says
     so on the row instead of a split that would be made up."""
     from app.measure import bench
-    from app.measure.ttft import PHASE_NAMES
+    from app.measure.phases import PHASE_NAMES
     from stages import load
     engine = load(stage, default_model_path)
     stack = next(r for r in bench.profile_run(engine, stage, 8, 3) if r["op"] == "forward_layers")

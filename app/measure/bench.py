@@ -44,8 +44,8 @@ import numpy as np
 from app.measure import roofline
 from app.measure.counters import Counters, evict
 from app.measure.machine import machine_id, machine_info, rusage
+from app.measure.phases import PHASE_NAMES
 from app.measure.provenance import provenance
-from app.measure.ttft import PHASE_NAMES
 from app.models import resolve
 from common.generate import Generation, Sampler, generate
 from common.model import LlamaConfig, flops_per_token, n_params, prompt_matmul_ops
@@ -183,7 +183,7 @@ def profile_run(engine, stage: str, prompt_tokens: int, n_predict: int) -> list[
     """A separate, per-op profiled run (the timers slow it a little; figures come from measure):
     the stage's own profiler's rows (common/profile.py). Where the layer stack runs as one compiled
     call that keeps a clock per phase (the backend's phase_seconds), that call's row also carries
-    `phases_ms`: the run's time in each phase (ttft.PHASE_NAMES), which the per-op chart splits it by."""
+    `phases_ms`: the run's time in each phase (phases.PHASE_NAMES), which the per-op chart splits it by."""
     prompt = bench_prompt(engine.tokenizer, prompt_tokens)
     clock = getattr(engine.backend, "phase_seconds", None)
     before = None if clock is None else np.array(clock, dtype=np.float64)
@@ -200,7 +200,7 @@ def with_phases(rows: list[dict], seconds) -> list[dict]:
     order) from the seconds its clock counted per phase, or `phase_clock: False` where it counted
     none (a stage whose compiled calls keep no clock: the chart says so)."""
     if len(seconds) != len(PHASE_NAMES):
-        raise ValueError(f"the layer stack counted {len(seconds)} phases and app/measure/ttft.py names "
+        raise ValueError(f"the layer stack counted {len(seconds)} phases and app/measure/phases.py names "
                          f"{len(PHASE_NAMES)} (PHASE_NAMES): name them in layer_stack.PHASES' order")
     stack = next((r for r in rows if r["op"] in ("forward_layers", "forward_layers_batch")), None)
     if stack is None:

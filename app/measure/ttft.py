@@ -33,9 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
+from app.measure.phases import PHASE_NAMES
+
 BASELINES = {"llama.cpp": False, "llama.cpp+fa": True}        # engine -> flash attention
 DEFAULT_ENGINES = ("repack", "prefill", *BASELINES)
-PHASE_NAMES = ("norm_attn", "qkv", "attend", "merge", "wo", "norm_ffn", "gate_up", "round_f", "down")
 ATTENTION_PHASES = ("attend", "merge")
 ROOT = Path(__file__).resolve().parents[2]
 

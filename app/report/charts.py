@@ -418,7 +418,7 @@ COMPILED = ("forward_layers", "forward_layers_batch")     # the layer stack in o
 UNSPLIT = "layer stack, one compiled call (no clock per phase)"
 OTHER = "other ops"
 # The compiled stack's phases (stages/kernels/layer_stack.py's PHASES, named by
-# app/measure/ttft.PHASE_NAMES), each in the group its work belongs to. A norm phase also rounds
+# app/measure/phases.PHASE_NAMES), each in the group its work belongs to. A norm phase also rounds
 # its output for the next matmul and ROUND_F rounds f for W_down: the unfused int8 stage's matmuls
 # round their own input, so that time is the matmuls'. QKV ends with RoPE, GATE_UP with silu(gate) * up.
 PHASE_GROUPS = {"norm_attn": "norms", "qkv": "q, k, v matmuls", "attend": "attention (scores, softmax, sum)",
