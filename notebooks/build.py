@@ -222,11 +222,16 @@ def kernel_spec(folder: Path) -> str:
 
 def execute(source: Path, kernel: str, timeout: int = CELL_TIMEOUT_S):
     """The chapter built from its source and run top to bottom in a fresh kernel (from
-    notebooks/, as Jupyter runs it); figures inline, as a reader sees them."""
+    notebooks/, as Jupyter runs it); figures inline, as a reader sees them. A cell that raises
+    stops the run, its error kept as that cell's output."""
     from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
     nb = build(source)
-    NotebookClient(nb, kernel_name=kernel, timeout=timeout, record_timing=False,
-                   resources={"metadata": {"path": str(HERE)}}).execute()
+    try:
+        NotebookClient(nb, kernel_name=kernel, timeout=timeout, record_timing=False,
+                       resources={"metadata": {"path": str(HERE)}}).execute()
+    except CellExecutionError:
+        pass                                      # problems() names the cell and its error
     relative_paths(nb)
     return nb
 
@@ -243,25 +248,25 @@ def chosen(names: list[str]) -> dict[Path, Path]:
 
 
 def execute_for_the_book(names: list[str]) -> int:
+    """Execute the chosen chapters one after another (each measures: none beside another) and
+    write their notebooks; say how long each took and what keeps one from being the book's."""
     os.environ[BOOK_ENV] = "1"
     os.environ.pop("MPLBACKEND", None)           # the kernel's inline backend: charts become outputs
-    total, problems = time.perf_counter(), []
+    total, failed = time.perf_counter(), {}
     with tempfile.TemporaryDirectory() as jupyter_path:
         os.environ["JUPYTER_PATH"] = jupyter_path
         kernel = kernel_spec(Path(jupyter_path))
         for path, source in chosen(names).items():
             t0 = time.perf_counter()
             print(f"executing {source.stem} ...", flush=True)
-            nb = execute(source, kernel)
-            path.write_text(render(nb))
-            named = [f"{source.stem} cell {cid}: {MACHINE_PATH.search(t).group(0)}"
-                     for cid, t in output_texts(nb) if MACHINE_PATH.search(t)]
-            problems += named
+            path.write_text(render(execute(source, kernel)))
             print(f"  {path.name}: {time.perf_counter() - t0:.0f} s", flush=True)
+            if found := problems(path, source):
+                failed[source.stem] = found
     print(f"executed in {time.perf_counter() - total:.0f} s")
-    for p in problems:
-        print(f"error: an output names a path of this machine ({p}): show it with nb.rel()", file=sys.stderr)
-    return 1 if problems else 0
+    for name, found in failed.items():
+        print(f"error: {name} is not the book's execution:\n  " + "\n  ".join(found), file=sys.stderr)
+    return 1 if failed else 0
 
 
 # ---- the book --------------------------------------------------------------------------------

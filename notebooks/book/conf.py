@@ -61,7 +61,7 @@ templates_path = [str(CONF / "templates")]
 html_additional_pages = {"index": "redirect.html"}      # index.html opens the front page
 html_context = {"front_page": f"{root_doc}.html"}
 html_show_sourcelink = False
-html_copy_source = False
+html_sourcelink_suffix = ""            # the theme's "download source" gives the chapter's .ipynb, as committed
 
 CHAPTERS = [f"notebooks/{p.stem}" for p in chapters.sources()]
 OVERVIEW = "notebooks/README"
