@@ -145,6 +145,17 @@ book-execute: $(STAMP) $(MODEL_FILE)  ## execute the chapters at full settings a
 	$(PY) -m app compile
 	$(PY) notebooks/build.py --execute $(chapters)
 
+# ---- the course's exercises and experiments (exercises/README.md) --------------------------------
+.PHONY: exercise try-it
+ch  ?=
+exp ?=
+
+exercise: $(STAMP) $(MODEL_FILE)  ## check your solution of a chapter's exercise against the stage's code, then time it: make exercise ch=02
+	$(PY) -m exercises.check $(ch) $(args)
+
+try-it: $(STAMP) $(MODEL_FILE)  ## a chapter's experiments, each predicted then measured: make try-it ch=02 [exp=tile_k] (args=--quick)
+	$(PY) -m exercises.try_it $(ch) $(exp) $(args)
+
 setup-cuda: $(STAMP)  ## build and install PyCUDA for the cuda stage (needs an NVIDIA GPU, driver and nvcc)
 	PYTHON=$(PY) bash scripts/install_pycuda.sh
 

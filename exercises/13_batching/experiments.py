@@ -1,0 +1,49 @@
+"""Chapter 13's experiments (run: make try-it ch=13)."""
+
+from __future__ import annotations
+
+from exercises.harness import best_seconds, load_file
+from exercises.try_it import Experiment, engine
+
+check = load_file(__file__.replace("experiments", "check"))
+
+
+def batch_rows(quick):
+    from app.run import fastest_stage
+    stage = fastest_stage(serving=True)
+    model = engine(stage, n_ctx=160)
+    model.reset()
+    model.forward([5] * 64, 0, all_logits=False)                # a context to attend over
+    rows = []
+    for m in ((1, 8) if quick else (1, 2, 4, 8, 16, 32)):
+        s = best_seconds(lambda: model.forward([7] * m, 64, all_logits=False), 3 if quick else 9)
+        rows.append((f"{stage}: a pass of {m} row(s)", s * 1e3, "ms"))
+    model.reset()
+    rows.append((f"{rows[-1][0].split('of ')[1]} over 1 row", rows[-1][1] / rows[0][1], "x"))
+    return {"rows": rows, "note": "one sequence's rows stand in for a batch's: the same weights read once per pass"}
+
+
+def pool_pages(quick):
+    arrivals = check.traffic(13, 8 if quick else 32, (20, 60), (16, 48), 0)
+    worst = sum(-(-(p + t) // 16) for _, p, t in arrivals)
+    rows = []
+    for share in (1.0, 0.5, 0.25):
+        pages = max(int(worst * share), max(-(-(p + t) // 16) for _, p, t in arrivals))
+        log, _, _ = check.simulate(check.Scheduler, arrivals, pages)
+        pre = sum(len(p) for _, p, _ in log)
+        rows.append((f"{pages} pages ({share:.0%} of the worst case): steps", len(log), "steps"))
+        rows.append(("  preemptions", pre, ""))
+    return {"rows": rows, "note": f"{len(arrivals)} requests at once, 8 at a time, pages of 16 positions"}
+
+
+EXPERIMENTS = [
+    Experiment("batch_rows", "the rows of one forward pass: 1 to 32 (the batch of a server's step)",
+               "a decode step reads every weight once whatever the rows; while the rows stay under the ridge "
+               "point (peak FLOP/s over bandwidth, in multiply-adds per byte) a pass of 8 rows costs about "
+               "one of 1, so 8 users are served for the price of one; past it, each row adds its own time",
+               batch_rows, model=True),
+    Experiment("pool_pages", "--kv-pages: the page pool's size against the requests' worst case",
+               "with every worst case in the pool nobody is preempted; with half, sequences outgrow their "
+               "pages, the newest is preempted and recomputes its context: a few more steps; with a quarter, "
+               "fewer run at once and the steps climb towards serving them one by one", pool_pages),
+]
