@@ -179,3 +179,62 @@ def test_the_model_missing_is_named_with_its_make_target(monkeypatch, tmp_path):
             harness.engine("kv_cache")
     finally:
         harness.engine.cache_clear()
+
+
+# ---- the chapters and the README point to them ----------------------------------------------------------
+
+def chapter_source(chapter: str) -> Path:
+    return next((ROOT / "notebooks" / "src").glob(f"{chapter}_*.py"))
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def your_turn_problems(chapter: str, source: str) -> list[str]:
+    """What the chapter's closing "Your turn" lacks: it is the source's last section (no code cell
+    after it), names the starting file and the check's command, links the stage's code, and gives
+    every experiment's command with the prediction the experiment prints."""
+    from exercises import try_it
+    if "# ## Your turn" not in source:
+        return ["no '## Your turn' section"]
+    tail = source[source.index("# ## Your turn"):]
+    found = []
+    if any(line.startswith("# %%") and "[markdown]" not in line for line in tail.splitlines()):
+        found.append("a code cell after 'Your turn': it must close the chapter")
+    text = flat("\n".join(line[2:] if line.startswith("# ") else line.lstrip("#") for line in tail.splitlines()))
+    ex = check.exercise(chapter)
+    for want in (f"make exercise ch={chapter}", f"](../{ex.folder}/{ex.file})",
+                 f"](../{ex.reference_code.split(':')[0]})", "](../exercises/README.md)"):
+        if want not in text:
+            found.append(f"missing {want!r}")
+    for e in try_it.experiments(chapter)[1]:
+        if f"make try-it ch={chapter} exp={e.name}" not in text:
+            found.append(f"no command for the experiment {e.name}")
+        if flat(e.predict) not in text:
+            found.append(f"the experiment {e.name}'s prediction differs from what it prints")
+    return found
+
+
+@pytest.mark.parametrize("chapter", REQUIRED)
+def test_every_chapter_ends_with_its_exercise_and_experiments(chapter):
+    assert your_turn_problems(chapter, chapter_source(chapter).read_text()) == []
+
+
+def test_a_your_turn_section_missing_a_piece_is_caught():
+    source = chapter_source("02").read_text()
+    assert "no command for the experiment tile_k" in your_turn_problems("02", source.replace("exp=tile_k", "exp=x"))
+    assert "the experiment aliasing's prediction differs" in " ".join(
+        your_turn_problems("02", source.replace("puts every line in the same L1 set", "puts lines somewhere")))
+    assert any("code cell after" in p for p in your_turn_problems("02", source + "\n# %%\nx = 1\n"))
+    assert your_turn_problems("02", source.replace("# ## Your turn", "# ## Later")) == ["no '## Your turn' section"]
+
+
+def test_the_readme_lists_every_exercise():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Learn by doing"):]
+    section = section[:section.index("\n## ", 3)]
+    for ch in CHAPTERS:
+        ex = check.exercise(ch)
+        assert f"({ex.folder}/{ex.file})" in section, ch
+    assert "make exercise ch=NN" in section and "make try-it ch=NN" in section

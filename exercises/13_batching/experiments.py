@@ -42,7 +42,7 @@ EXPERIMENTS = [
                "point (peak FLOP/s over bandwidth, in multiply-adds per byte) a pass of 8 rows costs about "
                "one of 1, so 8 users are served for the price of one; past it, each row adds its own time",
                batch_rows, model=True),
-    Experiment("pool_pages", "--kv-pages: the page pool's size against the requests' worst case",
+    Experiment("pool_pages", "the page pool's size (the server's --kv-pages) against the requests' worst case",
                "with every worst case in the pool nobody is preempted; with half, sequences outgrow their "
                "pages, the newest is preempted and recomputes its context: a few more steps; with a quarter, "
                "fewer run at once and the steps climb towards serving them one by one", pool_pages),

@@ -249,3 +249,49 @@ findings["running total"] = nb.journey("tiling")
 
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: the blocked loop nest, partial tiles included.** The starting file,
+# [`exercises/02_tiling/tiled_matmul.py`](../exercises/02_tiling/tiled_matmul.py), holds the
+# function's signature and a docstring with the shapes, what to write and why, and the edges that
+# catch a first attempt. Edit it, then check it:
+#
+# ```
+# make exercise ch=02
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 02`). The check runs your code and the stage's own,
+# [`stages/tiling.py`](../stages/tiling.py) (`make_tiled_matmul`), on 8 seeded cases of awkward
+# shapes, holding yours to the stage's: within the bound two float32 sums of K products may honestly
+# differ by. It stops at the first case that differs and says which, where and by how much; once all
+# pass, it times yours beside the stage's and beside the naive stage's loop. `--solution reference`
+# runs the check on the stage's own code. Every chapter's exercise:
+# [`exercises/README.md`](../exercises/README.md).
+#
+# **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
+# chapter's model gives the one below. Each command prints the prediction, then the measurement, and
+# keeps both in `build/try_it/02_tiling.json` (your machine's figures, not committed). All of them:
+# `make try-it ch=02`.
+#
+# 1. **TILE_K, the tile's depth along the sum (stages/tiling.py; make_tiled_matmul(8, 64,
+# TILE_K)).**
+#    - *Predict:* a B tile is TILE_K x 64 floats: 4 KiB at 16, 16 KiB at 64, 64 KiB at 256,
+#      256 KiB at 1024. While the tile and 8 rows of A fit in L1 (32-48 KiB) the time barely
+#      moves; past it the column walk misses L1 again and the time rises towards the naive
+#      loop's.
+#    - *Measure:* `make try-it ch=02 exp=tile_k`
+#
+# 2. **B's width N, K fixed at 256: naive against tiled.**
+#    - *Predict:* the naive loop stays fast while B (K x N x 4 bytes) fits in L2 (1-2 MiB)
+#      and slows once it does not (it reads B again for each of the 8 rows); the tiled loop
+#      reads each tile once for 8 rows and holds its speed.
+#    - *Measure:* `make try-it ch=02 exp=b_width`
+#
+# 3. **B's row length: 4000, 4096 and 4160 bytes (the naive loop).**
+#    - *Predict:* a column walk with rows of exactly 4 KiB puts every line in the same L1 set
+#      (8-12 ways): it misses even when small; 4000 and 4160 bytes spread the lines over all
+#      sets and run faster.
+#    - *Measure:* `make try-it ch=02 exp=aliasing`
+

@@ -223,3 +223,42 @@ findings["running total"] = nb.journey("simd")
 
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: the packed inner loop: a 4 x 4 block of independent sums over the panels.**
+# The starting file, [`exercises/03_simd/panels.py`](../exercises/03_simd/panels.py), holds the
+# function's signature and a docstring with the shapes, what to write and why, and the edges that
+# catch a first attempt. Edit it, then check it:
+#
+# ```
+# make exercise ch=03
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 03`). The check runs your code and the stage's own,
+# [`stages/simd.py`](../stages/simd.py) (`matmul_panels`), on 8 seeded cases of awkward shapes,
+# holding yours to the stage's: within the bound two float32 sums of K products may honestly differ
+# by. It stops at the first case that differs and says which, where and by how much; once all pass,
+# it times yours beside the stage's and beside the tiling stage's loop. `--solution reference` runs
+# the check on the stage's own code. Every chapter's exercise:
+# [`exercises/README.md`](../exercises/README.md).
+#
+# **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
+# chapter's model gives the one below. Each command prints the prediction, then the measurement, and
+# keeps both in `build/try_it/03_simd.json` (your machine's figures, not committed). All of them:
+# `make try-it ch=03`.
+#
+# 1. **Fastmath on matmul_panels (stages/simd.py; the flags in stages/kernels/toolkit.py).**
+#    - *Predict:* without 'reassoc' LLVM may not split a sum across vector lanes: the 16 sums
+#      stay scalar, one lane of 8 or 16, so several times slower (up to the vector width: 8
+#      with AVX2, 16 with AVX-512), though the 16 independent chains still keep the FMA units
+#      busier than tiling's one.
+#    - *Measure:* `make try-it ch=03 exp=fastmath_off`
+#
+# 2. **The rows of A: 1 (a decode step), 4, 16 (a prompt).**
+#    - *Predict:* each weight loaded serves as many FMAs as there are rows in the block (up
+#      to 4): 1 row does a quarter of the work per load, so about a quarter of the GFLOP/s of 4
+#      rows or more.
+#    - *Measure:* `make try-it ch=03 exp=one_row`
+

@@ -179,3 +179,43 @@ findings["running total"] = nb.journey("threads")
 
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: the split of a matrix's rows across the cores.** The starting file,
+# [`exercises/07_threads/split_rows.py`](../exercises/07_threads/split_rows.py), holds the
+# function's signature and a docstring with the shapes, what to write and why, and the edges that
+# catch a first attempt. Edit it, then check it:
+#
+# ```
+# make exercise ch=07
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 07`). The check runs your code and the stage's own,
+# [`stages/kernels/threaded.py`](../stages/kernels/threaded.py) (`matvec_parallel`), on 6 seeded
+# cases of awkward shapes, holding yours to the stage's: bit for bit (a split never reorders the
+# additions inside one output). It stops at the first case that differs and says which, where and by
+# how much; once all pass, it times yours beside the stage's and beside the quantized stage's kernel
+# on one thread. `--solution reference` runs the check on the stage's own code. Every chapter's
+# exercise: [`exercises/README.md`](../exercises/README.md).
+#
+# **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
+# chapter's model gives the one below. Each command prints the prediction, then the measurement, and
+# keeps both in `build/try_it/07_threads.json` (your machine's figures, not committed). All of them:
+# `make try-it ch=07`.
+#
+# 1. **Threads: the decode product's rows split over 1 or all physical cores.**
+#    - *Predict:* two answers, and the measurement says which holds here: if one core already
+#      streams the blocks as fast as memory delivers them, a second core adds little; if one
+#      core's unpacking is slower than memory (the chapter's roofline: compare the GB/s of
+#      blocks with the machine's bandwidth), each core adds its unpacking, up to the bandwidth
+#      floor.
+#    - *Measure:* `make try-it ch=07 exp=kernel_threads`
+#
+# 2. **--threads N for the whole decode step (the threads stage, SmolLM2).**
+#    - *Predict:* less than the kernel's gain: SmolLM2's matrices are small (under a MiB
+#      each), so every matmul's fork and join, and Python between the ops, are a visible share
+#      of a step that threads do not shorten.
+#    - *Measure:* `make try-it ch=07 exp=model_threads` (runs the default model)
+
