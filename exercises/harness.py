@@ -223,15 +223,16 @@ def solution_for(ex: Exercise, which) -> tuple[SimpleNamespace, str]:
     return SimpleNamespace(**{n: getattr(module, n) for n in ex.names}), rel(path)
 
 
-def _raised(e: BaseException) -> str:
+def _raised(e: BaseException, origin: str = "") -> str:
+    """What an exception in the solution says to its author: where in their file it came from."""
     if isinstance(e, NotImplementedError):
         return (f"it raised NotImplementedError({str(e)!r}): the function is not written yet "
                 f"(the starting file raises this until you replace the `raise` with your code)")
     tb = traceback.extract_tb(e.__traceback__)
-    where = next((f"{rel(f.filename)}:{f.lineno}" for f in reversed(tb) if "exercises" in f.filename
-                  or "exercise_solutions" in f.filename), None)
+    theirs = [f for f in tb if origin and rel(f.filename) == origin]
+    where = f" (at {origin}:{theirs[-1].lineno}: {theirs[-1].line})" if theirs else ""
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"it raised {type(e).__name__}: {first}" + (f" (at {where})" if where else "")
+    return f"it raised {type(e).__name__}: {first}{where}"
 
 
 def run_check(ex: Exercise, which=None, time_it: bool = True, quick: bool = False, out=print) -> bool:
@@ -258,7 +259,7 @@ def run_check(ex: Exercise, which=None, time_it: bool = True, quick: bool = Fals
                 warnings.simplefilter("ignore", NumbaPerformanceWarning)
                 failure, note = ex.judge(sol, case)
         except Exception as e:
-            failure, note = _raised(e), ""
+            failure, note = _raised(e, origin), ""
         if failure:
             out(f"  FAIL  {case.name}")
             for line in failure.splitlines():

@@ -80,6 +80,17 @@ def test_the_starting_file_fails_with_the_learners_message(chapter, tmp_path):
     assert f"make exercise ch={chapter}" in text
 
 
+def test_the_learners_pytest_line_reports_the_check(tmp_path):
+    """exercises/test_yours.py, the pytest form of `make exercise`, on an unwritten file: it fails
+    with the check's report as its message."""
+    from exercises import test_yours
+    ex = check.exercise("02")
+    if committed(ex.starting_file, tmp_path) != ex.starting_file:
+        pytest.skip("exercises/02_tiling/tiled_matmul.py holds your solution (it differs from the committed file)")
+    with pytest.raises(pytest.fail.Exception, match="it raised NotImplementedError"):
+        test_yours.test_your_solution("02")
+
+
 # (file in tests/exercise_solutions, passes?, the case it fails at and a word of its message)
 OTHER_SOLUTIONS = [
     ("01_transposed_read.py", False, ("exactly one 8 x 64 x 64 tile", "> bound")),
