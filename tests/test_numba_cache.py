@@ -98,3 +98,43 @@ def test_an_entry_is_written_after_its_data(tmp_path, mode):
         assert entries(tmp_path)["A"] == "A" * 1000
     else:                                                             # numba's own order: index first
         assert p.returncode != 0 and "the entry was written before its data" in err, err[-2000:]
+
+
+# ---- the numba it was written against ------------------------------------------------------------
+
+def test_the_installed_numba_is_one_the_lock_was_checked_against():
+    """The save replaced and the methods it calls are numba's private code: a numba outside
+    NUMBA_VERSIONS, or whose methods differ from PRIVATE_API's fingerprints, fails here by name."""
+    import numba
+    from numba.core.caching import IndexDataCacheFile
+
+    from app.numba_cache import unverified
+    assert unverified(numba.__version__, IndexDataCacheFile) == []
+
+
+def test_requirements_pin_numba_to_the_checked_releases():
+    from app.numba_cache import NUMBA_VERSIONS
+    pins = [line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines()
+            if line.startswith("numba")]
+    assert pins == [NUMBA_VERSIONS], f"requirements.txt pins {pins}; app/numba_cache.py was checked against " \
+                                     f"{NUMBA_VERSIONS}"
+
+
+def test_an_unknown_numba_is_named():
+    """Planted: a release past the range, one before it, a method whose source changed and one gone."""
+    from numba.core.caching import IndexDataCacheFile
+
+    from app.numba_cache import unverified
+    assert "outside numba>=0.60,<0.69" in unverified("0.69.0", IndexDataCacheFile)[0]
+    assert "outside" in unverified("0.59.1", IndexDataCacheFile)[0]
+    assert unverified("0.68.1", IndexDataCacheFile) == unverified("0.60.0", IndexDataCacheFile) == []
+
+    class Changed(IndexDataCacheFile):
+        def _save_index(self, overloads):            # a release that writes the index another way
+            pass
+    assert [p.split(" changed")[0] for p in unverified("0.68.1", Changed)] == ["IndexDataCacheFile._save_index"]
+
+    class Gone(IndexDataCacheFile):
+        _data_name = None
+    assert unverified("0.68.1", Gone) == ["IndexDataCacheFile._data_name is gone: read numba's new caching.py "
+                                          "before moving the pin"]
