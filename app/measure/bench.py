@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from app import ROOT
 from app.measure import roofline
 from app.measure.counters import Counters, evict
 from app.measure.machine import machine_id, machine_info, rusage
@@ -52,7 +53,6 @@ from common.model import LlamaConfig, flops_per_token, n_params, prompt_matmul_o
 from stages import info, load, logit_tolerance
 from stages.registry import REPORT_PROMPT_TOKENS
 
-ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "profiles" / "results"
 BASELINE = "llama.cpp"
 # The fewest layers a stage too slow for the whole model runs before its time is extrapolated

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from app import ROOT
 from app.measure.bench import add_context, model_summary, results_dir
 from app.models import DEFAULT_MODEL, MODELS_DIR, resolve
 from common.gguf import BLOCK_SIZES, GGMLType, GGUFError, GGUFFile, GGUFWriter
@@ -43,7 +44,6 @@ from common.quants import QUANTIZE_TYPES, dequantize_tensor, quantize
 from common.tokenizer import Tokenizer
 from stages import REGISTRY, StageError, info, load, runnable_stages
 
-ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TEXT = ROOT / "tests" / "fixtures" / "text" / "alice-in-wonderland-ch1-4.txt"
 DEFAULT_CTX = 512
 REQUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")

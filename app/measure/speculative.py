@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from app import ROOT
 from app.measure import roofline
 from app.measure.machine import machine_id
 from common import speculative as sp
@@ -29,7 +30,7 @@ from common.generate import Sampler, generate
 from common.model import flops_per_token
 
 PROMPTS_FILE = Path(__file__).with_name("speculative_prompts.json")
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "profiles" / "results"
+RESULTS_DIR = ROOT / "profiles" / "results"
 OURS, OURS_LOOKUP, LLAMA, LLAMA_LOOKUP = "ours", "ours, lookup", "llama.cpp", "llama.cpp, lookup"
 ENGINES = (OURS, OURS_LOOKUP, LLAMA, LLAMA_LOOKUP)
 

@@ -29,16 +29,15 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
+from app import ROOT
 from app.measure.phases import PHASE_NAMES
 
 BASELINES = {"llama.cpp": False, "llama.cpp+fa": True}        # engine -> flash attention
 DEFAULT_ENGINES = ("repack", "prefill", *BASELINES)
 ATTENTION_PHASES = ("attend", "merge")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _prompt(tokenizer, n):

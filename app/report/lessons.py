@@ -29,12 +29,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from app import ROOT
 from app.measure.machine import machine_id
 from app.measure.provenance import describe
 from app.models import DEFAULT_MODEL, MODELS
 from app.report.charts import Results, load_results
 
-ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "profiles" / "results"
 LARGER, SMALLER = "same direction, larger", "same direction, smaller"
 VERDICTS = ("reproduced", LARGER, SMALLER, "reversed", "not measured here")

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from app import ROOT
 from app.measure import compare, constrain_bench, kernel_bench, prefetch_bench, tp_bench, ttft
 from app.report import speculative
 
-ROOT = Path(__file__).resolve().parents[2]
 PAGES = {"comparison": compare.page, "kernels": kernel_bench.page, "speculative": speculative.page,
          "tp": tp_bench.page, "ttft_sweep": ttft.page, "constrain": constrain_bench.page,
          "prefetch": prefetch_bench.page}

@@ -54,6 +54,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from app import ROOT
 from app.compile import compile_all, in_compile_order
 from app.measure import perplexity, roofline
 from app.measure.baseline import llama_cpp_version
@@ -69,7 +70,6 @@ from common.model import LlamaConfig, n_params
 from stages import STAGES, info, runnable_stages, unavailable_reason
 from stages.registry import REPORT_PROMPT_TOKENS, Tokens
 
-ROOT = Path(__file__).resolve().parents[2]
 PROFILES = ROOT / "profiles"
 
 
