@@ -215,7 +215,8 @@ def your_turn_problems(chapter: str, source: str) -> list[str]:
         found.append("a code cell after 'Your turn': it must close the chapter")
     text = flat("\n".join(line[2:] if line.startswith("# ") else line.lstrip("#") for line in tail.splitlines()))
     ex = check.exercise(chapter)
-    for want in (f"make exercise ch={chapter}", f"](../{ex.folder}/{ex.file})",
+    for want in (f"make exercise ch={chapter}", f"pytest exercises/test_yours.py -k {chapter}",
+                 f"](../{ex.folder}/{ex.file})",
                  f"](../{ex.reference_code.split(':')[0]})", "](../exercises/README.md)"):
         if want not in text:
             found.append(f"missing {want!r}")

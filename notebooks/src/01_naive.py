@@ -225,7 +225,8 @@ findings.show()
 # make exercise ch=01
 # ```
 #
-# (or `.venv/bin/python -m exercises.check 01`). The check runs your code and the stage's own,
+# (or `.venv/bin/python -m exercises.check 01`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 01`). The check runs your code and the stage's own,
 # [`stages/naive.py`](../stages/naive.py) (`matmul_textbook`), on 8 seeded cases of awkward shapes,
 # holding yours to the stage's: within the bound two float32 sums of K products may honestly differ
 # by (K and the products' magnitudes set it). It stops at the first case that differs and says

@@ -236,7 +236,8 @@ findings.show()
 # make exercise ch=03
 # ```
 #
-# (or `.venv/bin/python -m exercises.check 03`). The check runs your code and the stage's own,
+# (or `.venv/bin/python -m exercises.check 03`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 03`). The check runs your code and the stage's own,
 # [`stages/simd.py`](../stages/simd.py) (`matmul_panels`), on 8 seeded cases of awkward shapes,
 # holding yours to the stage's: within the bound two float32 sums of K products may honestly differ
 # by. It stops at the first case that differs and says which, where and by how much; once all pass,

@@ -158,7 +158,8 @@ findings.show()
 # make exercise ch=04
 # ```
 #
-# (or `.venv/bin/python -m exercises.check 04`). The check runs your code and the stage's own,
+# (or `.venv/bin/python -m exercises.check 04`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 04`). The check runs your code and the stage's own,
 # [`stages/kv_cache.py`](../stages/kv_cache.py) (`KVCache.store`) and
 # [`common/backend.py`](../common/backend.py) (`Backend.attention`), on 4 seeded cases of awkward
 # shapes, holding yours to the stage's: the arena equal value for value after every piece of a

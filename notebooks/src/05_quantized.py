@@ -240,7 +240,8 @@ findings.show()
 # make exercise ch=05
 # ```
 #
-# (or `.venv/bin/python -m exercises.check 05`). The check runs your code and the stage's own,
+# (or `.venv/bin/python -m exercises.check 05`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 05`). The check runs your code and the stage's own,
 # [`stages/kernels/dequant_dot.py`](../stages/kernels/dequant_dot.py) (`matvec_q4_1`), on 7 seeded
 # cases of awkward shapes, holding yours to the stage's: within the bound two float32 sums of the
 # decoded products may differ by. It stops at the first case that differs and says which, where and

@@ -192,7 +192,8 @@ findings.show()
 # make exercise ch=07
 # ```
 #
-# (or `.venv/bin/python -m exercises.check 07`). The check runs your code and the stage's own,
+# (or `.venv/bin/python -m exercises.check 07`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 07`). The check runs your code and the stage's own,
 # [`stages/kernels/threaded.py`](../stages/kernels/threaded.py) (`matvec_parallel`), on 6 seeded
 # cases of awkward shapes, holding yours to the stage's: bit for bit (a split never reorders the
 # additions inside one output). It stops at the first case that differs and says which, where and by

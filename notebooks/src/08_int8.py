@@ -199,7 +199,8 @@ findings.show()
 # make exercise ch=08
 # ```
 #
-# (or `.venv/bin/python -m exercises.check 08`). The check runs your code and the stage's own,
+# (or `.venv/bin/python -m exercises.check 08`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 08`). The check runs your code and the stage's own,
 # [`stages/kernels/q8.py`](../stages/kernels/q8.py) (`quantize_row_32`), on 8 seeded cases of
 # awkward shapes, holding yours to the stage's: bit for bit, every integer and every scale. It stops
 # at the first case that differs and says which, where and by how much; once all pass, it times

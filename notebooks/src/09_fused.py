@@ -277,7 +277,8 @@ findings.show()
 # make exercise ch=09
 # ```
 #
-# (or `.venv/bin/python -m exercises.check 09`). The check runs your code and the stage's own,
+# (or `.venv/bin/python -m exercises.check 09`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 09`). The check runs your code and the stage's own,
 # [`stages/kernels/sync.py`](../stages/kernels/sync.py) (`barrier`), on 4 seeded cases of awkward
 # shapes, holding yours to the stage's: no thread may pass it before all have arrived, over
 # thousands of rounds of a parallel region (run in a process of its own with a time limit: a barrier

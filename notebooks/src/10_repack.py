@@ -226,7 +226,8 @@ findings.show()
 # make exercise ch=10
 # ```
 #
-# (or `.venv/bin/python -m exercises.check 10`). The check runs your code and the stage's own,
+# (or `.venv/bin/python -m exercises.check 10`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 10`). The check runs your code and the stage's own,
 # [`stages/kernels/repacked.py`](../stages/kernels/repacked.py) (`repack`), on 6 seeded cases of
 # awkward shapes, holding yours to the stage's: byte for byte (a wrong byte is named by its group,
 # block, field and row). It stops at the first case that differs and says which, where and by how

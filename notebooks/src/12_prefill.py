@@ -193,7 +193,8 @@ findings.show()
 # make exercise ch=12
 # ```
 #
-# (or `.venv/bin/python -m exercises.check 12`). The check runs your code and the stage's own,
+# (or `.venv/bin/python -m exercises.check 12`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 12`). The check runs your code and the stage's own,
 # [`stages/kernels/tiled_attention.py`](../stages/kernels/tiled_attention.py) (`attend_rows`) and
 # [`finish_rows (attend_block, merge_state)`](../finish_rows (attend_block, merge_state)), on 7
 # seeded cases of awkward shapes, holding yours to the stage's: within the bound two float32

@@ -215,7 +215,8 @@ findings.show()
 # make exercise ch=14
 # ```
 #
-# (or `.venv/bin/python -m exercises.check 14`). The check runs your code and the stage's own,
+# (or `.venv/bin/python -m exercises.check 14`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 14`). The check runs your code and the stage's own,
 # [`common/speculative.py`](../common/speculative.py) (`accept`), on 8 seeded cases of awkward
 # shapes, holding yours to the stage's: greedy choices token for token, sampled ones by their
 # distribution over thousands of seeded draws (the stage's rule beside yours). It stops at the first
