@@ -196,7 +196,7 @@ findings.show()
 # (or `.venv/bin/python -m exercises.check 12`, or as a test: `.venv/bin/python -m pytest
 # exercises/test_yours.py -k 12`). The check runs your code and the stage's own,
 # [`stages/kernels/tiled_attention.py`](../stages/kernels/tiled_attention.py) (`attend_rows`) and
-# [`finish_rows (attend_block, merge_state)`](../finish_rows (attend_block, merge_state)), on 7
+# `finish_rows` (with `attend_block` and `merge_state`, in the same file), on 7
 # seeded cases of awkward shapes, holding yours to the stage's: within the bound two float32
 # attentions may differ by. It stops at the first case that differs and says which, where and by how
 # much; once all pass, it times yours beside the stage's and beside the repack stage's attention,
