@@ -96,7 +96,7 @@ class Prefill(Exercise):
     folder = "exercises/12_prefill"
     file = "attention_tile.py"
     names = ("attend_tile",)
-    reference_code = "stages/kernels/tiled_attention.py: attend_rows + finish_rows (attend_block, merge_state)"
+    reference_code = "stages/kernels/tiled_attention.py: attend_rows, finish_rows (attend_block, merge_state)"
 
     def reference(self):
         return SimpleNamespace(attend_tile=stage_attend_tile)

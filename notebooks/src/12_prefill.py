@@ -195,13 +195,12 @@ findings.show()
 #
 # (or `.venv/bin/python -m exercises.check 12`, or as a test: `.venv/bin/python -m pytest
 # exercises/test_yours.py -k 12`). The check runs your code and the stage's own,
-# [`stages/kernels/tiled_attention.py`](../stages/kernels/tiled_attention.py) (`attend_rows`) and
-# `finish_rows` (with `attend_block` and `merge_state`, in the same file), on 7
-# seeded cases of awkward shapes, holding yours to the stage's: within the bound two float32
-# attentions may differ by. It stops at the first case that differs and says which, where and by how
-# much; once all pass, it times yours beside the stage's and beside the repack stage's attention,
-# one row and one head at a time. `--solution reference` runs the check on the stage's own code.
-# Every chapter's exercise: [`exercises/README.md`](../exercises/README.md).
+# [`stages/kernels/tiled_attention.py`](../stages/kernels/tiled_attention.py) (`attend_rows,
+# finish_rows`), on 7 seeded cases of awkward shapes, holding yours to the stage's: within the bound
+# two float32 attentions may differ by. It stops at the first case that differs and says which,
+# where and by how much; once all pass, it times yours beside the stage's and beside the repack
+# stage's attention, one row and one head at a time. `--solution reference` runs the check on the
+# stage's own code. Every chapter's exercise: [`exercises/README.md`](../exercises/README.md).
 #
 # **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
 # chapter's model gives the one below. Each command prints the prediction, then the measurement, and
