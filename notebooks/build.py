@@ -141,17 +141,19 @@ def problems(path: Path, source: Path, root: Path = ROOT) -> list[str]:
         return [f"stale: its cells differ from its source, notebooks/src/{source.name}; "
                 f"`make book-execute chapters={num}` writes and executes it for the book"]
     nb = json.loads(path.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    raised = [f"cell {c.get('id')} raised {out.get('ename')}: {out.get('evalue')}"
+              for c in code for out in c.get("outputs", []) if out.get("output_type") == "error"]
     p = book_provenance(nb)
     if p is None:
-        return [f"not executed: the page shows its text and code without outputs; `make book-execute "
-                f"chapters={num}` executes it for the book (`make notebooks` runs it on your machine)"]
-    found = []
+        return raised or [f"not executed: the page shows its text and code without outputs; `make book-execute "
+                          f"chapters={num}` executes it for the book (`make notebooks` runs it on your machine)"]
+    found = list(raised)
     if not p.get("for_the_book") or p.get("settings") != "full":
         found.append(f"not the book's execution: its outputs come from a run at {p.get('settings')} settings "
                      f"{'for the book' if p.get('for_the_book') else 'outside `make book-execute`'}")
     if not (root / "profiles" / "results" / str(p.get("machine"))).is_dir():
         found.append(f"executed on {p.get('machine')}, a machine with no records in profiles/results/")
-    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     counts = [c.get("execution_count") for c in code]
     if counts != list(range(1, len(counts) + 1)):
         found.append(f"its outputs are not one run from the top (execution counts {counts})")
@@ -159,10 +161,6 @@ def problems(path: Path, source: Path, root: Path = ROOT) -> list[str]:
                if "text/html" in out.get("data", {})]
     if not any(p.get("machine", "?") in t and (p.get("commit") or "?")[:7] in t for t in caption):
         found.append("its first output does not name the machine and the commit its provenance holds")
-    for cell in code:
-        for out in cell.get("outputs", []):
-            if out.get("output_type") == "error":
-                found.append(f"cell {cell.get('id')} raised {out.get('ename')}: {out.get('evalue')}")
     found += [f"cell {cid} names a path of the machine that ran it ({m.group(0)}): show it with nb.rel()"
               for cid, t in output_texts(nb) for m in [MACHINE_PATH.search(t)] if m]
     return found
@@ -180,7 +178,7 @@ def output_texts(nb):
         for out in cell.get("outputs", []):
             texts = [out.get("text", "")] + [v for k, v in out.get("data", {}).items()
                                              if k.startswith("text/") or k == "application/json"]
-            texts += out.get("traceback", [])
+            texts += out.get("traceback", []) + [out.get("evalue", "")]
             for t in texts:
                 yield cell.get("id"), t if isinstance(t, str) else json.dumps(t) if isinstance(t, dict) else "".join(t)
 
@@ -200,7 +198,7 @@ def relative_paths(nb, root: Path = ROOT):
         return value
     for cell in nb.cells:
         for out in cell.get("outputs", []):
-            for key in ("text", "traceback"):
+            for key in ("text", "traceback", "evalue"):
                 if key in out:
                     out[key] = fix(out[key])
             if "data" in out:

@@ -1,6 +1,6 @@
 """The book: the README as its front page, the chapters' overview (notebooks/README.md), one page per
-chapter and the pages of the records the README links (profiles/). Sphinx with myst-nb (the stack
-Jupyter Book 1 is built on) and the Jupyter Book theme.
+chapter, the exercises (exercises/README.md) and the pages of the records the README links
+(profiles/). Sphinx with myst-nb (the stack Jupyter Book 1 is built on) and the Jupyter Book theme.
 
     make book        # build/book/html/index.html; reads what is committed, executes nothing
 
@@ -36,7 +36,7 @@ project = "Why is an LLM slow?"
 html_title = project
 extensions = ["myst_nb"]
 root_doc = "README"
-include_patterns = ["README.md", "notebooks/README.md", "notebooks/[0-9][0-9]_*.ipynb",
+include_patterns = ["README.md", "notebooks/README.md", "notebooks/[0-9][0-9]_*.ipynb", "exercises/README.md",
                     "profiles/*.md", "profiles/**/*.md"]
 exclude_patterns = [".venv", ".git", ".numba_cache*", "models", "build", "**/.ipynb_checkpoints", "tests",
                     "notebooks/src", "notebooks/nb", "notebooks/book"]
@@ -65,6 +65,7 @@ html_sourcelink_suffix = ""            # the theme's "download source" gives the
 
 CHAPTERS = [f"notebooks/{p.stem}" for p in chapters.sources()]
 OVERVIEW = "notebooks/README"
+EXERCISES = "exercises/README"
 
 # A Markdown link [label](target) to a folder of the repository: the book has no page for a folder.
 LINK = re.compile(r"(?<!!)\[([^\]]+)\]\(([^)\s]+)\)")
@@ -85,8 +86,8 @@ def folder_links_as_text(docname: str, text: str) -> str:
 
 
 def front_page(text: str) -> str:
-    """The README with the book's menu: the chapters' overview, then every chapter."""
-    toc = "\n".join([OVERVIEW, *CHAPTERS])
+    """The README with the book's menu: the chapters' overview, every chapter, the exercises."""
+    toc = "\n".join([OVERVIEW, *CHAPTERS, *([EXERCISES] if (ROOT / f"{EXERCISES}.md").exists() else [])])
     return text + f"\n\n```{{toctree}}\n:hidden:\n:caption: The course\n\n{toc}\n```\n"
 
 
