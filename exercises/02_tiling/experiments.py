@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from app.measure.roofline import cache_bytes
+from common.cpu import cache_sizes
 from exercises.harness import best_seconds
 from exercises.try_it import Experiment
 from stages.naive import matmul_textbook
@@ -12,7 +12,7 @@ from stages.tiling import TILE_I, TILE_J, make_tiled_matmul
 
 
 def l1_bytes() -> int:
-    return cache_bytes().get("L1d", 32 * 1024)
+    return cache_sizes()["L1d"]
 
 
 def tile_k(quick):
@@ -41,7 +41,7 @@ def b_width(quick):
             s = best_seconds(lambda: fn(A, B), 2 if quick else 4)
             rows.append((f"{name}, B {K * N * 4 / 2**20:.2f} MiB", flops / s / 1e9, "GFLOP/s"))
     return {"rows": rows, "note": f"the naive loop reads all of B per row of A: cheap while B sits in L2 "
-                                  f"(here {cache_bytes().get('L2', 0) / 2**20:.1f} MiB)"}
+                                  f"(here {cache_sizes()['L2'] / 2**20:.1f} MiB)"}
 
 
 def aliasing(quick):
@@ -58,13 +58,16 @@ def aliasing(quick):
 
 EXPERIMENTS = [
     Experiment("tile_k", "TILE_K, the tile's depth along the sum (stages/tiling.py; make_tiled_matmul(8, 64, TILE_K))",
-               "a B tile is TILE_K x 64 floats: 4 KiB at 16, 16 KiB at 64, 64 KiB at 256, 256 KiB at 1024. "
-               "While the tile and 8 rows of A fit in L1 (32-48 KiB) the time barely moves; past it the "
-               "column walk misses L1 again and the time rises towards the naive loop's", tile_k),
+               "inside a tile each column walk touches TILE_K cache lines of B (64 bytes each), which the next "
+               "column reuses if they are still in L1: 1 KiB at 16, 4 KiB at 64, 16 KiB at 256, and at 1024 "
+               "(capped by K = 576) 36 KiB. The time barely moves while that fits L1d (32-48 KiB) and jumps "
+               "once it does not: every column walk then misses L1 again", tile_k),
     Experiment("b_width", "B's width N, K fixed at 256: naive against tiled",
                "the naive loop stays fast while B (K x N x 4 bytes) fits in L2 (1-2 MiB) and slows once it "
-               "does not (it reads B again for each of the 8 rows); the tiled loop reads each tile once for "
-               "8 rows and holds its speed", b_width),
+               "does not (it reads B again for each of the 8 rows). If the tiled loop holds its speed there, "
+               "L2 was the whole story; if it slows as much, something else grows with N: a column walk "
+               "steps N x 4 bytes at a time, a new 4 KiB page every step once N passes 1024, and 256 pages a "
+               "walk outrun the TLB that translates their addresses", b_width),
     Experiment("aliasing", "B's row length: 4000, 4096 and 4160 bytes (the naive loop)",
                "a column walk with rows of exactly 4 KiB puts every line in the same L1 set (8-12 ways): it "
                "misses even when small; 4000 and 4160 bytes spread the lines over all sets and run faster",

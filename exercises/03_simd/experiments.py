@@ -24,7 +24,7 @@ def fastmath_off(quick):
     return {"rows": [("fastmath {reassoc, contract, nsz} (the stage)", flops / on / 1e9, "GFLOP/s"),
                      ("fastmath off", flops / off / 1e9, "GFLOP/s"),
                      ("on over off", off / on, "x")],
-            "note": "`make try-it ch=03` then look for vfmadd...ps in the chapter's assembly cell"}
+            "note": "the chapter's assembly cell shows the packed vfmadd...ps the flag allows"}
 
 
 def one_row(quick):
@@ -47,6 +47,7 @@ EXPERIMENTS = [
                fastmath_off),
     Experiment("one_row", "the rows of A: 1 (a decode step), 4, 16 (a prompt)",
                "each weight loaded serves as many FMAs as there are rows in the block (up to 4): 1 row does "
-               "a quarter of the work per load, so about a quarter of the GFLOP/s of 4 rows or more",
+               "a quarter of the work per load, so well under half the GFLOP/s of 4 rows (not a full quarter: "
+               "x's loads and the stores are fewer too); 16 rows about as fast as 4",
                one_row),
 ]

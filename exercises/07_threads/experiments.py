@@ -35,7 +35,7 @@ def model_threads(quick):
         model.backend.threads = nt
         rows.append((f"threads stage, decode step, {nt} thread(s)", step_ms(model, 32, 3 if quick else 9), "ms"))
     model.backend.threads = n
-    return {"rows": rows, "note": "python -m app run --stage threads --threads 1 shows the same"}
+    return {"rows": rows, "note": "`python -m app run --stage threads --threads 1` runs a whole generation so"}
 
 
 EXPERIMENTS = [

@@ -278,16 +278,18 @@ findings.show()
 #
 # 1. **TILE_K, the tile's depth along the sum (stages/tiling.py; make_tiled_matmul(8, 64,
 # TILE_K)).**
-#    - *Predict:* a B tile is TILE_K x 64 floats: 4 KiB at 16, 16 KiB at 64, 64 KiB at 256,
-#      256 KiB at 1024. While the tile and 8 rows of A fit in L1 (32-48 KiB) the time barely
-#      moves; past it the column walk misses L1 again and the time rises towards the naive
-#      loop's.
+#    - *Predict:* inside a tile each column walk touches TILE_K cache lines of B (64 bytes
+#      each), which the next column reuses if they are still in L1: 1 KiB at 16, 4 KiB at 64,
+#      16 KiB at 256, and at 1024 (capped by K = 576) 36 KiB. The time barely moves while that
+#      fits L1d (32-48 KiB) and jumps once it does not: every column walk then misses L1 again.
 #    - *Measure:* `make try-it ch=02 exp=tile_k`
 #
 # 2. **B's width N, K fixed at 256: naive against tiled.**
 #    - *Predict:* the naive loop stays fast while B (K x N x 4 bytes) fits in L2 (1-2 MiB)
-#      and slows once it does not (it reads B again for each of the 8 rows); the tiled loop
-#      reads each tile once for 8 rows and holds its speed.
+#      and slows once it does not (it reads B again for each of the 8 rows). If the tiled loop
+#      holds its speed there, L2 was the whole story; if it slows as much, something else grows
+#      with N: a column walk steps N x 4 bytes at a time, a new 4 KiB page every step once N
+#      passes 1024, and 256 pages a walk outrun the TLB that translates their addresses.
 #    - *Measure:* `make try-it ch=02 exp=b_width`
 #
 # 3. **B's row length: 4000, 4096 and 4160 bytes (the naive loop).**

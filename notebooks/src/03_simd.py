@@ -259,7 +259,8 @@ findings.show()
 #
 # 2. **The rows of A: 1 (a decode step), 4, 16 (a prompt).**
 #    - *Predict:* each weight loaded serves as many FMAs as there are rows in the block (up
-#      to 4): 1 row does a quarter of the work per load, so about a quarter of the GFLOP/s of 4
-#      rows or more.
+#      to 4): 1 row does a quarter of the work per load, so well under half the GFLOP/s of 4
+#      rows (not a full quarter: x's loads and the stores are fewer too); 16 rows about as fast
+#      as 4.
 #    - *Measure:* `make try-it ch=03 exp=one_row`
 

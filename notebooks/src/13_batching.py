@@ -364,9 +364,9 @@ findings.show()
 #    - *Measure:* `make try-it ch=13 exp=batch_rows` (runs the default model)
 #
 # 2. **The page pool's size (the server's --kv-pages) against the requests' worst case.**
-#    - *Predict:* with every worst case in the pool nobody is preempted; with half, sequences
-#      outgrow their pages, the newest is preempted and recomputes its context: a few more
-#      steps; with a quarter, fewer run at once and the steps climb towards serving them one by
-#      one.
+#    - *Predict:* pages are held only by the sequences running at once (8 here), so a pool
+#      with room for 8 worst cases serves as fast as one with room for all; below that fewer
+#      run at once, sequences outgrow their pages and the newest is preempted (its context
+#      computed again), and the steps climb towards serving one request at a time.
 #    - *Measure:* `make try-it ch=13 exp=pool_pages`
 
