@@ -170,10 +170,10 @@ serve: $(STAMP) $(MODEL_FILE)  ## OpenAI-compatible HTTP server, continuous batc
 	$(if $(np),$(MPIEXEC) -n $(np) $(if $(hosts),-f $(hosts)) )$(PY) -m app serve --stage $(stage) -m $(model) $(args)
 
 loadtest: $(STAMP) $(MODEL_FILE)  ## 1..32 concurrent clients against the server: profiles/batching.png [args="--llama-server auto"]
-	$(PY) scripts/loadtest.py --stage $(stage) -m $(model) $(if $(np),--np $(np)) $(args)
+	$(PY) -m app bench loadtest --stage $(stage) -m $(model) $(if $(np),--np $(np)) $(args)
 
 soak: $(STAMP) $(MODEL_FILE)  ## a few minutes of mixed traffic against the server: profiles/bench/soak.json [args="--seconds 180"]
-	$(PY) scripts/soak.py --stage $(stage) -m $(model) $(args)
+	$(PY) -m app bench soak --stage $(stage) -m $(model) $(args)
 
 # The page's test drives Debian's Chromium through its driver (selenium is in requirements-test.txt).
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)

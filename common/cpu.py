@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 from pathlib import Path
 
 
@@ -89,14 +90,16 @@ def sysfs_caches() -> dict[str, str]:
     return out
 
 
-def cache_sizes() -> dict[str, int]:
-    """Bytes of each data cache level of the first core: {'L1d': .., 'L2': .., 'L3': ..} (L1d and
-    L2 per core; CACHE_FALLBACK where sysfs does not say)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    out = dict(CACHE_FALLBACK)
-    for name, size in sysfs_caches().items():
-        if size and not name.endswith("i"):
-            out[name] = int(size.rstrip("KMG")) * units.get(size[-1], 1)
+def cache_sizes(caches: dict[str, str] | None = None) -> dict[str, int]:
+    """Bytes of each data cache level: {'L1d': .., 'L2': .., 'L3': ..} (L1d and L2 per core), from
+    sizes as sysfs states them ('48K', '32768K', '1M'): `caches` (a record's machine["caches"]),
+    or this machine's first core's, CACHE_FALLBACK where sysfs does not say."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    out = dict(CACHE_FALLBACK) if caches is None else {}
+    for name, size in (sysfs_caches() if caches is None else caches).items():
+        m = re.fullmatch(r"(\d+)\s*([KMG]?)i?B?", str(size).strip())
+        if m and not name.endswith("i"):
+            out[name] = int(m.group(1)) * units[m.group(2)]
     return out
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from exercises.harness import Case, close, sum_bound, worst_ratio
 
-# SmolLM2's ffn_up weight: 576 inputs, 1536 outputs, at 16 prompt rows (scripts/tune_tiling.py's);
+# SmolLM2's ffn_up weight: 576 inputs, 1536 outputs, at 16 prompt rows (`python -m app bench tiling`'s);
 # --quick: a small stand-in
 TIMED = {"full": (16, 576, 1536), "quick": (4, 128, 256)}
 

@@ -580,7 +580,7 @@ def test_constrained_requests_in_one_batch_through_preemption(tok, ll, engine):
 # ---- the benchmark's page -------------------------------------------------------------------------
 
 def test_the_bench_page_is_drawn_from_its_record():
-    """scripts/bench_constrain.py's page from a made-up record: medians over rounds, ratios taken
+    """`python -m app bench constrain`'s page from a made-up record: medians over rounds, ratios taken
     within each round, the mask's share of the server's step."""
     from app.measure.constrain_bench import page
     b1 = [(6.0, 6.5), (8.0, 8.0), (7.0, 14.0)]                 # run: plain, constrained
@@ -592,7 +592,7 @@ def test_the_bench_page_is_drawn_from_its_record():
               for (a, b), (c, d), (e, f, g) in zip(b1, one, eight)]
     masks = {"batch1": {"mask_us": [30.0, 40.0, 50.0], "apply_us": [20.0, 20.0, 20.0]},
              "batch8": {"fill_us_per_row": [35.0, 45.0], "apply_us_per_row": [25.0, 25.0]}}
-    record = {"kind": "constrain", "command": "python scripts/bench_constrain.py", "n_vocab": 49152,
+    record = {"kind": "constrain", "command": "python -m app bench constrain", "n_vocab": 49152,
               "settings": {"stage": "repack", "threads": 2, "model": "m.gguf", "rounds": 3, "n_predict": 64},
               "machine": {"cpu": "a CPU", "physical_cores": 2}, "provenance": {"commit": "abc", "code_hash": "h"},
               "rounds": rounds, "masks": {"json schema": masks}, "texts": {"json schema": '{"a": 1}'}}

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from app.measure.protocol import write_record
 from app.report import charts
-from app.report.pages import PAGES, page_for, write_record
+from app.report.pages import DRAWINGS, draw, page_for
 from app.report.report import too_large
 from stages import STAGES
 
@@ -47,7 +48,7 @@ def _kind(record: Path):
     return rec.get("kind") if isinstance(rec, dict) else None
 
 
-PAGED = [r for r in sorted(BENCH.rglob("*.json")) if _kind(r) in PAGES]
+PAGED = [r for r in sorted(BENCH.rglob("*.json")) if _kind(r) in DRAWINGS]
 
 
 @pytest.mark.parametrize("record", PAGED, ids=lambda p: p.relative_to(BENCH).as_posix())
@@ -56,45 +57,24 @@ def test_generated_pages_match_their_records(record):
 
 
 def test_a_written_record_comes_back_as_its_own_page(tmp_path):
-    """write_record (the benchmark scripts' last step): the record as written, and the page returned is
-    the one drawn from it, in the folder beside it."""
+    """write_record with its drawing (every benchmark's last step): the record as written, and its
+    page the one drawn from it, beside it."""
     record = json.loads(next((ROOT / "profiles" / "bench" / "prefetch").glob("*.json")).read_text())
     path = tmp_path / "prefetch" / "m.json"
-    shown = write_record(record, path)
+    assert write_record(record, path, draw=draw) == [path, path.with_suffix(".md")]
     assert json.loads(path.read_text()) == record
-    assert shown == path.with_suffix(".md").read_text() == page_for(path)
-    assert record["command"] in shown
+    assert path.with_suffix(".md").read_text() == page_for(path)
+    assert record["command"] in page_for(path)
 
 
 def test_the_records_without_a_page_are_of_kinds_that_have_none():
-    """Only comparison and kernel records have a generated page; the others (the load test draws
-    its own, below) have none, and no page stands without its record."""
-    assert PAGED, "no comparison or kernel record under profiles/bench/"
+    """A record has a generated page exactly where its kind has a drawing (app/report/pages.py), the
+    load test's and the soak test's among them; no page stands without its record."""
+    assert {_kind(r) for r in PAGED} >= {"comparison", "kernels", "batching", "soak", "speculative_serve"}
     for record in sorted(BENCH.rglob("*.json")):
-        assert (page_for(record) is None) == (_kind(record) not in PAGES), record.name
+        assert (page_for(record) is None) == (_kind(record) not in DRAWINGS), record.name
     for page in sorted(BENCH.rglob("*.md")):
         assert page.with_suffix(".json").exists(), f"{page.relative_to(ROOT)} has no record beside it"
-
-
-@pytest.mark.parametrize("name", sorted(p.stem for p in BENCH.glob("batching*.json")))
-def test_the_load_test_table_is_drawn_from_its_record(tmp_path, name):
-    from scripts.loadtest import draw
-    draw(json.loads((BENCH / f"{name}.json").read_text()), tmp_path / f"{name}.png", tmp_path / f"{name}.md")
-    assert (tmp_path / f"{name}.md").read_text() == (BENCH / f"{name}.md").read_text(), \
-        f"redraw with `python scripts/loadtest.py --chart-only --out profiles/bench/{name}.json`"
-
-
-def test_the_spec_load_test_table_is_drawn_from_its_record(tmp_path):
-    """`scripts/loadtest.py --spec` records (profiles/bench/speculative_serve*.json), each beside
-    its table (until one is committed from a quiet machine there is none to check)."""
-    from scripts.loadtest import draw_spec
-    for record in sorted(BENCH.glob("speculative_serve*.json")):
-        copy = tmp_path / record.name
-        copy.write_text(record.read_text())
-        drawn = draw_spec(json.loads(record.read_text()), copy).read_text()
-        shown = drawn.replace(str(copy), record.relative_to(ROOT).as_posix())
-        assert shown == record.with_suffix(".md").read_text(), \
-            f"redraw with `python scripts/loadtest.py --spec --chart-only --out {record.relative_to(ROOT)}`"
 
 
 def committed_folder() -> str:

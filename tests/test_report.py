@@ -200,7 +200,7 @@ def test_extrapolation_is_linear_in_the_layers(default_model_path, monkeypatch):
     and 2 ms + 0.5 ms per layer a token: t(0) + L x (t(n) - t(0)) / n gives exactly the whole
     model's figures, from the layers layers_to_measure picks and none, and the engine is whole
     again afterwards. (Whether real timings extrapolate that well is a measurement:
-    scripts/bench_harness.py.)"""
+    `python -m app bench harness`.)"""
     import dataclasses
 
     from app.measure import bench
@@ -216,7 +216,7 @@ def test_extrapolation_is_linear_in_the_layers(default_model_path, monkeypatch):
     # how many layers layers_to_measure picks follows the last-level cache; pinned here to what
     # two layers' weights fill, whatever this machine's cache is (a large one picks every layer)
     layer_bytes = sum(engine.backend.weight_bytes(w) for w in vars(engine.layers[0]).values())
-    monkeypatch.setattr(bench.roofline, "cache_bytes", lambda: {"L3": 2 * layer_bytes})
+    monkeypatch.setattr(bench, "cache_sizes", lambda: {"L3": 2 * layer_bytes})
     assert bench.layers_to_measure(engine) == 4                         # twice the cache: 4 layers
     rec = bench.measure_extrapolated(engine, "tiling", 8, 3)
     e, n = rec["extrapolated"], len(engine.layers)
@@ -226,7 +226,7 @@ def test_extrapolation_is_linear_in_the_layers(default_model_path, monkeypatch):
     assert e["measured"]["0"]["ttft_ms"] == 10 and e["measured"][str(k)]["ttft_ms"] == 10 + 3 * k
     assert rec["ttft_ms"] == pytest.approx(10 + 3 * n) and rec["decode_ms"] == pytest.approx(2 + 0.5 * n)
     assert len(engine.layers) == n                                      # the engine is whole again
-    monkeypatch.setattr(bench.roofline, "cache_bytes", lambda: {"L3": 64 * n * layer_bytes})
+    monkeypatch.setattr(bench, "cache_sizes", lambda: {"L3": 64 * n * layer_bytes})
     assert bench.layers_to_measure(engine) == n                         # a cache larger than the model: all
 
 
@@ -235,7 +235,7 @@ def test_extrapolation_is_linear_in_the_layers(default_model_path, monkeypatch):
 def test_the_bandwidth_probe_sums_every_chunk_and_leaves_the_thread_count():
     """The probe's parallel sum is the serial one's (every chunk summed once), its figures are
     ordered (best >= median) and numba's thread count is what it was. How the GB/s on N threads
-    compare with one thread's is a measurement: scripts/bench_harness.py."""
+    compare with one thread's is a measurement: `python -m app bench harness`."""
     import numba
     import numpy as np
 
@@ -286,7 +286,8 @@ def test_naive_and_tiling_traffic_follows_their_loop_order():
     assert roofline.loop_order_bytes("simd", *big, rows=33, caches=caches) is None
     tiny_l2 = {"L2": 64 * 2**10, "L3": 2**20}                          # 2048 lines of one column walk overflow L2
     assert roofline.loop_order_bytes("naive", *big, rows=1, caches=tiny_l2) == 16 * 4 * 2048 * 5632
-    assert roofline.cache_bytes({"L1d": "48K", "L1i": "32K", "L2": "2048K", "L3": "32M"}) == \
+    from common.cpu import cache_sizes
+    assert cache_sizes({"L1d": "48K", "L1i": "32K", "L2": "2048K", "L3": "32M"}) == \
         {"L1d": 48 * 2**10, "L2": 2 * 2**20, "L3": 32 * 2**20}
 
 
@@ -474,13 +475,13 @@ def test_the_benchmark_charts_titles_fit_and_name_their_machine(monkeypatch, tmp
     """The load test's chart (profiles/batching.png) and speculative decoding's, drawn from their
     committed records: the title fits and names the machine the record measured (which need not be
     the results table's)."""
+    from app.measure import loadtest
     from app.report import speculative
-    from scripts.loadtest import draw
     bench = Path(__file__).resolve().parent.parent / "profiles" / "bench"
     rec = json.loads((bench / f"{name}.json").read_text())
     figs = drawn_figures(monkeypatch)
     if name == "batching":
-        draw(rec, tmp_path / "b.png", tmp_path / "b.md")
+        loadtest.chart(rec, tmp_path / "b.png")
     else:
         speculative.chart(rec, tmp_path / "s.png")
     (fig,) = figs

@@ -690,7 +690,7 @@ MODES = {"plain": (False, False), "add_special": (True, False), "parse_special":
 
 @functools.lru_cache(maxsize=None)
 def golden_cases() -> list[tuple[str, str, list[int]]]:
-    """llama.cpp's own ids for the default model's vocabulary (scripts/make_tokenizer_golden.py
+    """llama.cpp's own ids for the default model's vocabulary (scripts/goldens/make_tokenizer_golden.py
     made them with llama-cpp-python): (kind, text, ids)."""
     data = json.loads(GOLDEN.read_text(encoding="utf-8"))
     assert data["vocab"] == "smollm2"

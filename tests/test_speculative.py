@@ -784,7 +784,7 @@ def test_the_page_computes_medians_of_round_ratios_and_the_claims_verdict():
 
 
 def test_the_chart_is_drawn_from_the_record(tmp_path):
-    from scripts.bench_speculative import draw
+    from app.report.pages import draw
     record = tmp_path / "speculative.json"
     record.write_text(json.dumps(made_up_record(1.5)))
     md, png = draw(json.loads(record.read_text()), record)

@@ -1,7 +1,7 @@
 """Benchmark: dequantize every tensor of a GGUF model to float32 (what the naive..simd stages do
 at load), median of a few runs, per ggml type; gguf-py's dequantize timed alongside when installed.
 
-    python scripts/bench_dequantize.py [-m MODEL] [--runs 5] [--out profiles/bench/dequantize.json]
+    python -m app bench dequantize [-m MODEL] [--runs 5] [--out profiles/bench/dequantize.json]
 
 Single-threaded numpy. The first run also pays for page-faulting the mapped file in, so it is
 reported separately and left out of the median.
@@ -9,73 +9,14 @@ reported separately and left out of the median.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import statistics
-import sys
 import time
 from collections import defaultdict
-from datetime import datetime, timezone
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import app  # noqa: E402
-
-app.configure_numba()
-
-import numpy as np  # noqa: E402
-
-from app.measure.provenance import provenance  # noqa: E402
-from app.models import DEFAULT_MODEL, resolve  # noqa: E402
-from common.gguf import GGUFFile  # noqa: E402
-from common.quants import dequantize_tensor  # noqa: E402
-
-
-def machine() -> dict:
-    info = {"platform": platform.platform(), "machine": platform.machine(),
-            "logical_cores": os.cpu_count(), "cpu_model": platform.processor() or None}
-    try:
-        info["usable_cores"] = len(os.sched_getaffinity(0))
-    except AttributeError:
-        pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpuinfo = f.read()
-        for line in cpuinfo.splitlines():
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-        cores = {(b.split("physical id")[1].split("\n")[0], b.split("core id")[1].split("\n")[0])
-                 for b in cpuinfo.split("\n\n") if "core id" in b and "physical id" in b}
-        if cores:
-            info["physical_cores"] = len(cores)
-    except OSError:
-        pass
-    caches = {}
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        try:
-            level = (index / "level").read_text().strip()
-            kind = (index / "type").read_text().strip()
-            caches[f"L{level} {kind}"] = (index / "size").read_text().strip()
-        except OSError:
-            pass
-    if caches:
-        info["caches_cpu0"] = caches
-    return info
-
-
-def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-    v = {"python": platform.python_version(), "numpy": np.__version__}
-    for name in ("gguf", "numba"):
-        try:
-            v[name] = version(name)
-        except PackageNotFoundError:
-            v[name] = None
-    return v
+from app.measure.protocol import BENCH_DIR, add_options, header, load_average
+from app.models import resolve
+from common.gguf import GGUFFile
+from common.quants import dequantize_tensor
 
 
 def time_model(f: GGUFFile, dequantize) -> tuple[float, dict]:
@@ -116,14 +57,13 @@ def bench(f: GGUFFile, dequantize, runs: int) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("-m", "--model", default=DEFAULT_MODEL.name, help="model name or path (default: %(default)s)")
+def add_arguments(p):
+    add_options(p, out=BENCH_DIR / "dequantize.json")
     p.add_argument("--runs", type=int, default=5, help="timed runs after one warm-up run (default: %(default)s)")
     p.add_argument("--no-gguf-py", action="store_true", help="do not time gguf-py for comparison")
-    p.add_argument("--out", default=str(ROOT / "profiles" / "bench" / "dequantize.json"))
-    args = p.parse_args(argv)
 
+
+def records(args):
     path = resolve(args.model)
     with GGUFFile(path) as f:
         n_values = sum(t.n_elements for t in f.tensors.values())
@@ -141,22 +81,13 @@ def main(argv=None) -> int:
 
     out_bytes = n_values * 4
     record = {
-        "benchmark": "dequantize whole model to float32",
-        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "kind": "dequantize", "benchmark": "dequantize whole model to float32",
         "model": {"file": path.name, "size_bytes": path.stat().st_size, "values": n_values,
                   "type_mix": dict(mix)},
-        "threads": 1,
-        "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        "threads": 1, "load_average_1_5_15": load_average(),
         "ours": {**ours, "output_gb_per_s": round(out_bytes / ours["median_s"] / 1e9, 3)},
-        "gguf_py": reference,
-        "machine": machine(),
-        "versions": versions(),
-        "provenance": provenance(),
+        "gguf_py": reference, **header(command=args.command_line),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-
     print(f"{path.name}: {n_values / 1e6:.1f} M values -> {out_bytes / 2**20:.0f} MiB of float32")
     print(f"  common.quants: median {ours['median_s']:.3f} s over {args.runs} runs "
           f"(first run {ours['first_run_s']:.3f} s), {record['ours']['output_gb_per_s']:.2f} GB/s written")
@@ -165,11 +96,6 @@ def main(argv=None) -> int:
     if reference:
         print(f"  gguf-py:       median {reference['median_s']:.3f} s "
               f"({reference['median_s'] / ours['median_s']:.1f}x ours)")
-    print(f"  machine: {record['machine'].get('cpu_model')}, {record['machine'].get('logical_cores')} logical cores, "
+    print(f"  machine: {record['machine']['cpu']}, {record['machine']['logical_cpus']} logical cores, "
           f"load average {record['load_average_1_5_15']}")
-    print(f"  wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    yield args.out, record

@@ -1,6 +1,6 @@
 """How long does it take to open a GGUF model, and what does touching its weights cost?
 
-    .venv/bin/python scripts/bench_gguf.py [-m MODEL] [--runs 7] [--gguf-py-runs 3] [--out PATH]
+    python -m app bench gguf [-m MODEL] [--runs 7] [--gguf-py-runs 3] [--out PATH]
 
 For our reader (common.gguf.GGUFFile) and gguf-py's GGUFReader, in the same process:
 
@@ -21,29 +21,22 @@ profiles/bench/gguf_open.json (machine, versions, every figure) and are printed.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import mmap
 import os
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import app  # noqa: E402
-
-app.configure_numba()
-
-from app.measure.machine import machine_info, versions  # noqa: E402
-from app.measure.provenance import provenance  # noqa: E402
-from app.models import DEFAULT_MODEL  # noqa: E402
-from common.gguf import GGUFFile  # noqa: E402
+from app import ROOT
+from app.measure.machine import versions
+from app.measure.protocol import BENCH_DIR, add_options, header
+from app.models import resolve
+from common.generate import ParameterError
+from common.gguf import GGUFFile
 
 PAGE = 4096
 
@@ -126,16 +119,16 @@ def series(open_fn, views_fn, path: Path, runs: int) -> dict:
     return {"cold_ish": cold, "warm_median": med, "warm_runs": warm}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("-m", "--model", type=Path, default=DEFAULT_MODEL.path)
+def add_arguments(p):
+    add_options(p, out=BENCH_DIR / "gguf_open.json")
     p.add_argument("--runs", type=int, default=7, help="runs of our reader (first cold-ish, rest warm)")
     p.add_argument("--gguf-py-runs", type=int, default=3, help="runs of gguf-py (0 to skip; ~5 s each)")
-    p.add_argument("--out", type=Path, default=ROOT / "profiles" / "bench" / "gguf_open.json")
-    args = p.parse_args(argv)
+
+
+def records(args):
+    args.model = resolve(args.model)
     if not args.model.exists():
-        print(f"error: no model at {args.model}: run `make model`", file=sys.stderr)
-        return 2
+        raise ParameterError(f"no model at {args.model}: run `make model`")
 
     ours = series(ours_open, ours_views, args.model, args.runs)
     map_s = statistics.median(map_only(args.model) for _ in range(max(1, args.runs)))
@@ -146,18 +139,14 @@ def main(argv=None) -> int:
                  "metadata_keys": len(g.metadata), "tensors": len(g.tensors),
                  "tensor_bytes": sum(t.nbytes for t in g.tensors.values())}
 
-    result = {"benchmark": "gguf_open", "model": model, "machine": machine_info(), "provenance": provenance(),
-              "versions": versions("numpy", "gguf"), "page_size": PAGE, "ours": ours}
+    result = {"kind": "gguf_open", "benchmark": "gguf_open", "model": model, "versions": versions("numpy", "gguf"),
+              "page_size": PAGE, "ours": ours, **header(command=args.command_line)}
     if args.gguf_py_runs > 0:
         theirs = series(gguf_py_open, gguf_py_views, args.model, args.gguf_py_runs)
         result["gguf_py"] = theirs
         if theirs["cold_ish"]["checksum"] != ours["cold_ish"]["checksum"]:
-            print("error: the two readers touched different bytes", file=sys.stderr)
-            return 1
+            raise RuntimeError("the two readers touched different bytes")
         result["open_speedup_warm"] = theirs["warm_median"]["open_s"] / ours["warm_median"]["open_s"]
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
 
     mi = result["machine"]
     print(f"{model['path']}: {model['file_size'] / 2**20:.1f} MiB, {model['tensors']} tensors, "
@@ -174,9 +163,4 @@ def main(argv=None) -> int:
     print(f"ours, warm: map {map_s * 1e3:.2f} ms + parse {ours['warm_median']['parse_s'] * 1e3:.1f} ms")
     if "open_speedup_warm" in result:
         print(f"gguf-py takes {result['open_speedup_warm']:.1f}x as long to open (warm medians)")
-    print(f"wrote {os.path.relpath(args.out, ROOT)}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    yield args.out, result

@@ -1,7 +1,7 @@
 """The measurement harness's own assumptions, measured (timing claims are benchmarks, not tests):
 
-    .venv/bin/python scripts/bench_harness.py                     # both, 5 rounds each
-    .venv/bin/python scripts/bench_harness.py --only bandwidth --rounds 3 --size-mib 128
+    python -m app bench harness                     # both, 5 rounds each
+    python -m app bench harness --only bandwidth --rounds 3 --size-mib 128
 
   bandwidth       the roofline's read-bandwidth probe (app/measure/roofline.py) on all cores
                   against one: N threads should never read memory slower than one (a prange
@@ -17,73 +17,54 @@
 Figures are the medians over the rounds of per-round ratios, so that another process taking a
 core for one run moves one round, not the verdict. Each claim's record says whether it held
 against the bound the suite once asserted (bandwidth ratio >= BANDWIDTH_FLOOR; extrapolated
-within EXTRAPOLATION_BAND of whole). Writes profiles/bench/harness.json (machine, code, every
-round). A benchmark, not a test: minutes, on a quiet machine.
+within EXTRAPOLATION_BAND of whole); the command exits 1 where one does not. Writes
+profiles/bench/harness.json (machine, code, every round). A benchmark, not a test: minutes, on a
+quiet machine.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import app  # noqa: E402
+import numpy as np
 
-app.configure_numba()
+from app.measure import bench, roofline
+from app.measure.protocol import BENCH_DIR, add_options, alternating, header, load_average, median
+from app.models import resolve
+from common.cpu import physical_cores
+from common.generate import ParameterError
 
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from app.measure import bench, roofline  # noqa: E402
-from app.measure.machine import machine_info  # noqa: E402
-from app.measure.provenance import provenance  # noqa: E402
-from app.models import DEFAULT_MODEL, resolve  # noqa: E402
-from common.cpu import physical_cores  # noqa: E402
-
-RECORD = ROOT / "profiles" / "bench" / "harness.json"
+RECORD = BENCH_DIR / "harness.json"
 BANDWIDTH_FLOOR = 0.85          # N threads' GB/s over one thread's: at least this
 EXTRAPOLATION_BAND = 0.3        # |extrapolated / whole - 1|: at most this
 CLAIMS = ("bandwidth", "extrapolation")
 
 
-def alternating(rounds: int, first, second) -> list[tuple]:
-    """(first(), second()) per round, the order swapped every other round."""
-    out = []
-    for k in tqdm(range(rounds), desc="rounds", unit="round", leave=False):
-        if k % 2 == 0:
-            a = first()
-            b = second()
-        else:
-            b = second()
-            a = first()
-        out.append((a, b))
-    return out
+def both(rounds: int, first, second) -> list[tuple]:
+    """(first(), second()) per round, in alternating rounds."""
+    got = alternating(("first", "second"), rounds, lambda which, r: first() if which == "first" else second())
+    return list(zip(got["first"], got["second"]))
 
 
 def bandwidth(rounds: int, threads: int, size_mib: int) -> dict:
     a = np.ones(size_mib * 2**20 // 4, dtype=np.float32)       # past any cache, as the report's probe
     roofline.bandwidth_gbs(a, 1, reps=1), roofline.bandwidth_gbs(a, threads, reps=1)     # compiled, not timed
-    pairs = alternating(rounds, lambda: roofline.bandwidth_gbs(a, 1, reps=5)[0],
-                        lambda: roofline.bandwidth_gbs(a, threads, reps=10)[0])
+    pairs = both(rounds, lambda: roofline.bandwidth_gbs(a, 1, reps=5)[0],
+                 lambda: roofline.bandwidth_gbs(a, threads, reps=10)[0])
     ratios = [many / one for one, many in pairs]
-    ratio = statistics.median(ratios)
+    ratio = median(ratios)
     return {"threads": threads, "array_mib": size_mib,
             "rounds": [{"gbs_1": one, f"gbs_{threads}": many, "ratio": many / one} for one, many in pairs],
-            "gbs_1": statistics.median(p[0] for p in pairs), f"gbs_{threads}": statistics.median(p[1] for p in pairs),
+            "gbs_1": median(p[0] for p in pairs), f"gbs_{threads}": median(p[1] for p in pairs),
             "ratio": ratio, "bound": f"ratio >= {BANDWIDTH_FLOOR}", "holds": ratio >= BANDWIDTH_FLOOR}
 
 
 def extrapolation(rounds: int, model, stage: str, prompt_tokens: int, n_predict: int) -> dict:
     from stages import load
     engine = load(stage, resolve(model))
-    pairs = alternating(rounds, lambda: bench.measure(engine, stage, prompt_tokens, n_predict),
-                        lambda: bench.measure_extrapolated(engine, stage, prompt_tokens, n_predict))
+    pairs = both(rounds, lambda: bench.measure(engine, stage, prompt_tokens, n_predict),
+                 lambda: bench.measure_extrapolated(engine, stage, prompt_tokens, n_predict))
     out = {"stage": stage, "model": Path(resolve(model)).name, "prompt_tokens": prompt_tokens, "n_predict": n_predict,
            "layers_measured": pairs[0][1]["extrapolated"]["layers_measured"], "n_layer": len(engine.layers),
            "rounds": [], "holds": True, "bound": f"|extrapolated / whole - 1| <= {EXTRAPOLATION_BAND}"}
@@ -91,53 +72,48 @@ def extrapolation(rounds: int, model, stage: str, prompt_tokens: int, n_predict:
         out["rounds"].append({f"{key}_{kind}": rec[key] for key in ("ttft_ms", "decode_ms")
                               for kind, rec in (("whole", whole), ("extrapolated", guessed))})
     for key in ("ttft_ms", "decode_ms"):
-        ratio = statistics.median(r[f"{key}_extrapolated"] / r[f"{key}_whole"] for r in out["rounds"])
+        ratio = median(r[f"{key}_extrapolated"] / r[f"{key}_whole"] for r in out["rounds"])
         out[f"{key}_ratio"] = ratio
         out["holds"] &= abs(ratio - 1) <= EXTRAPOLATION_BAND
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p):
     p.add_argument("--only", choices=CLAIMS, help="measure one claim (default: both)")
-    p.add_argument("--rounds", type=int, default=5, help="alternating rounds per claim (default: %(default)s)")
+    add_options(p, rounds=5, out=RECORD)
     p.add_argument("--threads", type=int, default=physical_cores(), help="N for the bandwidth claim (default: cores)")
     p.add_argument("--size-mib", type=int, default=512, help="the bandwidth probe's array (default: %(default)s MiB)")
-    p.add_argument("-m", "--model", default=str(DEFAULT_MODEL.path),
-                   help=f"the extrapolation's model (default: {DEFAULT_MODEL.filename})")
     p.add_argument("--stage", default="tiling", help="the extrapolation's stage (default: %(default)s)")
     p.add_argument("--prompt-tokens", type=int, default=8, help="(default: %(default)s)")
     p.add_argument("-n", "--n-predict", type=int, default=2, help="(default: %(default)s)")
-    p.add_argument("--out", type=Path, default=RECORD, help="the record (default: profiles/bench/harness.json)")
-    args = p.parse_args(argv)
+
+
+def records(args):
     for name, value in (("--rounds", args.rounds), ("--threads", args.threads), ("--size-mib", args.size_mib),
                         ("--prompt-tokens", args.prompt_tokens), ("-n", args.n_predict)):
         if value < 1:
-            p.error(f"{name} = {value}: must be an integer >= 1")
+            raise ParameterError(f"{name} = {value}: must be an integer >= 1")
     if args.threads < 2 and args.only != "extrapolation":
-        p.error(f"--threads = {args.threads}: the bandwidth claim compares 1 thread with N >= 2")
+        raise ParameterError(f"--threads = {args.threads}: the bandwidth claim compares 1 thread with N >= 2")
     rec = {"kind": "harness", "rounds": args.rounds, "order": "alternating (forward, backward, ...)",
-           "load_average_before": os.getloadavg()}        # other processes' share of the cores, as a reader checks
+           "load_average_before": load_average()}
     if args.only in (None, "bandwidth"):
         print(f"bandwidth: 1 and {args.threads} threads, {args.size_mib} MiB, {args.rounds} rounds", file=sys.stderr)
         rec["bandwidth"] = bandwidth(args.rounds, args.threads, args.size_mib)
     if args.only in (None, "extrapolation"):
         print(f"extrapolation: {args.stage}, {args.rounds} rounds", file=sys.stderr)
         rec["extrapolation"] = extrapolation(args.rounds, args.model, args.stage, args.prompt_tokens, args.n_predict)
-    rec.update(load_average_after=os.getloadavg(), machine=machine_info(), provenance=provenance(),
-               time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               command="python scripts/bench_harness.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rec, indent=1) + "\n")
+    rec.update(load_average_after=load_average(), **header(command=args.command_line))
     for claim in CLAIMS:
         if claim in rec:
             c = rec[claim]
             ratios = ", ".join(f"{k} {v:.3f}" for k, v in c.items() if k.endswith("ratio"))
             print(f"{claim}: median ratio {ratios} ({c['bound']}): {'holds' if c['holds'] else 'DOES NOT HOLD'}",
                   file=sys.stderr)
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0 if all(rec[c]["holds"] for c in CLAIMS if c in rec) else 1
+    yield args.out, rec
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def failures(rec: dict) -> list[str]:
+    """The claims the record says do not hold."""
+    return [f"{claim}: {rec[claim]['bound']} does not hold" for claim in CLAIMS
+            if claim in rec and not rec[claim]["holds"]]

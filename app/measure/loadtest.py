@@ -1,11 +1,11 @@
 """Many clients at once: `python -m app serve` under load (and llama.cpp's llama-server beside it).
 
-    python scripts/loadtest.py                              # 1, 2, 4, ..., 32 clients; our server
-    python scripts/loadtest.py --llama-server auto          # also llama-server (built once, see below)
-    python scripts/loadtest.py --llama-server PATH          # a llama-server binary you have
-    python scripts/loadtest.py --chart-only                 # redraw the chart and table from the record
-    python scripts/loadtest.py --kv-pages 200 --out ...     # a pool too small for every worst case: preemptions
-    python scripts/loadtest.py --stage tp --np 2 --out ...  # the server over 2 MPI ranks (mpiexec -n 2)
+    python -m app bench loadtest                              # 1, 2, 4, ..., 32 clients; our server
+    python -m app bench loadtest --llama-server auto          # also llama-server (built once, see below)
+    python -m app bench loadtest --llama-server PATH          # a llama-server binary you have
+    python -m app bench loadtest --draw-only                  # redraw the charts and tables from the records
+    python -m app bench loadtest --kv-pages 200 --out ...     # a pool too small for every worst case: preemptions
+    python -m app bench loadtest --stage tp --np 2 --out ...  # the server over 2 MPI ranks (mpiexec -n 2)
 
 For each number of concurrent clients C, both servers are started with room for C sequences
 (llama-server with C parallel slots) and, in --rounds rounds that alternate which server goes
@@ -24,11 +24,10 @@ for all B sequences (bandwidth ceiling B x bandwidth / weight bytes) and compute
 FLOPs (compute ceiling peak / FLOPs per token), and the throughput cannot pass the lower one.
 
 Writes profiles/bench/batching.json (the record: every level, settings, machine, code) and
-draws profiles/batching.png and profiles/bench/batching.md from it. A benchmark, not a test:
-minutes, on a quiet machine.
+draws profiles/batching.png and profiles/bench/batching.md from it (page and chart below). A
+benchmark, not a test: minutes, on a quiet machine.
 
-    python scripts/loadtest.py --spec --clients 1,4,8,16   # `serve` against `serve --spec lookup`
-    python scripts/loadtest.py --spec --chart-only          # redraw its table from its record
+    python -m app bench loadtest --spec --clients 1,4,8,16   # `serve` against `serve --spec lookup`
 
 --spec: our server plain and with speculative decoding (prompt lookup, --draft-max), both up
 at once, in alternating rounds, on two sets of prompts (--sets): copy-heavy (app/measure/
@@ -46,45 +45,32 @@ into models/llama-server/ (several minutes on 2 cores); optional, like `make bas
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import app  # noqa: E402
+from app import ROOT
+from app.measure import llama_tools, roofline, spec_serve
+from app.measure.bench import BENCH_TEXT
+from app.measure.local_server import LocalServer
+from app.measure.protocol import BENCH_DIR, add_options, header, load_average, median, order, paired, run_child
+from app.measure.speculative import prompt_sets
+from app.models import resolve
+from app.report.charts import machine_label
+from app.serve.command import serving_stage
+from common.cpu import physical_cores
+from common.generate import ParameterError
+from common.gguf import GGUFFile
+from common.model import LlamaConfig, flops_per_token
+from common.speculative import DRAFT_MAX
 
-app.configure_numba()
-
-from app.measure import (
-    llama_tools,  # noqa: E402
-    roofline,  # noqa: E402
-    spec_serve,  # noqa: E402
-)
-from app.measure.bench import BENCH_TEXT, add_context  # noqa: E402
-from app.measure.local_server import LocalServer  # noqa: E402
-from app.measure.speculative import prompt_sets  # noqa: E402
-from app.models import DEFAULT_MODEL, resolve  # noqa: E402
-from app.report.charts import machine_label  # noqa: E402
-from app.serve.command import serving_stage  # noqa: E402
-from common.cpu import physical_cores  # noqa: E402
-from common.gguf import GGUFFile  # noqa: E402
-from common.model import LlamaConfig, flops_per_token  # noqa: E402
-from common.speculative import DRAFT_MAX  # noqa: E402
-
-RECORD = ROOT / "profiles" / "bench" / "batching.json"
-CHART = ROOT / "profiles" / "batching.png"
-TABLE = ROOT / "profiles" / "bench" / "batching.md"
-SPEC_RECORD = ROOT / "profiles" / "bench" / "speculative_serve.json"
+RECORD = BENCH_DIR / "batching.json"
+SPEC_RECORD = BENCH_DIR / "speculative_serve.json"
 OURS, LLAMA = "ours", "llama-server"
 OURS_LOOKUP = spec_serve.LOOKUP
 
@@ -253,20 +239,16 @@ def summary(rounds: list[dict]) -> dict:
     for key in rounds[0]:
         values = [r[key] for r in rounds if key in r]
         if key != "clients" and values and all(isinstance(v, (int, float)) for v in values):
-            row[key] = statistics.median(values)
+            row[key] = median(values)
     return row
 
 
 def run_once(args) -> dict:
-    """One request as `python -m app run` makes it, no server: `bench` with the same stage,
+    """One request as `python -m app run` makes it, no server: `bench stage` with the same stage,
     threads, prompt length and tokens (its record: time to the first token, then each token's)."""
-    cmd = [sys.executable, "-m", "app", "bench", "-m", str(args.model), "--stage", args.stage,
-           "-t", str(args.threads), "--prompt-tokens", str(args.prompt_tokens), "-n", str(args.max_tokens),
-           "--no-write", "--json"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"`{' '.join(cmd[1:])}` failed:\n{p.stderr[-2000:]}")
-    b = json.loads(p.stdout.strip().splitlines()[-1])
+    b = run_child([sys.executable, "-m", "app", "bench", "stage", "-m", args.model, "--stage", args.stage,
+                   "-t", args.threads, "--prompt-tokens", args.prompt_tokens, "-n", args.max_tokens,
+                   "--no-write", "--json"], f"`run` alone ({args.stage})")
     whole_s = (b["ttft_ms"] + sum(b["decode_ms_all"])) / 1e3
     return {"clients": 1, "tokens_per_s": b["n_generated"] / whole_s, "ttft_ms_p50": b["ttft_ms"],
             "itl_ms_p50": b["decode_ms"], "decode_tokens_per_s": 1000.0 / b["decode_ms"]}
@@ -292,8 +274,8 @@ SERVE_VS_RUN_FLOOR = 0.8
 def serving_gaps(rec: dict) -> list[str]:
     """A sentence for each serve ÷ run decode ratio under SERVE_VS_RUN_FLOOR (none: no gap)."""
     stage = rec.get("settings", {}).get("stage", "?")
-    slow = [statistics.median(each) for name, each in versus_run(rec)
-            if name.startswith("decode") and statistics.median(each) < SERVE_VS_RUN_FLOOR]
+    slow = [median(each) for name, each in versus_run(rec)
+            if name.startswith("decode") and median(each) < SERVE_VS_RUN_FLOOR]
     return [f"The server decodes one client at {ratio:.2f}x `run`'s rate with the {stage} stage (under "
             f"{SERVE_VS_RUN_FLOOR}x): its path through the server costs something `run`'s does not; profile "
             f"one step (app/serve/engine_loop.py) before trusting these figures." for ratio in slow]
@@ -315,9 +297,9 @@ def measure(args, log_dir: Path) -> tuple[dict[str, list[dict]], dict | None]:
             runs = {k: [] for k in kinds}
             solo = []
             for r in range(args.rounds):
-                for k in kinds if r % 2 == 0 else kinds[::-1]:
+                for k in order(kinds, r):
                     runs[k].append(run_round(servers[k], clients, args, r))
-                if clients == 1 and not args.np:      # `bench` runs in one process
+                if clients == 1 and not args.np:      # `bench stage` runs in one process
                     solo.append(run_once(args))
             if solo:
                 alone = summary(solo)
@@ -347,9 +329,9 @@ def measure_spec(args, log_dir: Path) -> list[dict]:
                 servers[k] = start(k, args, clients, log_dir)
             rows = {name: [] for name in args.sets}
             for r in range(args.rounds):
-                for set_name in args.sets:
-                    order = (OURS, OURS_LOOKUP) if (r + args.sets.index(set_name)) % 2 == 0 else (OURS_LOOKUP, OURS)
-                    rows[set_name].append({k: run_round(servers[k], clients, args, r, set_name) for k in order})
+                for i, set_name in enumerate(args.sets):
+                    servers_now = order((OURS, OURS_LOOKUP), r + i)
+                    rows[set_name].append({k: run_round(servers[k], clients, args, r, set_name) for k in servers_now})
         finally:
             for server in servers.values():
                 server.close()
@@ -359,8 +341,8 @@ def measure_spec(args, log_dir: Path) -> list[dict]:
             each = spec_serve.round_ratios(row)
             decode = [spec_serve.median_of(row, k, "decode_tokens_per_s_p50") for k in (OURS, OURS_LOOKUP)]
             print(f"{set_name:>5} {clients:>3} clients: a client decodes {decode[0]:.1f} tokens/s plain, "
-                  f"{decode[1]:.1f} with lookup: {statistics.median(each):.2f}x ({', '.join(f'{x:.2f}' for x in each)}"
-                  f"); whole requests {statistics.median(spec_serve.round_ratios(row, 'tokens_per_s')):.2f}x; "
+                  f"{decode[1]:.1f} with lookup: {median(each):.2f}x ({', '.join(f'{x:.2f}' for x in each)}"
+                  f"); whole requests {median(spec_serve.round_ratios(row, 'tokens_per_s')):.2f}x; "
                   f"{100 * spec_serve.accept_rate(row):.0f}% of guesses kept", file=sys.stderr)
     return levels
 
@@ -383,30 +365,19 @@ def measure_verify(args) -> list[dict]:
     return out
 
 
-def spec_main(args, log_dir: Path) -> int:
-    """--spec: measure, write the record, draw its table."""
-    start_load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+def spec_record(args, log_dir: Path) -> dict:
+    """--spec: the record (the module docstring)."""
+    start_load = load_average()
     levels = measure_spec(args, log_dir)
     verify = measure_verify(args)
     rec = {"kind": "speculative_serve", "levels": levels, "verify": verify,
-           "load_average": {"start": start_load, "end": " ".join(f"{x:.2f}" for x in os.getloadavg())}}
-    add_context(rec, {"model": args.model.name, "stage": args.stage, "clients": args.clients, "sets": args.sets,
-                      "requests": args.requests, "rounds": args.rounds, "max_tokens": args.max_tokens,
-                      "prompt_tokens": args.prompt_tokens, "threads": args.threads, "draft_max": args.draft_max,
-                      "sampling": "greedy", "ignore_eos": True, "kv_pages": args.kv_pages,
-                      "verify_models": args.verify_models, "verify_k": args.verify_k})
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rec, indent=1, default=float))
-    table = draw_spec(rec, args.out)
-    print(f"wrote {args.out} and {table}", file=sys.stderr)
-    return 0
-
-
-def draw_spec(rec: dict, record: Path) -> Path:
-    table = record.with_suffix(".md")
-    shown = record.relative_to(ROOT).as_posix() if record.resolve().is_relative_to(ROOT) else str(record)
-    table.write_text(spec_serve.page(rec, shown))
-    return table
+           "load_average": {"start": start_load, "end": load_average()}}
+    rec.update(header({"model": args.model.name, "stage": args.stage, "clients": args.clients, "sets": args.sets,
+                       "requests": args.requests, "rounds": args.rounds, "max_tokens": args.max_tokens,
+                       "prompt_tokens": args.prompt_tokens, "threads": args.threads, "draft_max": args.draft_max,
+                       "sampling": "greedy", "ignore_eos": True, "kv_pages": args.kv_pages,
+                       "verify_models": args.verify_models, "verify_k": args.verify_k}, args.command_line))
+    return rec
 
 
 # ---- the record, its chart and table -------------------------------------------------------------
@@ -420,13 +391,9 @@ def ceilings(rec: dict, clients) -> list[float]:
 
 
 def round_ratios(ours: dict, theirs: dict) -> list[float]:
-    """Our tokens/s over llama-server's, round by round (the rounds ran side by side). Both rows
-    must have every round: a missing one would pair the rest out of step."""
-    if len(ours["rounds"]) != len(theirs["rounds"]):
-        raise ValueError(f"{ours['clients']} clients: {len(ours['rounds'])} rounds of ours and "
-                         f"{len(theirs['rounds'])} of llama-server's; the ratios pair them round by round "
-                         f"(measure the level again)")
-    return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(ours["rounds"], theirs["rounds"])]
+    """Our tokens/s over llama-server's, round by round (the rounds ran side by side)."""
+    pairs = paired(ours["rounds"], theirs["rounds"], (f"{ours['clients']} clients: ours", "llama-server"))
+    return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in pairs]
 
 
 def count(value) -> str:
@@ -440,13 +407,29 @@ def busy(row: dict) -> str:
     return f"{100 * row['engine_busy']:.0f}% ({row['engine_step_ms_mean']:.1f})"
 
 
-def draw(rec: dict, chart: Path = CHART, table: Path = TABLE):
+def styles(rec: dict) -> dict:
+    """{server: (marker, colour, label)}: how the chart and the page name each server."""
+    return {OURS: ("o", "C0", f"this engine ({rec['settings']['stage']})"),
+            LLAMA: ("s", "C1", "llama.cpp's llama-server")}
+
+
+def settings_line(rec: dict) -> tuple[str, str]:
+    """(threads, rounds) as the chart's title and the page say them."""
+    s = rec["settings"]
+    threads = f"{s['threads']} thread" + ("s" if s["threads"] != 1 else "")
+    if s.get("ranks", 1) > 1:
+        threads += f" in each of {s['ranks']} ranks"
+    rounds = s.get("rounds", 1)
+    return threads, f"medians of {rounds} alternating rounds" if rounds > 1 else "one round"
+
+
+def chart(rec: dict, path: Path):
+    """Throughput and waits against the clients (profiles/batching.png for the default record)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
-    style = {OURS: ("o", "C0", f"this engine ({rec['settings']['stage']})"),
-             LLAMA: ("s", "C1", "llama.cpp's llama-server")}
+    style = styles(rec)
     every = sorted({row["clients"] for rows in rec["engines"].values() for row in rows})
     for kind, rows in rec["engines"].items():
         marker, color, label = style[kind]
@@ -475,20 +458,20 @@ def draw(rec: dict, chart: Path = CHART, table: Path = TABLE):
     ax.legend(fontsize=7)
     ax2.legend(fontsize=7)
     s, m = rec["settings"], rec["machine"]
-    threads = f"{s['threads']} thread" + ("s" if s["threads"] != 1 else "")
-    if s.get("ranks", 1) > 1:
-        threads += f" in each of {s['ranks']} ranks"
-    rounds = s.get("rounds", 1)
-    medians = f"medians of {rounds} alternating rounds" if rounds > 1 else "one round"
+    threads, medians = settings_line(rec)
     fig.suptitle(f"Many users at once: {Path(s['model']).stem} on {machine_label(m)}\n{threads}, "
                  f"{s['requests']} requests per client, {s['max_tokens']} tokens each, ~{s['prompt_tokens']}-token "
                  f"prompts, {medians}; commit {str(rec['provenance'].get('commit', '?'))[:7]}", fontsize=9.5)
     fig.tight_layout()
-    chart.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(chart, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
-    lines = [f"Drawn from `{table.with_suffix('.json').name}` by `scripts/loadtest.py` "
+
+def page(rec: dict, source: str) -> str:
+    """The table of every level (profiles/bench/batching.md), drawn from the record alone."""
+    s, style = rec["settings"], styles(rec)
+    threads, medians = settings_line(rec)
+    lines = [f"Drawn from `{source}` by `python -m app bench loadtest` "
              f"({s['model']}, {threads}, commit {str(rec['provenance'].get('commit', '?'))[:7]}; {medians}).", "",
              "| server | clients | tokens/s | vs 1 client | roofline tokens/s | TTFT p50 / p99 (ms) | "
              "between tokens p50 / p99 (ms) | KV pages used (max) | engine busy (mean step, ms) | preempted |",
@@ -508,7 +491,7 @@ def draw(rec: dict, chart: Path = CHART, table: Path = TABLE):
         for row in rec["engines"][OURS]:
             if row["clients"] in theirs:
                 each = round_ratios(row, theirs[row["clients"]])
-                lines.append(f"| {row['clients']} | {statistics.median(each):.2f}x | "
+                lines.append(f"| {row['clients']} | {median(each):.2f}x | "
                              f"{', '.join(f'{x:.2f}' for x in each)} |")
     else:
         lines += ["", f"_llama-server: {rec.get('llama_server_missing', 'not measured')}_"]
@@ -520,14 +503,13 @@ def draw(rec: dict, chart: Path = CHART, table: Path = TABLE):
                       f"after the first; median of the rounds' ratios):", "",
                   "| measure | server ÷ run | each round |", "|---|---:|---|"]
         for name, each in paired:
-            lines.append(f"| {name} | {statistics.median(each):.2f}x | {', '.join(f'{x:.2f}' for x in each)} |")
+            lines.append(f"| {name} | {median(each):.2f}x | {', '.join(f'{x:.2f}' for x in each)} |")
         lines += [line for gap in serving_gaps(rec) for line in ("", f"**{gap}**")]
-    table.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-m", "--model", default=str(DEFAULT_MODEL.path), help="GGUF file or model name")
+def add_arguments(p):
+    add_options(p)
     p.add_argument("--stage", default="fastest",
                    help="our server's stage (default: the one `serve` picks, app/serve/command.py)")
     p.add_argument("--clients", default="1,2,4,8,16,32", help="concurrency levels (default: %(default)s)")
@@ -546,7 +528,6 @@ def main(argv=None) -> int:
                         "preempted); smaller: the pool runs out and sequences are preempted, counted")
     p.add_argument("--llama-server", default=None,
                    help="'auto' (build it from the llama-cpp-python sdist once) or a llama-server binary")
-    p.add_argument("--chart-only", action="store_true", help="redraw the chart and table from the record")
     p.add_argument("--out", type=Path, default=None,
                    help=f"the record (default: {RECORD.relative_to(ROOT)}; with --spec "
                         f"{SPEC_RECORD.relative_to(ROOT)})")
@@ -558,25 +539,19 @@ def main(argv=None) -> int:
     g.add_argument("--verify-models", default="smollm2,tinyllama-synthetic",
                    help="models whose verify pass is timed in this process (default: %(default)s)")
     g.add_argument("--verify-k", type=int, default=8, help="guesses at most in the timed passes (default: %(default)s)")
-    args = p.parse_args(argv)
+
+
+def records(args):
+    """Measure (the module docstring); yields (where, record)."""
     if args.rounds < 1:
-        p.error(f"--rounds {args.rounds}: give at least 1")
+        raise ParameterError(f"--rounds {args.rounds}: give at least 1")
     args.out = args.out or (SPEC_RECORD if args.spec else RECORD)
     args.sets = (args.sets or ("copy,free" if args.spec else "free")).split(",")
     if set(args.sets) - {"copy", "free"}:
-        p.error(f"--sets {','.join(args.sets)}: the sets are copy and free")
+        raise ParameterError(f"--sets {','.join(args.sets)}: the sets are copy and free")
     if args.spec and args.llama_server:
-        p.error("--spec compares our server with itself; measure llama-server without --spec")
+        raise ParameterError("--spec compares our server with itself; measure llama-server without --spec")
     args.verify_models = [m for m in args.verify_models.split(",") if m]
-    if args.spec and args.chart_only:
-        print(f"drew {draw_spec(json.loads(args.out.read_text()), args.out)}", file=sys.stderr)
-        return 0
-    # elsewhere than the default record (a trial run), the chart and table go beside it
-    chart, table = (CHART, TABLE) if args.out == RECORD else (args.out.with_suffix(".png"), args.out.with_suffix(".md"))
-    if args.chart_only:
-        draw(json.loads(args.out.read_text()), chart, table)
-        print(f"drew {chart} and {table}", file=sys.stderr)
-        return 0
     args.model = resolve(args.model)
     args.stage = serving_stage(args.stage)
     args.threads = args.threads or max(1, physical_cores() // (args.np or 1))
@@ -587,11 +562,13 @@ def main(argv=None) -> int:
     elif args.llama_server:
         args.llama_server = Path(shutil.which(args.llama_server) or args.llama_server)
         if not args.llama_server.exists():
-            p.error(f"no llama-server at {args.llama_server}")
+            raise ParameterError(f"no llama-server at {args.llama_server}")
     else:
         missing = "not measured (--llama-server auto builds it)"
+    log_dir = Path(tempfile.mkdtemp(prefix="loadtest-"))          # the servers' logs
     if args.spec:
-        return spec_main(args, Path(tempfile.mkdtemp(prefix="loadtest-")))
+        yield args.out, spec_record(args, log_dir)
+        return
 
     with GGUFFile(args.model) as g:
         cfg = LlamaConfig.from_gguf(g)
@@ -601,7 +578,6 @@ def main(argv=None) -> int:
     cores = args.threads * (args.np or 1)                  # over N ranks every rank's threads read weights
     ceil = roofline.measure(threads=cores)
     key = str(cores) if str(cores) in ceil["bandwidth_gbs"] else "1"
-    log_dir = Path(tempfile.mkdtemp(prefix="loadtest-"))          # the servers' logs
     engines, alone = measure(args, log_dir)
     rec = {"kind": "batching", "engines": engines,
            "roofline": {"bandwidth_gbs": ceil["bandwidth_gbs"][key], "peak_gflops": ceil["peak_gflops"][key],
@@ -612,20 +588,12 @@ def main(argv=None) -> int:
         rec["llama_server_missing"] = missing
     if alone:
         rec["run"] = alone
-    add_context(rec, {"model": args.model.name, "stage": args.stage, "clients": args.clients,
-                      "requests": args.requests, "rounds": args.rounds,
-                      "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
-                      "threads": args.threads, "ranks": args.np or 1, "sampling": "greedy", "ignore_eos": True,
-                      "kv_pages": args.kv_pages,
-                      "llama_server": str(args.llama_server) if args.llama_server else None})
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rec, indent=1, default=float))
-    draw(rec, chart, table)
+    rec.update(header({"model": args.model.name, "stage": args.stage, "clients": args.clients,
+                       "requests": args.requests, "rounds": args.rounds,
+                       "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
+                       "threads": args.threads, "ranks": args.np or 1, "sampling": "greedy", "ignore_eos": True,
+                       "kv_pages": args.kv_pages,
+                       "llama_server": str(args.llama_server) if args.llama_server else None}, args.command_line))
     for gap in serving_gaps(rec):
         print(f"warning: {gap}", file=sys.stderr)
-    print(f"wrote {args.out}, {chart} and {table}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    yield args.out, rec

@@ -12,10 +12,10 @@ the tokens of one run) of each engine in three conditions:
 and the slowdown of each condition over `alone`, for our stages and for llama.cpp on the same file
 (llama-cpp-python: beside a second llama.cpp), with how many spells on one thread our stages began
 (stages/fused.py CoreShare: a stage on shared cores goes to one thread while that is faster).
-Conditions alternate within each round and the medians of the rounds are reported: the machine's
-own noise shifts every condition alike.
+Conditions alternate within each round (protocol.py) and the medians of the rounds are reported:
+the machine's own noise shifts every condition alike.
 
-    python scripts/bench_shared_core.py [-m MODEL] [--engines repack,fused,llama.cpp] [--rounds 3]
+    python -m app bench shared-core [-m MODEL] [--engines repack,fused,llama.cpp] [--rounds 3]
 
 writes profiles/bench/shared_core.json and .md.
 """
@@ -31,20 +31,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import numpy as np
 
-import app  # noqa: E402
+from app.measure.protocol import BENCH_DIR, add_options, header, order, run_child
+from app.models import resolve
 
-app.configure_numba()
-
-import numpy as np  # noqa: E402
-
-from app.measure.machine import machine_info  # noqa: E402
-from app.measure.provenance import provenance  # noqa: E402
-from app.models import DEFAULT_MODEL, resolve  # noqa: E402
-
-OUT = ROOT / "profiles" / "bench" / "shared_core"
+RECORD = BENCH_DIR / "shared_core.json"
 CONDITIONS = ("alone", "busy", "twin")
 PROMPT = list(range(100, 132))          # 32 prompt tokens (ids; the text does not matter to the time)
 # a core kept busy until its parent is gone (a bench killed midway leaves no busy loop behind)
@@ -105,10 +97,14 @@ def worker(args):
 
 # ---- the harness ---------------------------------------------------------------------------------
 
+def worker_command(engine: str, args) -> list[str]:
+    return [sys.executable, "-m", "app", "bench", "shared-core", "--worker", engine, "-m", args.model, "--threads",
+            str(args.threads), "--tokens", str(args.tokens)]
+
+
 def start_twin(engine: str, args) -> subprocess.Popen:
-    cmd = [sys.executable, __file__, "--worker", engine, "--forever", "-m", args.model, "--threads",
-           str(args.threads), "--tokens", str(args.tokens)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    p = subprocess.Popen(worker_command(engine, args) + ["--forever"], stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
     line = p.stdout.readline()
     if line.strip() != "ready":
         raise SystemExit(f"the twin run of {engine} did not start: {line!r}")
@@ -125,9 +121,7 @@ def co_runner(condition: str, engine: str, args):
 
 def measured(engine: str, args) -> tuple[float, int | None]:
     """(median ms/token, spells on one thread the stage began, or None)."""
-    cmd = [sys.executable, __file__, "--worker", engine, "-m", args.model, "--threads", str(args.threads),
-           "--tokens", str(args.tokens)]
-    out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    out = run_child(worker_command(engine, args), f"{engine} decoding")
     return float(np.median(out["ms"])), out.get("spells")
 
 
@@ -142,7 +136,7 @@ def measure(args) -> dict:
     spells = {(e, c): [] for e in args.engines for c in CONDITIONS}
     for r in range(args.rounds):
         for engine in args.engines:
-            for condition in CONDITIONS:
+            for condition in order(CONDITIONS, r):
                 other = co_runner(condition, engine, args)
                 try:
                     if other is not None:
@@ -166,12 +160,11 @@ def measure(args) -> dict:
             "rounds": args.rounds, "conditions": {"alone": "nothing else running",
                                                   "busy": "beside one single-threaded busy loop",
                                                   "twin": "beside a second run of the same engine (2 threads)"},
-            "rows": out, "machine": machine_info(), "provenance": provenance(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "rows": out, **header(command=args.command_line)}
 
 
 def page(record: dict, source: str) -> str:
-    lines = [f"Measured by `python scripts/bench_shared_core.py` on {record['machine']['cpu']} "
+    lines = [f"Measured by `python -m app bench shared-core` on {record['machine']['cpu']} "
              f"({record['machine']['physical_cores']} cores, {record['machine'].get('isa', '?')}), "
              f"{record['model']}, {record['threads']} threads, {record['tokens']} tokens a run, "
              f"medians of {record['rounds']} alternating rounds; code {record['provenance']['code_hash']}. "
@@ -191,29 +184,19 @@ def page(record: dict, source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("-m", "--model", default=str(DEFAULT_MODEL.path))
-    p.add_argument("--engines", default="repack,fused,llama.cpp")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", default=str(OUT))
-    p.add_argument("--worker", help=argparse.SUPPRESS)
+def add_arguments(p):
+    add_options(p, rounds=3, out=RECORD)
+    p.add_argument("--engines", default="repack,fused,llama.cpp", help="(default: %(default)s)")
+    p.add_argument("--threads", type=int, default=2, help="(default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens a run (default: %(default)s)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)           # one engine decoding, in a child
     p.add_argument("--forever", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+
+
+def records(args):
     args.model = str(resolve(args.model))
     if args.worker:
-        return worker(args)
+        worker(args)
+        return
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    record = measure(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    source = out.with_suffix(".json").relative_to(ROOT).as_posix() if out.is_relative_to(ROOT) else out.name
-    out.with_suffix(".md").write_text(page(record, source))
-    print(page(record, source))
-
-
-if __name__ == "__main__":
-    main()
+    yield args.out, measure(args)

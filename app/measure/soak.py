@@ -1,8 +1,8 @@
 """A soak test: minutes of mixed traffic against `python -m app serve`, then what must still hold.
 
-    python scripts/soak.py                          # 180 s (`make soak`)
-    python scripts/soak.py --seconds 60 --out trial/soak.json    # a short trial, elsewhere
-    python scripts/soak.py --table-only             # redraw the table from the record
+    python -m app bench soak                        # 180 s (`make soak`)
+    python -m app bench soak --seconds 60 --out trial/soak.json    # a short trial, elsewhere
+    python -m app bench soak --draw-only            # redraw the table from the record
 
 One server on the loopback address, a pool of --kv-pages (small enough that sequences are
 preempted), and --clients clients that for --seconds (at most --max-requests requests) send,
@@ -24,12 +24,11 @@ It holds (the record's `checks`, each true or false):
 
 Writes the record (profiles/bench/soak.json: settings, counts by kind and status, memory
 samples, preemptions, every mismatch, machine, code) and draws profiles/bench/soak.md from it.
-Exits 1 if a check fails. A benchmark-like script, not a test: minutes, on a quiet machine.
+Exits 1 if a check fails. A benchmark, not a test: minutes, on a quiet machine.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -39,14 +38,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from app.measure.local_server import LocalServer
+from app.measure.protocol import BENCH_DIR, add_options, header
+from app.models import resolve
+from common.generate import ParameterError
 
-from app.measure.bench import add_context  # noqa: E402
-from app.measure.local_server import LocalServer  # noqa: E402
-from app.models import DEFAULT_MODEL, resolve  # noqa: E402
-
-RECORD = ROOT / "profiles" / "bench" / "soak.json"
+RECORD = BENCH_DIR / "soak.json"
 PROMPTS = ["The meaning of life is", "Once upon a time", "In 1492, Columbus", "The best way to cook rice is",
            "Python is a programming language that", "The capital of France is", "My favourite animal is",
            "Water boils at"]
@@ -228,9 +225,10 @@ def checks(rec: dict) -> dict:
             "equal_alone": rec["n_mismatches"] == 0 and rec["deterministic"] > 0}
 
 
-def table(rec: dict, name: str = "soak.json") -> str:
+def page(rec: dict, source: str) -> str:
+    """The checks and what each saw (profiles/bench/soak.md), drawn from the record alone."""
     s, c = rec["settings"], rec["checks"]
-    lines = [f"Drawn from `{name}` by `scripts/soak.py` ({s['model']}, stage {s['stage']}, "
+    lines = [f"Drawn from `{source}` by `python -m app bench soak` ({s['model']}, stage {s['stage']}, "
              f"commit {str(rec['provenance'].get('commit', '?'))[:7]}): {rec['requests']} requests from "
              f"{s['clients']} clients over {rec['wall_s']:.0f} s, {s['kv_pages']} KV pages, max batch "
              f"{s['max_batch']}.", "",
@@ -256,9 +254,8 @@ def table(rec: dict, name: str = "soak.json") -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-m", "--model", default=str(DEFAULT_MODEL.path), help="GGUF file or model name")
+def add_arguments(p):
+    add_options(p, out=RECORD)
     p.add_argument("--stage", default="fastest", help="the server's stage (default: the one `serve` picks)")
     p.add_argument("--seconds", type=float, default=180, help="how long the traffic runs (default: %(default)s)")
     p.add_argument("--max-requests", type=int, default=5000, help="at most this many requests (default: %(default)s)")
@@ -273,16 +270,11 @@ def main(argv=None) -> int:
     p.add_argument("--rss-bound-mb", type=float, default=48.0,
                    help="how far resident memory may move after the warm-up (default: %(default)s)")
     p.add_argument("--seed", type=int, default=1, help="(default: %(default)s)")
-    p.add_argument("--out", type=Path, default=RECORD, help="the record (default: %(default)s)")
-    p.add_argument("--table-only", action="store_true", help="redraw the table from the record")
-    args = p.parse_args(argv)
-    table_path = args.out.with_suffix(".md")
-    if args.table_only:
-        table_path.write_text(table(json.loads(args.out.read_text()), args.out.name))
-        print(f"drew {table_path}", file=sys.stderr)
-        return 0
+
+
+def records(args):
     if args.seconds <= 0 or args.max_requests < 1 or args.clients < 1:
-        p.error("--seconds, --max-requests and --clients must be positive")
+        raise ParameterError("--seconds, --max-requests and --clients must be positive")
     from tqdm import tqdm
 
     from app.serve.command import serving_stage
@@ -310,19 +302,15 @@ def main(argv=None) -> int:
            "rss_mb": found["rss"], "health_after": found["health"], "deterministic": found["deterministic"],
            "distinct": found["distinct"], "mismatches": found["mismatches"][:20],
            "n_mismatches": len(found["mismatches"])}
-    add_context(rec, {"model": args.model.name, "stage": args.stage, "seconds": args.seconds,
-                      "max_requests": args.max_requests, "clients": args.clients, "kv_pages": args.kv_pages,
-                      "max_batch": args.max_batch, "max_queue": args.max_queue, "ctx_size": args.ctx_size,
-                      "max_body_bytes": args.max_body_bytes, "rss_bound_mb": args.rss_bound_mb,
-                      "warmup_share": 0.25, "seed": args.seed, "kinds": KINDS})
+    rec.update(header({"model": args.model.name, "stage": args.stage, "seconds": args.seconds,
+                       "max_requests": args.max_requests, "clients": args.clients, "kv_pages": args.kv_pages,
+                       "max_batch": args.max_batch, "max_queue": args.max_queue, "ctx_size": args.ctx_size,
+                       "max_body_bytes": args.max_body_bytes, "rss_bound_mb": args.rss_bound_mb,
+                       "warmup_share": 0.25, "seed": args.seed, "kinds": KINDS}, args.command_line))
     rec["checks"] = checks(rec)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rec, indent=1, default=float))
-    table_path.write_text(table(rec, args.out.name))
-    print(table(rec, args.out.name), file=sys.stderr)
-    print(f"wrote {args.out} and {table_path}", file=sys.stderr)
-    return 0 if all(rec["checks"].values()) else 1
+    yield args.out, rec
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def failures(rec: dict) -> list[str]:
+    """The checks the record says failed."""
+    return [f"{key} does not hold" for key, ok in rec["checks"].items() if not ok]

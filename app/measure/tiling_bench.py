@@ -1,6 +1,6 @@
 """Sweep the tiling stage's tile sizes on the default model's own matmul shapes.
 
-    .venv/bin/python scripts/tune_tiling.py [--rows 16] [--quick]
+    python -m app bench tiling [--rows 16] [--quick]
 
 For each (TILE_I, TILE_J, TILE_K) it times the blocked matmul on every weight shape of the
 model, weighted by how often a forward pass uses it (30 layers x q,k,v,o,gate,up,down at
@@ -11,30 +11,19 @@ the ratio. The chosen sizes are written by hand into stages/tiling.py with the r
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import app  # noqa: E402
+import numpy as np
+from tqdm import tqdm
 
-app.configure_numba()
-
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from app.measure.machine import machine_info  # noqa: E402
-from app.measure.provenance import provenance  # noqa: E402
-from app.models import DEFAULT_MODEL  # noqa: E402
-from common.gguf import GGUFFile  # noqa: E402
-from common.model import LlamaConfig  # noqa: E402
-from stages.naive import matmul_textbook  # noqa: E402
-from stages.tiling import make_tiled_matmul  # noqa: E402
+from app.measure.protocol import BENCH_DIR, header
+from app.models import DEFAULT_MODEL
+from common.gguf import GGUFFile
+from common.model import LlamaConfig
+from stages.naive import matmul_textbook
+from stages.tiling import make_tiled_matmul
 
 
 def model_shapes(cfg: LlamaConfig, rows: int):
@@ -62,13 +51,13 @@ def time_forward_matmuls(fn, shapes, reps: int) -> float:
     return statistics.median(totals)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=16, help="prompt rows M for the layer matmuls (default 16)")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="a smaller grid")
-    args = ap.parse_args()
+def add_arguments(p):
+    p.add_argument("--rows", type=int, default=16, help="prompt rows M for the layer matmuls (default 16)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="a smaller grid")
 
+
+def records(args):
     cfg = LlamaConfig.from_gguf(GGUFFile(DEFAULT_MODEL.path))
     shapes = model_shapes(cfg, args.rows)
     grid_i, grid_j, grid_k = ([4, 8], [16, 64], [64, 256]) if args.quick else \
@@ -83,13 +72,6 @@ def main():
     for r in results[:8]:
         print(f"  {r['tile_i']:>3} x {r['tile_j']:>4} x {r['tile_k']:>5}: {r['seconds'] * 1e3:7.0f} ms  "
               f"{r['speedup_vs_naive']:.2f}x naive")
-    out = ROOT / "profiles" / "bench" / "tiling_sweep.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": args.rows, "shapes": shapes, "naive_seconds": naive_s,
-                               "sweep": results, "machine": machine_info(), "provenance": provenance(),
-                               "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
-    print(f"wrote {out.relative_to(ROOT)}")
-
-
-if __name__ == "__main__":
-    main()
+    yield BENCH_DIR / "tiling_sweep.json", {"kind": "tiling_sweep", "rows": args.rows, "shapes": shapes,
+                                             "naive_seconds": naive_s, "sweep": results,
+                                             **header(command=args.command_line)}

@@ -1,18 +1,17 @@
 """How fast does common/tokenizer/ encode ~100 KB of English text? (target: under 1 s)
 
-    .venv/bin/python scripts/bench_tokenizer.py [-m MODEL.gguf] [--file TEXT] [--kb 100] [--repeat 5]
+    python -m app bench tokenizer [-m MODEL.gguf] [--file TEXT] [--kb 100] [--repeat 5]
 
 The text is the docstrings of a fixed list of standard-library modules (English prose with some
 code in it), cut to --kb kilobytes, unless --file names a text file. Reported:
   cold  a fresh Tokenizer, so every distinct word goes through the BPE merge loop once
   warm  the same text again: the per-word cache answers almost everything
 Where llama-cpp-python is installed, llama.cpp tokenizes the same text too: its time for
-reference, and its ids must equal ours.
+reference, and its ids must equal ours. Writes profiles/bench/tokenizer.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import inspect
 import statistics
@@ -20,13 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import app  # noqa: E402
-
-app.configure_numba()
-
-from common.tokenizer import Tokenizer  # noqa: E402
+from app.measure.protocol import BENCH_DIR, add_options, header
+from common.generate import ParameterError
+from common.tokenizer import Tokenizer
 
 MODULES = ("argparse", "collections", "json", "os", "pathlib", "re", "subprocess", "typing", "logging",
            "inspect", "textwrap", "functools", "itertools", "datetime", "decimal", "fractions", "string",
@@ -65,16 +60,16 @@ def timed(fn, repeat: int):
     return result, times
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-m", "--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
-    ap.add_argument("--file", help="tokenize this UTF-8 text file instead")
-    ap.add_argument("--kb", type=float, default=100, help="kilobytes of docstring text (default 100)")
-    ap.add_argument("--repeat", type=int, default=5)
-    args = ap.parse_args(argv)
+def add_arguments(p):
+    add_options(p, out=BENCH_DIR / "tokenizer.json")
+    p.add_argument("--file", help="tokenize this UTF-8 text file instead")
+    p.add_argument("--kb", type=float, default=100, help="kilobytes of docstring text (default 100)")
+    p.add_argument("--repeat", type=int, default=5)
+
+
+def records(args):
     if not Path(args.model).exists():
-        print(f"{args.model} is missing: run `make model`")
-        return 2
+        raise ParameterError(f"{args.model} is missing: run `make model`")
     if args.file:
         text, source = Path(args.file).read_text(encoding="utf-8"), args.file
     else:
@@ -104,19 +99,23 @@ def main(argv=None) -> int:
               f"({n_bytes / best / 1e6:5.2f} MB/s, {len(ids) / best / 1e3:6.0f} k tokens/s)")
     verdict = "under" if min(cold_times) < 1.0 else "OVER"
     print(f"target  cold encode of ~100 KB under 1 s: {verdict} ({min(cold_times):.3f} s)")
-
+    rec = {"kind": "tokenizer", "model": Path(args.model).name, "text": source, "bytes": n_bytes, "tokens": len(ids),
+           "load_s": load_s, "cold_s": cold_times, "warm_s": warm_times, "distinct_words": distinct}
     try:
         import llama_cpp
     except ImportError:
         print("llama.cpp: llama-cpp-python not installed (`make baseline`), no reference timing")
-        return 0
-    llm = llama_cpp.Llama(model_path=args.model, vocab_only=True, verbose=False)
-    data = text.encode("utf-8")
-    ref, ref_times = timed(lambda: llm.tokenize(data, add_bos=False, special=False), args.repeat)
-    same = "identical ids" if ref == ids else f"DIFFERENT ids ({len(ref)} vs {len(ids)} tokens)"
-    print(f"llama.cpp best {min(ref_times) * 1000:7.1f} ms  ({same})")
-    return 0 if ref == ids else 1
+    else:
+        llm = llama_cpp.Llama(model_path=args.model, vocab_only=True, verbose=False)
+        data = text.encode("utf-8")
+        ref, ref_times = timed(lambda: llm.tokenize(data, add_bos=False, special=False), args.repeat)
+        same = "identical ids" if ref == ids else f"DIFFERENT ids ({len(ref)} vs {len(ids)} tokens)"
+        print(f"llama.cpp best {min(ref_times) * 1000:7.1f} ms  ({same})")
+        rec["llama_cpp"] = {"s": ref_times, "same_ids": ref == ids, "tokens": len(ref)}
+    rec.update(header({"kb": args.kb, "repeat": args.repeat}, args.command_line))
+    yield args.out, rec
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def failures(rec: dict) -> list[str]:
+    """llama.cpp's ids where they differ from ours."""
+    return [] if rec.get("llama_cpp", {}).get("same_ids", True) else ["llama.cpp's ids differ from ours"]

@@ -58,12 +58,11 @@ from app import ROOT
 from app.compile import compile_all, in_compile_order
 from app.measure import perplexity, roofline
 from app.measure.baseline import llama_cpp_version
-from app.measure.bench import BASELINE, measure_in_child, results_dir
-from app.measure.machine import machine_info
+from app.measure.bench import BASELINE, results_dir, stage_in_child
+from app.measure.protocol import header, write_record
 from app.measure.provenance import provenance, stale
 from app.models import DEFAULT_MODEL, MODELS, FetchError, resolve
-from app.report import charts, lessons
-from app.report.pages import redraw_pages
+from app.report import charts, lessons, pages
 from common.cpu import physical_cores
 from common.gguf import GGUFFile
 from common.model import LlamaConfig, n_params
@@ -102,13 +101,13 @@ ARTICLE = Workload(lessons.ARTICLE_PROMPT_TOKENS, article=True)
 
 
 def measure_stage(stage: str, model: Path, out_dir: Path, threads=None, workload: Workload = REPORT) -> dict:
-    return measure_in_child(stage, model, workload.prompt_tokens, workload.n_predict(stage), threads=threads,
+    return stage_in_child(stage, model, workload.prompt_tokens, workload.n_predict(stage), threads=threads,
                             out_dir=out_dir, profile_n=workload.profile_n(stage))
 
 
 def measure_baseline(model: Path, out_dir: Path, threads: int = 1, workload: Workload = REPORT) -> dict:
     """llama.cpp's row, same prompt ids as the stages, as many tokens as the KV-cache stages."""
-    return measure_in_child(BASELINE, model, workload.prompt_tokens, workload.baseline_tokens, threads=threads,
+    return stage_in_child(BASELINE, model, workload.prompt_tokens, workload.baseline_tokens, threads=threads,
                             out_dir=out_dir)
 
 
@@ -135,10 +134,8 @@ def measure_machine(folder: Path, force: bool = False) -> dict:
     path = folder / "machine.json"
     if path.exists() and not force:
         return json.loads(path.read_text())
-    rec = {"kind": "machine", "machine": machine_info(), **roofline.measure(), "provenance": provenance(),
-           "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rec, indent=1))
+    rec = {"kind": "machine", **roofline.measure(), **header()}
+    write_record(rec, path)
     return rec
 
 
@@ -267,7 +264,7 @@ def run(model=None, stages=None, draw_only=False, baseline=True, remeasure_machi
             print(f"wrote {os.path.relpath(written_ppl, ROOT)}", file=sys.stderr)
     why_missing = {s: "too slow on a model this size; --stages names it to measure it" for s in left_out}
     written = draw(folder, charts_dir, update_readme_table=is_default, why_missing=why_missing)
-    written += redraw_pages(PROFILES / "bench")
+    written += pages.redraw(PROFILES / "bench")
     written += lessons.write(PROFILES)
     written.append(charts.write_ops_page(PROFILES))
     for path in written:

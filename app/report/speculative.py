@@ -1,4 +1,4 @@
-"""The speculative decoding record (profiles/bench/speculative.json, scripts/bench_speculative.py)
+"""The speculative decoding record (profiles/bench/speculative.json, `python -m app bench speculative`)
 drawn: its page (profiles/bench/speculative.md), its chart (profiles/speculative.png) and the
 ledger-style row for the claim "k guesses cost about one step", every figure computed from the
 record. Ratios are medians over rounds of ratios taken within a round; tokens/s are medians over
@@ -86,7 +86,7 @@ def page(rec: dict, shown: str) -> str:
     lines = [
         "# Speculative decoding: k guesses, one verify pass",
         "",
-        f"Drawn from `{shown}` by `python scripts/bench_speculative.py --chart-only` (chart: "
+        f"Drawn from `{shown}` by `python -m app bench speculative --draw-only` (chart: "
         f"`profiles/speculative.png`). {rec['model']}, stage `{rec['stage']}`, on {rec['machine']['cpu']} "
         f"({rec['machine']['physical_cores']} cores); code {rec['provenance']['code_hash']}, commit "
         f"{rec['provenance']['commit'][:10]}{' (dirty)' if rec['provenance']['dirty'] else ''}; "

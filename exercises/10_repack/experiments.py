@@ -55,7 +55,7 @@ def prefetch(quick):
         name = "no software prefetch" if level == 0 else f"into L{level}, {ahead // 1024} KiB ahead"
         chosen = " (the stage's choice here)" if (level, ahead) == now[Q4_1] else ""
         rows.append((name + chosen, raw.nbytes / s / 1e9, "GB/s"))
-    return {"rows": rows, "note": what + "; 1 thread; scripts/bench_prefetch.py times every choice and type"}
+    return {"rows": rows, "note": what + "; 1 thread; `python -m app bench prefetch` times every choice and type"}
 
 
 EXPERIMENTS = [

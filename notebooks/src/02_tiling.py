@@ -137,7 +137,7 @@ nb.show_source(stages.tiling.make_tiled_matmul, stages.tiling.TilingBackend,
 # %% [markdown]
 # ## Choosing the tile: a sweep
 #
-# Tile sizes are measured, not derived: `scripts/tune_tiling.py` times every combination on the
+# Tile sizes are measured, not derived: `python -m app bench tiling` times every combination on the
 # model's own matmul shapes and records the sweep in `profiles/bench/tiling_sweep.json`. Here is
 # a small live sweep on the two feed-forward shapes (the largest matmuls of a layer), each tile
 # size compiled fresh. `1 x 1 x 4096` is the untiled loop written the tiled way.
@@ -145,7 +145,7 @@ nb.show_source(stages.tiling.make_tiled_matmul, stages.tiling.TilingBackend,
 # %%
 from stages.tiling import make_tiled_matmul
 
-rows_m = 16                                             # prompt rows, as scripts/tune_tiling.py uses
+rows_m = 16                                             # prompt rows, as `bench tiling` uses
 ffn = [(mcfg.n_embd, mcfg.n_ff), (mcfg.n_ff, mcfg.n_embd)]
 data = [(rng.standard_normal((rows_m, K), dtype=np.float32), rng.standard_normal((K, N), dtype=np.float32))
         for K, N in ffn]
@@ -179,7 +179,7 @@ if sweep_file.exists():
                   [(f"{r['tile_i']} x {r['tile_j']} x {r['tile_k']}", f"{r['seconds'] * 1e3:.0f}",
                     f"{r['speedup_vs_naive']:.2f}x") for r in recorded_sweep["sweep"][:8]])
 else:
-    nb.md(f"No recorded sweep yet (`{nb.rel(sweep_file)}`): `python scripts/tune_tiling.py` writes it.")
+    nb.md(f"No recorded sweep yet (`{nb.rel(sweep_file)}`): `python -m app bench tiling` writes it.")
 
 # %% [markdown]
 # ## The stage, end to end
@@ -206,7 +206,7 @@ from app.measure import roofline
 from app.report import lessons
 
 decode_rows = live[0]["n_prompt"] + 1                 # no KV cache: the whole text again
-mine = roofline.cache_bytes()
+mine = nb.cache_sizes()
 traffic = {(stage, where): roofline.traffic(stage, mcfg, decode_rows, decode_rows, caches)["decode_bytes"]
            for stage in ("naive", "tiling") for where, caches in (("here", mine), ("i3", lessons.ARTICLE_CACHES))}
 nb.show_table(["loop order", f"this machine (L3 {nb.human_bytes(mine.get('L3', 0))})",

@@ -119,17 +119,18 @@ ax.set_title(f"[rows x {K}] @ [{K} x {N}] (weights hot in cache)", fontsize=10)
 ax.grid(axis="y", which="both", alpha=0.25)
 fig.tight_layout()
 nb.show(fig)
+named = {k.replace("\n", ", "): v for k, v in results.items()}          # "simd, 16 rows": the table's names
 nb.show_table(["kernel, rows", "GFLOP/s", "share of the measured peak"],
-              [(k.replace(chr(10), ", "), f"{v:.1f}", f"{v / ceil['peak_gflops']:.0%}") for k, v in results.items()])
+              [(k, f"{v:.1f}", f"{v / ceil['peak_gflops']:.0%}") for k, v in named.items()])
 simd16 = results["simd\n16 rows"]
 if simd16 > ceil["peak_gflops"]:
     print(f"simd beats the recorded 'peak' of {ceil['peak_gflops']:.0f} GFLOP/s: app/measure/roofline.py measures it "
           "with a small matmul (8 x 512 operands) called many times, which this larger shape outruns. "
           "Read that peak as a floor, not a ceiling.")
-findings["kernel GFLOP/s"] = (f"16 rows: simd {simd16:.1f}, tiling {results['tiling' + chr(10) + '16 rows']:.1f}, "
-                              f"naive {results['naive' + chr(10) + '16 rows']:.1f} GFLOP/s "
-                              f"({simd16 / results['naive' + chr(10) + '16 rows']:.0f}x naive); 1 row: simd "
-                              f"{results['simd' + chr(10) + '1 row']:.1f} GFLOP/s")
+findings["kernel GFLOP/s"] = (f"16 rows: simd {simd16:.1f}, tiling {named['tiling, 16 rows']:.1f}, "
+                              f"naive {named['naive, 16 rows']:.1f} GFLOP/s "
+                              f"({simd16 / named['naive, 16 rows']:.0f}x naive); 1 row: simd "
+                              f"{named['simd, 1 row']:.1f} GFLOP/s")
 
 # %% [markdown]
 # With one row, the 4 x 4 block degenerates to 1 x 4: each weight loaded is used once, and the
@@ -173,7 +174,7 @@ rows_per_step = t["n_prompt"] + 1                        # no KV cache: every st
 tiny = SimpleNamespace(n_layer=TINYLLAMA.n_layer, n_embd=TINYLLAMA.n_embd, n_ff=TINYLLAMA.n_ff,
                        n_head=TINYLLAMA.n_head, head_dim=TINYLLAMA.head_dim,
                        kv_dim=TINYLLAMA.n_head_kv * TINYLLAMA.head_dim, n_vocab=TINYLLAMA.n_vocab)
-mine = roofline.cache_bytes()
+mine = nb.cache_sizes()
 table, floors = [], {}
 for model_name, conf in ((nb.model_path().stem, mcfg), ("TinyLlama 1.1B (the article's)", tiny)):
     for where, caches in (("this machine", mine), (lessons.ARTICLE_CPU, lessons.ARTICLE_CACHES)):

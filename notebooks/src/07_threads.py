@@ -157,12 +157,12 @@ if not missing["threads"]:
 # %% [markdown]
 # ## Against llama.cpp, recorded
 #
-# `scripts/bench_vs_llama.py` measures the stages and llama.cpp side by side, at 1 thread and at
+# `python -m app bench vs-llama` measures the stages and llama.cpp side by side, at 1 thread and at
 # all cores, in alternating rounds, and writes `profiles/bench/vs_llama_<model>.json` with the
 # page drawn from it (`vs_llama_<model>.md`). Its ratios for this stage, if it has run:
 
 # %%
-recorded = nb.show_vs_llama(["threads"], "_No recorded comparison yet: `python scripts/bench_vs_llama.py` writes it._")
+recorded = nb.show_vs_llama(["threads"], "_No recorded comparison yet: `python -m app bench vs-llama` writes it._")
 if recorded:
     findings["recorded ratios"] = nb.decode_ratios(recorded)
 

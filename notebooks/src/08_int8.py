@@ -161,12 +161,12 @@ if not missing["int8"]:
 # %% [markdown]
 # ## Against llama.cpp, recorded
 #
-# `scripts/bench_vs_llama.py` measures these stages and llama.cpp side by side, at 1 thread and
+# `python -m app bench vs-llama` measures these stages and llama.cpp side by side, at 1 thread and
 # at all cores, in alternating rounds, and writes `profiles/bench/vs_llama_<model>.json` with the
 # page drawn from it (`vs_llama_<model>.md`). Its ratios, if it has run:
 
 # %%
-recorded_rows = nb.show_vs_llama(["int8"], "_No recorded comparison yet: `python scripts/bench_vs_llama.py` "
+recorded_rows = nb.show_vs_llama(["int8"], "_No recorded comparison yet: `python -m app bench vs-llama` "
                                            "writes it._")
 if recorded_rows:
     behind = sum(float(r[2]) > 1 for r in recorded_rows)

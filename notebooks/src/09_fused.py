@@ -154,7 +154,7 @@ if not missing["fused"]:
 # The int8 stage's named-instruction kernels add the 8 lanes of each block's integer sum
 # horizontally, block after block. The fused tiles scale each block's 8 lanes into a float
 # vector accumulator and add horizontally once per row. Both decode kernels on one thread, on
-# every matrix of this model, grouped by type (`python scripts/bench_kernels.py` records the
+# every matrix of this model, grouped by type (`python -m app bench kernels` records the
 # same for every type of every model):
 
 # %%
@@ -241,12 +241,12 @@ if not (missing["fused"] or missing["int8"]):
 # %% [markdown]
 # ## Against llama.cpp, recorded
 #
-# `python scripts/bench_vs_llama.py --engines int8,fused,llama.cpp` measures these side by side
+# `python -m app bench vs-llama --engines int8,fused,llama.cpp` measures these side by side
 # with llama.cpp in alternating rounds (profiles/bench/vs_llama_<model>.md). Its ratios, if it
 # has measured the fused stage:
 
 # %%
-recorded = nb.show_vs_llama(["fused"], "_No recorded comparison of the fused stage yet: `python scripts/bench_vs_llama.py "
+recorded = nb.show_vs_llama(["fused"], "_No recorded comparison of the fused stage yet: `python -m app bench vs-llama "
                                  "--engines int8,fused,llama.cpp` writes it._")
 if recorded:
     findings["recorded ratios"] = nb.decode_ratios(recorded)

@@ -190,12 +190,12 @@ if not missing["repack"]:
 # %% [markdown]
 # ## Against llama.cpp, recorded
 #
-# `python scripts/bench_vs_llama.py --engines fused,repack,llama.cpp` measures these side by side
+# `python -m app bench vs-llama --engines fused,repack,llama.cpp` measures these side by side
 # with llama.cpp in alternating rounds (profiles/bench/vs_llama_<model>.md). Its ratios, if it
 # has measured the repack stage:
 
 # %%
-recorded = nb.show_vs_llama(["repack"], "_No recorded comparison of the repack stage yet: `python scripts/bench_vs_llama.py "
+recorded = nb.show_vs_llama(["repack"], "_No recorded comparison of the repack stage yet: `python -m app bench vs-llama "
                                  "--engines fused,repack,llama.cpp` writes it._")
 if recorded:
     findings["recorded ratios"] = nb.decode_ratios(recorded)

@@ -155,7 +155,7 @@ findings["a 4096-token prompt"] = f"KV cache {nb.human_bytes(kv)} + one piece's 
 # %% [markdown]
 # ## Against llama.cpp, recorded
 #
-# `python scripts/bench_vs_llama.py --ttft-lengths 128,512,1024,2048` measures repack, prefill and
+# `python -m app bench ttft --lengths 128,512,1024,2048` measures repack, prefill and
 # llama.cpp with flash attention off and on, in alternating rounds (profiles/bench/ttft_<model>.md).
 
 # %%
@@ -164,7 +164,7 @@ if recorded:
     nb.show_table(["model", "engine", "prompt", "TTFT / llama.cpp's better", "decode / llama.cpp's better"], recorded)
     findings["recorded"] = "; ".join(f"{m} {e} {n}: TTFT {t}x" for m, e, n, t, _ in recorded if e == "prefill")
 else:
-    nb.md("_No recorded sweep yet: `python scripts/bench_vs_llama.py --ttft-lengths 128,512,1024,2048` writes it._")
+    nb.md("_No recorded sweep yet: `python -m app bench ttft --lengths 128,512,1024,2048` writes it._")
 
 # %% [markdown]
 # ## The running total

@@ -310,7 +310,7 @@ findings["a parallel region from a second thread"] = (
 # ## The server, and the load test
 #
 # `make serve` (`python -m app serve`) puts this behind OpenAI's HTTP API; `make loadtest`
-# (`scripts/loadtest.py`) runs 1 to 32 clients of the official `openai` package against it and
+# (`python -m app bench loadtest`) runs 1 to 32 clients of the official `openai` package against it and
 # against llama.cpp's own server, and draws `profiles/batching.png` from its record
 # (`profiles/bench/batching.json`, table `profiles/bench/batching.md`):
 

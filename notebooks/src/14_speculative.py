@@ -172,7 +172,7 @@ findings["lookup, live"] = (f"{live['copy']:.2f}x plain decoding on text that co
 # %% [markdown]
 # ## The benchmark and its record
 #
-# `python scripts/bench_speculative.py` measures the curve above at 1 thread and at all cores,
+# `python -m app bench speculative` measures the curve above at 1 thread and at all cores,
 # beside llama.cpp's own verify pass, and the tokens/s of plain decoding and prompt lookup,
 # ours and llama-cpp-python's `LlamaPromptLookupDecoding`, on every committed prompt
 # (`app/measure/speculative_prompts.json`), in alternating rounds. It writes
@@ -192,7 +192,7 @@ if nb.show_image(nb.ROOT / "profiles" / "speculative.png") and record.exists():
     findings["recorded"] = "; ".join(f"{r.id}: {r.measured:.2f}x, {r.verdict}" for r in claim) + \
         (" (quick settings)" if rec["settings"].get("quick") else "")
 else:
-    nb.md("_No benchmark recorded yet: `python scripts/bench_speculative.py` writes it._")
+    nb.md("_No benchmark recorded yet: `python -m app bench speculative` writes it._")
 
 # %% [markdown]
 # What decides it, then, is the machine and the kernel, not the idea: speculative decoding turns

@@ -1,7 +1,7 @@
 """Record ggml's Q4_K / Q6_K reference quantizer output for the test inputs, so CI checks our
 quantizer byte for byte without building llama.cpp.
 
-    make llama-cpp && .venv/bin/python scripts/make_kquant_golden.py
+    make llama-cpp && .venv/bin/python -m scripts.goldens.make_kquant_golden
 
 Writes tests/golden/ggml_k_quants.json: per type and input tensor (k_quant_cases below, which
 tests/test_quants.py quantizes too), the sha256 of the float input and one sha256 per quantized row.
@@ -12,18 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import app  # noqa: E402
+import numpy as np
 
-app.configure_numba()
-
-import numpy as np  # noqa: E402
-
-from common.gguf import GGMLType  # noqa: E402
-from scripts.ggml_ref import GGMLUnavailable, ggml_quantizer  # noqa: E402
+from app import ROOT
+from common.gguf import GGMLType
+from scripts.goldens.ggml_ref import GGMLUnavailable, ggml_quantizer
 
 K_TYPES = (GGMLType.Q4_K, GGMLType.Q6_K)
 GOLDEN_K = ROOT / "tests" / "golden" / "ggml_k_quants.json"
@@ -53,7 +47,7 @@ def tricky_rows(rng, n_per_row: int) -> np.ndarray:
 
 
 def k_quant_cases(ggml_type: GGMLType) -> dict:
-    """The float tensors the K-quant tests quantize (seeded, so scripts/make_kquant_golden.py
+    """The float tensors the K-quant tests quantize (seeded, so scripts/goldens/make_kquant_golden.py
     can record ggml's output for exactly these)."""
     rng = np.random.default_rng(3000 + int(ggml_type))
     return {

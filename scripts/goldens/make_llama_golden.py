@@ -1,7 +1,7 @@
 """Record llama.cpp's logits on the default model as a golden file for the tests.
 
     make baseline-install            # or: .venv/bin/pip install -r requirements-llama.txt
-    .venv/bin/python scripts/make_llama_golden.py [-m MODEL] [--out tests/golden/llama_cpp_logits.npz]
+    .venv/bin/python -m scripts.goldens.make_llama_golden [-m MODEL] [--out tests/golden/llama_cpp_logits.npz]
 
 For each prompt in PROMPTS, llama.cpp (through llama-cpp-python, logits_all=True, 1 thread)
 tokenizes the text and evaluates every position. Full logits would be megabytes, so the
@@ -19,11 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import app  # noqa: E402
-
-app.configure_numba()
+from app import ROOT
 
 PROMPTS = [
     "The meaning of life is",

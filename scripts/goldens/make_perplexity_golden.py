@@ -1,7 +1,7 @@
 """Record llama.cpp's perplexity of the committed text as a golden file for the tests.
 
     make llama-cpp                   # llama-cpp-python, if not installed yet
-    .venv/bin/python scripts/make_perplexity_golden.py [-m MODEL] [-f TEXT] [--out FILE.npz]
+    .venv/bin/python -m scripts.goldens.make_perplexity_golden [-m MODEL] [-f TEXT] [--out FILE.npz]
 
 llama.cpp (through llama-cpp-python) tokenizes the text once, as llama-perplexity does (BOS in
 front where the vocabulary adds one), and evaluates it by llama-perplexity's method at each
@@ -23,11 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import app  # noqa: E402
-
-app.configure_numba()
+from app import ROOT
 
 CTXS = (64, 128, 512)
 DEFAULT_TEXT = ROOT / "tests" / "fixtures" / "text" / "alice-in-wonderland-ch1-4.txt"

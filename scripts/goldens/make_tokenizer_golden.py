@@ -1,7 +1,7 @@
 """Write the tokenizer golden files: llama.cpp's own token ids for a test corpus, per vocabulary.
 
-    .venv/bin/python scripts/make_tokenizer_golden.py          # rewrite tests/golden/tokenizer/*.json
-    .venv/bin/python scripts/make_tokenizer_golden.py --check  # compare common/tokenizer.py, write nothing
+    .venv/bin/python -m scripts.goldens.make_tokenizer_golden          # rewrite tests/golden/tokenizer/*.json
+    .venv/bin/python -m scripts.goldens.make_tokenizer_golden --check  # compare common/tokenizer.py, write nothing
 
 Regenerate them whenever the corpus below changes or llama-cpp-python is upgraded. Needs:
   * llama-cpp-python (the oracle; `make baseline` or `pip install -r requirements-llama.txt`),
@@ -29,7 +29,8 @@ import random
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from app import ROOT
+
 GOLDEN_DIR = ROOT / "tests" / "golden" / "tokenizer"
 VOCAB_DIR = ROOT / "models" / "vocab"
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -397,7 +398,6 @@ def golden_for(name: str, path: Path, seed: int) -> dict:
 
 def check_against_ours(golden: dict) -> list[str]:
     """Mismatches between common/tokenizer.py and one golden file (for --check)."""
-    sys.path.insert(0, str(ROOT))
     from common.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(ROOT / golden["file"])
     bad = []

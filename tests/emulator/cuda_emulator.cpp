@@ -1,7 +1,7 @@
 // A CPU emulator of the CUDA execution model, strict enough to catch the bugs a GPU would show and a
-// plain CPU run would hide: the runtime (this file). scripts/cuda_emulator_kernels.cpp defines the CUDA
+// plain CPU run would hide: the runtime (this file). tests/emulator/cuda_emulator_kernels.cpp defines the CUDA
 // vocabulary for g++ and includes a kernel source (stages/kernels/cuda.cu, or a test's); both are
-// built into one shared library by scripts/cuda_emulator.py, which says how to use it.
+// built into one shared library by tests/emulator/cuda_emulator.py, which says how to use it.
 //
 // Threads. A launch runs its blocks one after another on the calling OS thread; the threads of a
 // block are fibers (user-space stacks switched by hand), all of them, so that one thread can stop at

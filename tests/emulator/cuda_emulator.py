@@ -1,7 +1,7 @@
 """The cuda stage without a GPU: its kernels on the CPU, strict enough to fail where a GPU would.
 
-scripts/cuda_emulator_kernels.cpp wraps a kernel source (stages/kernels/cuda.cu, the same file
-PyCUDA compiles for the GPU, or a test's) in the CUDA vocabulary; scripts/cuda_emulator.cpp is
+tests/emulator/cuda_emulator_kernels.cpp wraps a kernel source (stages/kernels/cuda.cu, the same file
+PyCUDA compiles for the GPU, or a test's) in the CUDA vocabulary; tests/emulator/cuda_emulator.cpp is
 the runtime: CUDA threads as fibers on one OS thread, barriers, warp shuffles, atomics, and a
 checker of every memory access. g++ builds both into a shared library. EmulatedDevice has the
 methods of stages.kernels.cuda_runtime.PyCudaDevice, with host memory standing in for device
@@ -50,9 +50,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-RUNTIME = ROOT / "scripts" / "cuda_emulator.cpp"
-KERNEL_SIDE = ROOT / "scripts" / "cuda_emulator_kernels.cpp"
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+RUNTIME = HERE / "cuda_emulator.cpp"
+KERNEL_SIDE = HERE / "cuda_emulator_kernels.cpp"
 KERNELS = ROOT / "stages" / "kernels" / "cuda.cu"
 GUARD = 256                  # guard bytes on each side of every allocation
 GUARD_BYTE = 0xA5            # their value: not POISON, so a stray write of poison shows too

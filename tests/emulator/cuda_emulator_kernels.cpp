@@ -1,7 +1,7 @@
-// The kernel side of the CPU emulator (the runtime is scripts/cuda_emulator.cpp): the CUDA vocabulary a
+// The kernel side of the CPU emulator (the runtime is tests/emulator/cuda_emulator.cpp): the CUDA vocabulary a
 // kernel source uses, defined for g++, then the kernel source itself and the table of its kernels.
 //
-// scripts/cuda_emulator.py compiles this file with
+// tests/emulator/cuda_emulator.py compiles this file with
 //   -DEMU_KERNEL_SOURCE="<the .cu>"   stages/kernels/cuda.cu, or a test's kernels
 //   -DEMU_KERNEL_TABLE="<a header>"   EMU_KERNEL(name, bound) per __global__ function, read from the
 //                                     preprocessed source with its __launch_bounds__

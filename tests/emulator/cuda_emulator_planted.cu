@@ -1,5 +1,5 @@
 // Kernels with one planted bug each, beside the correct version, for tests/test_emulator.py: the CPU
-// emulator (scripts/cuda_emulator.*) must fail every buggy one, saying what is wrong, and pass every
+// emulator (tests/emulator/cuda_emulator.*) must fail every buggy one, saying what is wrong, and pass every
 // correct one. Each bug is one a plain CPU run hides: threads that run one at a time see no race,
 // and memory that starts zeroed hides a read of nothing.
 //
