@@ -17,6 +17,7 @@ import app
 
 app.configure_numba()                  # a notebook is an entry point: numba's cache and threading layers
 
+from common.cpu import cache_sizes  # this machine's caches, in bytes
 from notebooks.nb import article  # noqa: E402
 from notebooks.nb.asm import fma_counts, hot_loop, int8_row_kernels, integer_kernel_asm, kernel_asm
 from notebooks.nb.journey import journey
@@ -25,7 +26,6 @@ from notebooks.nb.measure import (
     MatmulWork,
     Recorded,
     best_seconds,
-    cache_sizes,
     ceilings,
     decode_ratios,
     faults_between,
