@@ -7,29 +7,27 @@ model generates with prompt lookup and your rule, beside the stage's rule and pl
 
 from __future__ import annotations
 
-import copy
 import math
 from types import SimpleNamespace
 
 import numpy as np
 
 from common.generate import Sampler, SamplingParams
-from common.speculative import (
-    DRAFT_MAX,
-    Draft,
-    DraftLength,
-    PromptLookup,
-    Speculator,
-    StepCost,
-    accept,
-    dense_distribution,
-)
+from common.speculative import DRAFT_MAX, Draft, accept, dense_distribution, from_flags
 from exercises.harness import Case, Exercise, Timing
 from exercises.harness import engine as harness_engine
 
 TRIALS = 4000           # draws per sampling case
 SIGMAS = 5              # a correct rule's frequency lies within 5 standard deviations of p: one chance in
                         # ~3.5 million per token, so under 1 in 100,000 for a case of a few tokens, any seed
+
+
+def lookup(rule, draft_max: int = DRAFT_MAX):
+    """`run --spec lookup --draft-max N`'s step strategy (common/speculative.py: from_flags), deciding
+    with `rule`: set where the strategy keeps its rule (its planner, if it has one)."""
+    spec = from_flags("lookup", draft_max)
+    getattr(spec, "speculation", spec).rule = rule
+    return spec
 
 
 def softmax(z):
@@ -187,17 +185,10 @@ class Speculative(Exercise):
         n = 16 if quick else 64
         self.timing_note = (f"the {stage} stage generating {n} tokens of an answer that copies its prompt "
                             "(prompt lookup's guesses), greedy; per token")
-        # the verify passes' costs measured once (StepCost.calibrate), each run starting from a copy of
-        # them: otherwise each run's own calibration on a busy machine picks other guess counts
-        cost = StepCost()
-        cost.calibrate(engine, DRAFT_MAX + 1)
-
-        def spec(rule):
-            return Speculator(PromptLookup(), rule=rule, length=DraftLength(DRAFT_MAX, copy.deepcopy(cost)))
         rows = []
         for label, who, rule in (("yours", "yours", sol.accept), ("the stage's rule", "stage", accept),
                                  ("plain decoding (the chapters before)", "previous", None)):
-            best = min((run_ours(engine, ids, n, spec(rule) if rule else None) for _ in range(1 if quick else 3)),
+            best = min((run_ours(engine, ids, n, lookup(rule) if rule else None) for _ in range(1 if quick else 3)),
                        key=lambda r: r["decode_s"])
             kept = f", {best['accepted']} of {best['drafted']} guesses kept" if rule else ""
             rows.append(Timing(label + kept, best["decode_s"] / max(1, len(best["tokens"]) - 1), who))
