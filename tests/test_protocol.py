@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.measure import protocol
+from app.measure import benchmarks, protocol
 from app.measure.benchmarks import BENCHMARKS, Benchmark, run_benchmark, with_default
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,12 +138,14 @@ def bench_commands(text: str) -> list[str]:
 
 
 def parses(command: str) -> str | None:
-    """None where `python -m app COMMAND` parses (--help: prints and stops, as it should); else a complaint."""
+    """None where `python -m app COMMAND` parses, NAME's own options too (--help: prints and stops, as
+    it should); else a complaint."""
     from app.cli import build_parser
     argv = with_default(command.replace("$(stage)", "simd").replace("$(model)", "m").replace("$(args)", "")
                         .replace("$(if $(np),--np $(np))", "").split())
     try:
-        build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
+        benchmarks.parser_for(args.benchmark).parse_args(args.rest)
     except SystemExit as stopped:
         if stopped.code:
             return f"`python -m app {command}` does not parse"
@@ -168,30 +170,43 @@ def test_bench_with_options_alone_is_the_stage_bench():
 
 
 def test_every_drawn_kind_is_written_by_a_benchmark():
-    from app.report.pages import DRAWINGS
+    from app.report.pages import DRAWINGS, drawing
     assert {k for b in BENCHMARKS.values() for k in b.kinds} == set(DRAWINGS)
+    for name in BENCHMARKS:                                  # every module has the two functions
+        module = benchmarks.module_of(name)
+        assert callable(module.add_arguments) and callable(module.records), name
+    assert all(callable(drawing(kind)[0]) for kind in DRAWINGS)
 
 
-def stub(record, path, failures=()) -> Benchmark:
+def stub(record, path, failures=()):
+    """A benchmark module that 'measures' the given record."""
+    from types import SimpleNamespace
+
     def records(args):
+        assert args.command_line == "python -m app bench stub"
         yield path, record
-    return Benchmark("a stub", lambda p: None, records, (record["kind"],), lambda rec: list(failures))
+    return SimpleNamespace(add_arguments=lambda p: None, records=records, failures=lambda rec: list(failures))
 
 
 def test_a_benchmark_writes_its_record_prints_its_page_and_says_what_failed(monkeypatch, tmp_path, capsys):
     from types import SimpleNamespace
     record = json.loads(next((ROOT / "profiles" / "bench" / "prefetch").glob("*.json")).read_text())
     path = tmp_path / "p.json"
-    monkeypatch.setitem(BENCHMARKS, "stub", stub(record, path))
-    assert run_benchmark(SimpleNamespace(benchmark="stub", draw_only=None)) == 0
+    monkeypatch.setitem(BENCHMARKS, "stub", Benchmark("stub", "a stub", ("prefetch",)))
+    module = stub(record, path)
+    monkeypatch.setattr(benchmarks, "module_of", lambda name: module)
+
+    def run(*rest):
+        args = SimpleNamespace(benchmark="stub", rest=list(rest), command_line="python -m app bench stub")
+        return run_benchmark(args)
+    assert run() == 0
     out = capsys.readouterr()
     assert json.loads(path.read_text()) == record and out.out.strip() == path.with_suffix(".md").read_text().strip()
     assert "wrote " in out.err
     path.with_suffix(".md").unlink()
-    assert run_benchmark(SimpleNamespace(benchmark="stub", draw_only=[str(path)])) == 0      # --draw-only
-    assert path.with_suffix(".md").exists()
-    monkeypatch.setitem(BENCHMARKS, "stub", stub(record, path, failures=["the claim"]))
-    assert run_benchmark(SimpleNamespace(benchmark="stub", draw_only=None)) == 1
+    assert run("--draw-only", str(path)) == 0 and path.with_suffix(".md").exists()
+    module = stub(record, path, failures=["the claim"])
+    assert run() == 1
     assert "does not hold: the claim" in capsys.readouterr().err
 
 

@@ -2,7 +2,7 @@
 and for some a chart, every figure from the record alone. `python -m app bench NAME` draws them
 when it has measured; `... --draw-only` and `python -m app report` draw them again.
 
-    DRAWINGS            {record kind: Drawing(page, chart)}: page(record, source) -> markdown,
+    DRAWINGS            {record kind: (module, page, chart)}: page(record, source) -> markdown,
                         chart(record, path) draws a PNG
     draw(record, path)  the record at `path` drawn: its page beside it, its chart (chart_path)
     page_for(path)      the page a record file stands behind, or None
@@ -11,40 +11,22 @@ when it has measured; `... --draw-only` and `python -m app report` draw them aga
 
 from __future__ import annotations
 
+import importlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from app import ROOT
-from app.measure import (
-    compare,
-    constrain_bench,
-    kernel_bench,
-    loadtest,
-    prefetch_bench,
-    shared_core,
-    soak,
-    spec_serve,
-    tp_bench,
-    ttft,
-)
 from app.measure.protocol import BENCH_DIR, shown
-from app.report import speculative
 
-
-@dataclass(frozen=True)
-class Drawing:
-    page: Callable[[dict, str], str]            # (record, its path as shown) -> markdown
-    chart: Callable[[dict, Path], None] | None = None
-
-
+# {record kind: (module, its page function, its chart function or None)}; a module is imported
+# when one of its records is drawn.
 DRAWINGS = {
-    "comparison": Drawing(compare.page), "kernels": Drawing(kernel_bench.page), "ttft_sweep": Drawing(ttft.page),
-    "constrain": Drawing(constrain_bench.page), "prefetch": Drawing(prefetch_bench.page),
-    "shared_core": Drawing(shared_core.page), "soak": Drawing(soak.page), "speculative_serve": Drawing(spec_serve.page),
-    "tp": Drawing(tp_bench.page, tp_bench.chart), "speculative": Drawing(speculative.page, speculative.chart),
-    "batching": Drawing(loadtest.page, loadtest.chart),
+    "comparison": ("app.measure.compare", "page", None), "kernels": ("app.measure.kernel_bench", "page", None),
+    "ttft_sweep": ("app.measure.ttft", "page", None), "constrain": ("app.measure.constrain_bench", "page", None),
+    "prefetch": ("app.measure.prefetch_bench", "page", None), "shared_core": ("app.measure.shared_core", "page", None),
+    "soak": ("app.measure.soak", "page", None), "speculative_serve": ("app.measure.spec_serve", "page", None),
+    "tp": ("app.measure.tp_bench", "page", "chart"), "speculative": ("app.report.speculative", "page", "chart"),
+    "batching": ("app.measure.loadtest", "page", "chart"),
 }
 # The charts the README shows live in profiles/, beside the results' charts; every other chart
 # beside its record.
@@ -56,6 +38,15 @@ def kind_of(record) -> str | None:
     return record.get("kind") if isinstance(record, dict) else None
 
 
+def drawing(kind: str | None):
+    """(page, chart or None) of a record kind; None for a kind without a drawing."""
+    if kind not in DRAWINGS:
+        return None
+    module, page, chart = DRAWINGS[kind]
+    m = importlib.import_module(module)
+    return getattr(m, page), getattr(m, chart) if chart else None
+
+
 def chart_path(path: Path) -> Path:
     path = Path(path)
     return README_CHARTS.get(path.resolve(), path.with_suffix(".png"))
@@ -64,16 +55,16 @@ def chart_path(path: Path) -> Path:
 def draw(record: dict, path: Path) -> list[Path]:
     """The page (and chart) of the record written at `path`; the files drawn (none for a kind
     without a drawing)."""
-    drawing = DRAWINGS.get(kind_of(record))
-    if drawing is None:
+    drawn = drawing(kind_of(record))
+    if drawn is None:
         return []
-    page = Path(path).with_suffix(".md")
-    page.write_text(drawing.page(record, shown(path)))
-    if drawing.chart is None:
-        return [page]
-    chart = chart_path(path)
-    drawing.chart(record, chart)
-    return [page, chart]
+    page, chart = drawn
+    md = Path(path).with_suffix(".md")
+    md.write_text(page(record, shown(path)))
+    if chart is None:
+        return [md]
+    chart(record, chart_path(path))
+    return [md, chart_path(path)]
 
 
 def page_for(record_path: Path) -> str | None:
@@ -82,8 +73,8 @@ def page_for(record_path: Path) -> str | None:
         record = json.loads(Path(record_path).read_text())
     except (OSError, ValueError):
         return None
-    drawing = DRAWINGS.get(kind_of(record))
-    return None if drawing is None else drawing.page(record, shown(record_path))
+    drawn = drawing(kind_of(record))
+    return None if drawn is None else drawn[0](record, shown(record_path))
 
 
 def redraw(folder: Path = BENCH_DIR, kinds=None) -> list[Path]:
