@@ -1,0 +1,228 @@
+"""The book (`make book`), built from the committed notebooks and read in a headless Chromium as a
+reader reads it: every chapter's page loads, shows its charts (images the browser decoded) and the
+caption that names the machine, commit and date of its figures, and no link or image inside the
+book is broken (every page reachable from the front page is visited and each internal link, file
+and anchor checked). Each check is shown failing on a planted copy of the site: a broken image, a
+removed page, a link to nowhere and to a missing anchor, a caption taken away.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urldefrag, urlparse
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytest.importorskip("myst_nb", reason="the book's tools are in requirements-book.txt (`make setup` installs them)")
+
+
+def _build_module():
+    spec = importlib.util.spec_from_file_location("notebooks_build", ROOT / "notebooks" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build = _build_module()
+CHAPTERS = {p.stem: p for p in build.sources()}          # name -> committed notebook
+IMAGE_MIMES = ("image/png", "image/jpeg", "image/svg+xml", "image/gif")
+
+
+def browser_missing() -> str | None:
+    for exe in ("chromium", "chromedriver"):
+        if shutil.which(exe) is None:
+            return f"{exe} is not installed"
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "selenium is not installed (requirements-test.txt)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    reason = browser_missing()
+    if reason:
+        pytest.skip(f"no headless browser: {reason} (`make browser` installs Debian's chromium and chromium-driver)")
+    from selenium import webdriver
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--allow-file-access-from-files",
+                "--window-size=1400,1000", f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(shutil.which("chromedriver")))
+    driver.set_script_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The book built as `make book` builds it (notebooks/build.py build_book), into a folder of its own."""
+    out = tmp_path_factory.mktemp("book")
+    build.build_book(out)
+    return out / "html"
+
+
+# ---- reading the site in the browser ---------------------------------------------------------------
+
+# every image made eager and decoded (a lazy one below the fold is not loaded otherwise); what is on the page
+READ_PAGE = """
+const done = arguments[arguments.length - 1];
+const imgs = Array.from(document.images);
+imgs.forEach(i => { i.loading = 'eager'; });
+Promise.all(imgs.map(i => i.decode().then(() => true, () => false))).then(decoded => done({
+  h1: (document.querySelector('h1') || {}).textContent || '',
+  ids: Array.from(document.querySelectorAll('[id]')).map(e => e.id)
+        .concat(Array.from(document.querySelectorAll('a[name]')).map(e => e.name)),
+  links: Array.from(document.querySelectorAll('a[href]')).map(a => a.href),
+  assets: Array.from(document.querySelectorAll('link[href], script[src]')).map(e => e.href || e.src),
+  images: imgs.map((i, k) => [i.currentSrc || i.src, decoded[k] && i.complete && i.naturalWidth > 0,
+                              !!i.closest('article, main')]),
+  captions: Array.from(document.querySelectorAll('.chapter-provenance')).map(e => e.innerText),
+}));
+"""
+
+
+REDIRECT = re.compile(r'http-equiv="refresh" content="0; url=([^"]+)"')    # index.html -> the front page
+
+
+@dataclass
+class Page:
+    h1: str = ""
+    ids: set = field(default_factory=set)
+    links: list = field(default_factory=list)
+    assets: list = field(default_factory=list)
+    images: list = field(default_factory=list)      # (src, loaded, in the page's content)
+    captions: list = field(default_factory=list)
+
+
+def _file(url: str) -> Path:
+    return Path(unquote(urlparse(url).path))
+
+
+def crawl(browser, html: Path, only: tuple[str, ...] = ()) -> tuple[dict[Path, Page], list[str]]:
+    """Every page reachable from the front page by links inside the book (or those of its pages
+    under the folders `only` names, and the front page), read in the browser; and the problems met
+    on the way: a link or asset that leaves the book or finds no file, a link to an anchor its page
+    lacks, an image that did not load."""
+    root = html.resolve()
+    pages: dict[Path, Page] = {}
+    problems, queue, anchors = [], [], []
+    refresh = REDIRECT.search((root / "index.html").read_text()) if (root / "index.html").is_file() else None
+    if refresh is None or not (root / refresh.group(1)).is_file():
+        problems.append(f"index.html opens no front page ({refresh.group(1) if refresh else 'no redirect'})")
+    else:
+        queue.append(root / refresh.group(1))
+    while queue:
+        path = queue.pop(0)
+        if path in pages:
+            continue
+        browser.get(path.as_uri())
+        page = Page(**{k: (set(v) if k == "ids" else v) for k, v in browser.execute_async_script(READ_PAGE).items()})
+        pages[path] = page
+        where = path.relative_to(root)
+        for src, loaded, _ in page.images:
+            if not loaded:
+                problems.append(f"{where}: image {src} did not load")
+        for url in page.links + page.assets:
+            target, fragment = urldefrag(url)
+            if urlparse(target).scheme in ("http", "https", "mailto", "javascript", "data"):
+                continue                                    # outside the book: not this test's (offline) business
+            file = _file(target)
+            if not file.is_relative_to(root):
+                problems.append(f"{where}: link {url} leaves the book")
+            elif not file.is_file():
+                problems.append(f"{where}: link {file.relative_to(root)} finds no file")
+            elif file.suffix == ".html" and (not only or file.relative_to(root).parts[0] in only):
+                queue.append(file)
+                if fragment:
+                    anchors.append((where, file, fragment))
+    for where, file, fragment in anchors:
+        if fragment not in pages[file].ids:
+            problems.append(f"{where}: link {file.relative_to(root)}#{fragment} finds no such anchor")
+    return pages, problems
+
+
+def chapter_problems(pages: dict[Path, Page], html: Path) -> list[str]:
+    """Each chapter has its page, titled with its number, showing at least as many decoded images
+    in its content as its notebook has charts, and a caption that names the machine and commit
+    its notebook's provenance holds."""
+    root, problems = html.resolve(), []
+    for name, notebook in CHAPTERS.items():
+        page = pages.get(root / "notebooks" / f"{name}.html")
+        if page is None:
+            problems.append(f"{name}: no page reached from the front page")
+            continue
+        if not page.h1.strip().startswith(name[:2]):
+            problems.append(f"{name}: its page's title is {page.h1!r}")
+        nb = json.loads(notebook.read_text())
+        charts = sum(1 for c in nb["cells"] for o in c.get("outputs", []) if set(o.get("data", {})) & set(IMAGE_MIMES))
+        shown = sum(1 for _, loaded, in_content in page.images if loaded and in_content)
+        if shown < charts:
+            problems.append(f"{name}: {shown} image(s) shown, its notebook has {charts} chart(s)")
+        p = build.book_provenance(nb) or {}
+        if not any(p.get("machine", "?") in c and (p.get("commit") or "?")[:7] in c for c in page.captions):
+            problems.append(f"{name}: no caption naming the machine and commit of its figures "
+                            f"({p.get('machine')}, {(p.get('commit') or '')[:7]}); captions: {page.captions}")
+    return problems
+
+
+# ---- the checks ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def read(site, browser):
+    return crawl(browser, site)
+
+
+def test_every_chapter_page_shows_its_charts_and_their_provenance(site, read):
+    pages, _ = read
+    problems = chapter_problems(pages, site)
+    assert not problems, "\n".join(problems)
+    assert site.resolve() / "README.html" in pages, "the front page"
+
+
+def test_no_link_or_image_inside_the_book_is_broken(read):
+    pages, problems = read
+    assert len(pages) > len(CHAPTERS)
+    assert not problems, "\n".join(problems)
+
+
+def test_each_check_fails_on_a_planted_site(site, browser, tmp_path):
+    """A copy of the site, spoiled four ways; each spoiling is reported, by the check that owns it."""
+    planted = tmp_path / "html"
+    shutil.copytree(site, planted)
+    chapters = planted / "notebooks"
+    names = list(CHAPTERS)
+    broken_img, removed, bad_links, no_caption = names[2], names[5], names[12], names[3]
+
+    page = chapters / f"{broken_img}.html"
+    text = page.read_text()
+    assert 'src="../_images/' in text, f"{broken_img} has no chart to break"
+    page.write_text(text.replace('src="../_images/', 'src="../_images/planted-missing-', 1))
+    (chapters / f"{removed}.html").unlink()
+    page = chapters / f"{bad_links}.html"
+    page.write_text(page.read_text().replace(
+        "</article>", f'<a href="planted-nowhere.html">x</a><a href="{names[2]}.html#planted-no-anchor">y</a>'
+                      "</article>", 1))
+    page = chapters / f"{no_caption}.html"
+    page.write_text(page.read_text().replace('class="chapter-provenance"', 'class="planted"'))
+
+    pages, problems = crawl(browser, planted, only=("notebooks",))
+    chapters_found = chapter_problems(pages, planted)
+    assert any(f"{broken_img}.html: image" in p and "planted-missing-" in p for p in problems), problems
+    assert any(p.startswith(f"{broken_img}: ") and "image(s) shown" in p for p in chapters_found), chapters_found
+    assert any(f"{removed}.html finds no file" in p for p in problems), problems
+    assert any(p.startswith(f"{removed}: no page") for p in chapters_found), chapters_found
+    assert any(f"{bad_links}.html: link notebooks/planted-nowhere.html finds no file" in p for p in problems), problems
+    assert any("#planted-no-anchor finds no such anchor" in p for p in problems), problems
+    assert any(p.startswith(f"{no_caption}: no caption") for p in chapters_found), chapters_found
