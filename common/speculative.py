@@ -39,41 +39,62 @@ The rule, `accept`:
   kept past the grammar's end are not emitted, and the matcher takes them back
   (common/generate.py: standing), as the cache does.
 
-The guesses:
+The guesses, one interface (`Guesser`: what a sequence could guess now, how likely each guess is
+kept, the rule on its rows, what its guesses did), two kinds:
 
 * PromptLookup: the longest n-gram at the end of the text (n from n_max down to n_min) that
   occurred earlier in it, at its most recent occurrence; the guess is what followed it there.
   No model: text that copies itself (editing code, reciting a list from the prompt) is full of
   such matches, free text has few and short ones. NgramIndex keeps the search up to date as
   the text grows, a few dictionary lookups per step instead of a scan of the text.
-* DraftModel: a smaller model with the same vocabulary (check_vocabulary) drafts k tokens one
-  row at a time, its own KV cache rolled back like the target's.
+* DraftGuesser: a smaller model with the same vocabulary (check_vocabulary) drafts k tokens one
+  row at a time over its own pages, every guessing sequence's row in one call of the draft
+  model per guess (DraftSpeculation), rolled back like the target's.
 
-How many, `allot`: a guess costs a row of the verify pass and a wrong one costs it for nothing,
-so k follows what was measured. If a guess is kept with probability a, guess j is worth a^j
-tokens (it counts only if the j-1 before it were kept), so k guesses yield E(k) = 1 + a + ... +
-a^k tokens for a step that costs c(k+1) one-row steps (StepCost: the pass of k+1 rows timed on
-this engine before the first step, then followed as the steps run); the k with the most tokens
-per cost wins, and k = 0 is a plain step. In a server's step, every sequence's guesses compete
-for rows of one pass: the most valuable guess rows are added while tokens per unit of step
-time rise (app/serve/speculation.py). a is counted per kind of guess (per matched n-gram
-length: long matches guess better) and drawn from what the counts allow (AcceptCounts), so a
-kind that keeps failing stops guessing (free text is not slowed down), one that keeps matching
-guesses long, and one seldom tried is still tried now and then.
+How many, one rule for one sequence and for a server's batch (`Speculation.plan`, `allot`): a
+guess costs a row of the step and a wrong one costs it for nothing, so k follows what was
+measured. If a guess is kept with probability a, guess j is worth a^j tokens (it counts only if
+the j-1 before it were kept), so k guesses yield E(k) = 1 + a + ... + a^k tokens; every other
+row of the step (another sequence's newest token, a row of a prompt) is worth one. The step
+takes the K most valuable guess rows for the K that gives the most tokens per unit of step time,
+the time of a step of M rows measured on this engine (`StepTime`: passes of 1..max rows timed
+before the first step, then followed as the steps run, with the time a step spends outside its
+pass). While the step reads weights and its rows are nearly free (memory-bound: one sequence, a
+small batch), a likely guess pays; once it is compute-bound a row costs about the step's average
+row, worth one token, and no guess (worth a^j < 1) pays: nothing is guessed. vLLM's n-gram
+proposer guesses the same k at any load (its docs note it can run slower than none at high
+load); TensorRT-LLM's policy drafts 5 tokens at batch <= 4, 3 up to 32 and none above, constants
+that fit one GPU and one model. Here the same shape comes out of the measured step times and
+each sequence's own accept rate, on whatever machine runs it.
 
-Where it runs: `Speculator` is Session.generate's step strategy for one sequence over the
-stage's arena (`python -m app run --spec`); `Guesser` is one sequence's part in a server's
-batched step over the paged pool (`python -m app serve --spec`: app/serve/speculation.py).
+a is counted per sequence and kind of guess (per matched n-gram length: long matches guess
+better), a new sequence starting from what the others' guesses did (AcceptCounts), and drawn
+from what the counts allow (Thompson sampling), so a kind seldom tried is still tried now and
+then. What guarantees that guessing never costs more than a little: each sequence keeps a
+ledger (`Guesser.credit`, in tokens) of what its guesses gained, measured: the tokens they added
+less what their rows cost, the step's measured time beyond a plain step of its other rows
+(StepTime.extra). It starts at CREDIT_START, earns EXPLORE a step, and while it is spent the
+sequence makes no guess: free text, where guesses keep failing, stops guessing after losing
+about CREDIT_START tokens and then tries again a little (EXPLORE of a token a step), whatever
+the model of the step times got wrong.
+
+Where it runs, the same planner and the same decisions: `python -m app serve --spec` plans
+every decoding sequence of the server's step after admission (app/serve/scheduler.py), runs
+them in the one batched pass, settles each in Sequence.take (app/serve/sequence.py);
+`python -m app run --spec` is a batch of one (`Speculator`: Session.generate's step over the
+stage's arena).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from common.generate import ParameterError, Sampler, Session
+from common.batch import Batch, Segment, padded
+from common.generate import ParameterError, Sampler, SamplingParams, Session
+from common.paged_kv import PagePool, PageTable
 
 DRAFT_MAX = 16            # --draft-max: guesses per step at most (the verify pass has one row more)
 LOOKUP_NGRAM = (1, 4)     # n-gram lengths prompt lookup matches, shortest and longest
@@ -107,7 +128,7 @@ def check_vocabulary(target, draft):
             raise VocabularyMismatch(f"{where} differ at token {i}: {b!r} against {a!r}{fix}")
 
 
-# ---- the guesses ------------------------------------------------------------------------------
+# ---- the rule ---------------------------------------------------------------------------------
 
 @dataclass
 class Draft:
@@ -118,135 +139,6 @@ class Draft:
     key: object = None
 
 
-class NgramIndex:
-    """A text and, for every n-gram in it (n = 1..n_max) that has a token after it, the
-    position of that token at its most recent occurrence. `extend` adds tokens (n_max entries
-    each); `find` looks the text's ending up, longest first: PromptLookup's search in a few
-    dictionary lookups, where a scan of the text would grow with it."""
-
-    def __init__(self, n_max: int = LOOKUP_NGRAM[1], tokens=()):
-        self.n_max = n_max
-        self.tokens: list[int] = []
-        self.after: dict[tuple, int] = {}        # n-gram -> the position after its latest occurrence
-        self.extend(tokens)
-
-    def extend(self, tokens):
-        for t in tokens:
-            at = len(self.tokens)                # t's position: the n-grams ending just before it
-            for n in range(1, min(self.n_max, at) + 1):
-                self.after[tuple(self.tokens[at - n:at])] = at
-            self.tokens.append(int(t))
-
-    def find(self, k: int, n_min: int = 1) -> tuple[int, list]:
-        """(n, k tokens that followed the most recent earlier occurrence of the text's last n
-        tokens), for the longest n that occurred; (0, []) if none did. (The ending itself is not
-        indexed yet: no token follows it.) What followed runs into the text's end when the match
-        is recent: the guess then goes on as the copy would, the text repeating with the period
-        L - at (the overlapping copy of an LZ77 decoder), so a list or a loop that repeats every
-        few tokens is guessed k ahead, not only up to the end."""
-        L = len(self.tokens)
-        for n in range(min(self.n_max, L - 1), n_min - 1, -1):
-            at = self.after.get(tuple(self.tokens[L - n:]))
-            if at is not None:
-                period = L - at
-                return n, [self.tokens[at + i % period] for i in range(k)]
-        return 0, []
-
-
-class PromptLookup:
-    """Guesses from the text itself: what followed the latest earlier occurrence of its ending."""
-    name = "lookup"
-
-    def __init__(self, n_min: int = LOOKUP_NGRAM[0], n_max: int = LOOKUP_NGRAM[1]):
-        if not 1 <= n_min <= n_max:
-            raise ValueError(f"n-gram lengths {n_min}..{n_max}: need 1 <= n_min <= n_max")
-        self.n_min, self.n_max = n_min, n_max
-        self.index = NgramIndex(n_max)
-
-    def find(self, tokens, k: int) -> tuple[int, list]:
-        """NgramIndex.find on this text: (n, k tokens guessed), (0, []) if nothing matched. The
-        index follows the text: extended while the text only grew, built again when it changed."""
-        tokens = list(tokens)
-        have = self.index.tokens
-        if len(tokens) < len(have) or tokens[:len(have)] != have:
-            self.index = NgramIndex(self.n_max)
-        self.index.extend(tokens[len(self.index.tokens):])
-        return self.index.find(k, self.n_min)
-
-    def draft(self, tokens, k_max: int, length: DraftLength, sampler: Sampler) -> Draft | None:
-        n, follow = self.find(tokens, k_max)
-        k = length.choose(("ngram", n), len(follow)) if follow else 0
-        return Draft(follow[:k], None, ("ngram", n)) if k else None
-
-    def close(self):
-        pass
-
-
-class DraftModel:
-    """Guesses from a smaller model of the same vocabulary: k one-row steps over its own KV
-    cache, which keeps what the target accepted and forgets the rest."""
-    name = "draft"
-
-    def __init__(self, engine, target=None):
-        if target is not None:
-            check_vocabulary(target.gguf, engine.gguf)
-        self.engine = engine
-        self.session = Session(engine)
-        self._sampler = None
-
-    def _sampler_like(self, sampler: Sampler) -> _Recording:
-        """The target's sampling settings, its own random numbers (seeded from the target's)."""
-        if self._sampler is None or self._sampler.params is not sampler.params:
-            self._sampler = _Recording(sampler.params, int(sampler.rng.integers(2**63)))
-        return self._sampler
-
-    def draft(self, tokens, k_max: int, length: DraftLength, sampler: Sampler) -> Draft | None:
-        s = self.session
-        k = min(k_max, self.engine.n_ctx - len(tokens))
-        k = length.choose("model", k) if k > 0 else 0
-        if not k:
-            return None
-        same = 0                                   # keep the cached prefix the target agreed with
-        for a, b in zip(s.tokens, tokens):
-            if a != b:
-                break
-            same += 1
-        s.truncate(same)
-        s.tokens += list(tokens[same:])
-        drafting = self._sampler_like(sampler)
-        t0 = time.perf_counter()
-        q = []
-        for _ in range(k):
-            drafting.last = None
-            s.next_token(drafting)
-            q.append(drafting.last)                # None: a greedy pick, which needs no q
-        length.drafted_in((time.perf_counter() - t0) * 1e3 / k)
-        dense = None
-        if not sampler.params.greedy:
-            n_vocab = self.engine.config.n_vocab
-            dense = [dense_distribution(ids, probs, n_vocab) for ids, probs in q]
-        return Draft(s.tokens[-k:], dense, "model")
-
-    def close(self):
-        self.session.reset()
-
-
-class _Recording(Sampler):
-    """A sampler that keeps the distribution it last drew from (the draft's q)."""
-
-    def __init__(self, params, seed: int):
-        super().__init__(params)
-        self.rng = np.random.default_rng(seed)
-        self.last = None
-
-    def __call__(self, logits, history=()):
-        ids, probs = self.distribution(logits, history)
-        self.last = (ids, probs)
-        tok = int(ids[0]) if self.params.greedy else int(ids[self.rng.choice(len(ids), p=probs)])
-        self.took(tok)
-        return tok
-
-
 def dense_distribution(ids, probs, n_vocab: int) -> np.ndarray:
     """A sampler's distribution (the ids it keeps, their probabilities) over the whole vocabulary."""
     p = np.zeros(n_vocab)
@@ -254,80 +146,38 @@ def dense_distribution(ids, probs, n_vocab: int) -> np.ndarray:
     return p
 
 
-# ---- how many ---------------------------------------------------------------------------------
+def accept(logits: np.ndarray, draft: Draft, sampler: Sampler, history) -> tuple[int, int]:
+    """logits [k+1, n_vocab]: the verify pass's rows p_0 .. p_k (the module docstring). Returns
+    (guesses kept, the model's own next token). Each token kept is counted as drawn
+    (Sampler.took) before the next row's distribution is taken, as plain decoding would have."""
+    history = list(history)
+    k = len(draft.tokens)
+    rng = sampler.rng
 
-class StepCost:
-    """What a verify pass of m rows costs, in one-row decode steps: measured on the engine before
-    the first step (`calibrate`), then followed as the steps run (the machine's load changes,
-    the context grows). The lesson's curve, which `python -m app bench speculative` records."""
-
-    SMOOTH = 0.2              # weight of a new step time in the running figures
-    ROWS = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33)    # row counts timed; the others interpolated
-
-    def __init__(self, ratios: dict | None = None, t1_ms: float | None = None):
-        self.ratios = dict(ratios or {})          # rows -> cost in one-row steps
-        self.t1_ms = t1_ms
-        self.calibrate_s = 0.0
-
-    def calibrate(self, engine, max_rows: int, start: int = 0):
-        """Time passes of 1..max_rows rows at positions start.. (past what the cache holds, where
-        nothing is read: the next pass writes over them). Call it before a sequence's tokens are
-        fed, or with start = the positions its cache holds."""
-        t0 = time.perf_counter()
-        if not engine.uses_kv_cache:
-            # every step recomputes the whole text, so k more rows add k to its length: nearly
-            # free (not timed here: a pass of a stage without a cache takes seconds); the steps
-            # measure it as they run
-            self.ratios, self.t1_ms = {1: 1.0, max_rows: 1.0}, None
-            return
-        rows = [m for m in self.ROWS if m <= max_rows and start + m <= engine.n_ctx] + [1]
-
-        def timed(m: int) -> float:
-            t = time.perf_counter()
-            if m == 1:
-                engine.greedy_next([0], start)
-            else:
-                engine.forward([0] * m, start, all_logits=True)
-            return (time.perf_counter() - t) * 1e3
-
-        timed(1)                                    # first touch: caches, pages
-        ms = {}
-        for m in rows:                              # one row first and last: the faster one counts
-            ms[m] = min(ms.get(m, float("inf")), timed(m))
-        self.t1_ms = ms[1]
-        self.ratios = {m: t / ms[1] for m, t in ms.items()}
-        self.calibrate_s = time.perf_counter() - t0
-
-    @property
-    def calibrated(self) -> bool:
-        return bool(self.ratios)
-
-    def __call__(self, rows: int) -> float:
-        if rows in self.ratios:
-            return self.ratios[rows]
-        known = sorted(self.ratios)
-        if len(known) < 2:
-            return float(rows)                      # nothing measured: as if every row cost a step
-        lo = max([m for m in known if m < rows], default=known[0])
-        hi = min([m for m in known if m > rows], default=known[-1])
-        if lo == hi:                                # past the last measured: its slope per row
-            lo, hi = known[-2], known[-1]
-        slope = (self.ratios[hi] - self.ratios[lo]) / (hi - lo)
-        return self.ratios[lo] + slope * (rows - lo)
-
-    def observe(self, rows: int, ms: float):
-        if self.t1_ms is None:
-            if rows == 1:
-                self.t1_ms = ms
-                self.ratios[1] = 1.0
-            return
-        if rows == 1:
-            self.t1_ms = (1 - self.SMOOTH) * self.t1_ms + self.SMOOTH * ms
+    def settled(i, tok):
+        sampler.took(tok)
+        return i, tok
+    for i, d in enumerate(draft.tokens):
+        ids, probs = sampler.distribution(logits[i], history)
+        if sampler.params.greedy:
+            if int(ids[0]) != d:
+                return settled(i, int(ids[0]))
         else:
-            seen = ms / self.t1_ms
-            self.ratios[rows] = seen if rows not in self.ratios else \
-                (1 - self.SMOOTH) * self.ratios[rows] + self.SMOOTH * seen
+            p = dense_distribution(ids, probs, logits.shape[1])
+            q = draft.q[i] if draft.q is not None else dense_distribution([d], [1.0], logits.shape[1])
+            if not rng.random() < min(1.0, p[d] / q[d]):
+                residual = np.maximum(p - q, 0.0)
+                nz = np.flatnonzero(residual)
+                if len(nz) == 0:                   # p == q: a rejection cannot happen; rounding
+                    nz, residual = ids, p
+                return settled(i, int(nz[rng.choice(len(nz), p=residual[nz] / residual[nz].sum())]))
+        sampler.took(d)
+        history.append(d)
+    ids, probs = sampler.distribution(logits[k], history)
+    return settled(k, int(ids[0]) if sampler.params.greedy else int(ids[rng.choice(len(ids), p=probs)]))
 
+
+# ---- how likely a guess is kept ---------------------------------------------------------------
 
 class AcceptCounts:
     """Guesses kept and rejected, by kind of guess, older evidence fading (DECAY), so that a
@@ -364,6 +214,202 @@ class AcceptCounts:
             self.accepted += kept if emitted is None else emitted
 
 
+# ---- the guesses ------------------------------------------------------------------------------
+
+class NgramIndex:
+    """A text and, for every n-gram in it (n = 1..n_max) that has a token after it, the
+    position of that token at its most recent occurrence. `extend` adds tokens (n_max entries
+    each); `find` looks the text's ending up, longest first: PromptLookup's search in a few
+    dictionary lookups, where a scan of the text would grow with it."""
+
+    def __init__(self, n_max: int = LOOKUP_NGRAM[1], tokens=()):
+        self.n_max = n_max
+        self.tokens: list[int] = []
+        self.after: dict[tuple, int] = {}        # n-gram -> the position after its latest occurrence
+        self.extend(tokens)
+
+    def extend(self, tokens):
+        for t in tokens:
+            at = len(self.tokens)                # t's position: the n-grams ending just before it
+            for n in range(1, min(self.n_max, at) + 1):
+                self.after[tuple(self.tokens[at - n:at])] = at
+            self.tokens.append(int(t))
+
+    def find(self, k: int, n_min: int = 1) -> tuple[int, list]:
+        """(n, k tokens that followed the most recent earlier occurrence of the text's last n
+        tokens), for the longest n that occurred; (0, []) if none did. (The ending itself is not
+        indexed yet: no token follows it.) What followed runs into the text's end when the match
+        is recent: the guess then goes on as the copy would, the text repeating with the period
+        L - at (the overlapping copy of an LZ77 decoder), so a list or a loop that repeats every
+        few tokens is guessed k ahead, not only up to the end."""
+        L = len(self.tokens)
+        for n in range(min(self.n_max, L - 1), n_min - 1, -1):
+            at = self.after.get(tuple(self.tokens[L - n:]))
+            if at is not None:
+                period = L - at
+                return n, [self.tokens[at + i % period] for i in range(k)]
+        return 0, []
+
+
+class Guesser:
+    """One sequence's guesses, whoever makes them (PromptLookup, DraftGuesser):
+
+        offer     (how many it could guess now, up to k_max; how likely each is kept), the rate
+                  drawn from its own counts for this kind of guess (`key`), the server's (`pooled`:
+                  every sequence's) as their prior, worth PRIOR_WEIGHT guesses; (0, 0) while its
+                  ledger is spent
+        verify    the rule on its k+1 rows [k+1, n_vocab] -> (kept guesses, the model's own token)
+        observe   what a step's guesses did: made, kept, emitted (its counts, the pooled ones,
+                  and its ledger gains the emitted ones)
+        charge    what a step's guess rows cost, measured, in tokens (its ledger pays it)
+        release   the sequence ended or was preempted: what it holds besides its text goes back
+
+    `found`: the guesses the planner takes the first k of; `q`: the distributions they were
+    drawn from (a draft model's sampled guesses; None for deterministic ones). `credit`: the
+    ledger (the module docstring)."""
+
+    PRIOR_WEIGHT = 3.0        # Beta(1, 2)'s weight: the pooled rate counts as 3 guesses
+    CREDIT_START = 1.0        # tokens a sequence may lose to guesses before it has gained any
+    EXPLORE = 0.01            # tokens of credit earned per step: how often a stopped sequence tries again
+    CREDIT_MAX = 4.0          # gains kept in the ledger: what it may spend on guesses after a run of good ones
+
+    def __init__(self, pooled: AcceptCounts, rule=accept):
+        self.pooled, self.rule = pooled, rule
+        self.counts = AcceptCounts()
+        self.key = None
+        self.found: list = []
+        self.q = None
+        self.credit = self.CREDIT_START
+        self.last_drafted = 0     # the guesses of its last step (what the next charge is shared by)
+
+    def offer(self, context, k_max: int, rng) -> tuple[int, float]:
+        self.found, self.q = [], None
+        self.credit = min(self.credit + self.EXPLORE, self.CREDIT_MAX)
+        if self.credit <= 0:
+            return 0, 0.0
+        n = self.look(context, k_max)
+        return (n, self.draw(rng)) if n else (0, 0.0)
+
+    def look(self, context, k_max: int) -> int:
+        """How many guesses it could make now (up to k_max), their kind set in `key`."""
+        raise NotImplementedError
+
+    def draw(self, rng) -> float:
+        """An accept rate for this kind of guess, from its own counts and the server's."""
+        r = self.pooled.rate(self.key)
+        return self.counts.draw(self.key, rng, (self.PRIOR_WEIGHT * r, self.PRIOR_WEIGHT * (1 - r)))
+
+    def verify(self, rows: np.ndarray, guesses: list, sampler: Sampler, history) -> tuple[int, int]:
+        """(guesses kept, the model's own token) by the rule; every token kept taken by the sampler."""
+        q = self.q[:len(guesses)] if self.q is not None else None
+        return self.rule(rows, Draft(list(guesses), q, self.key), sampler, history)
+
+    def observe(self, drafted: int, kept: int, emitted: int):
+        for counts in (self.counts, self.pooled):
+            counts.observe(self.key, drafted, kept, emitted)
+        self.credit += emitted
+        self.last_drafted = drafted
+
+    def charge(self, tokens: float):
+        self.credit = min(self.credit - tokens, self.CREDIT_MAX)
+        self.last_drafted = 0
+
+    def release(self):
+        """The sequence ended or was preempted: what it holds besides its text goes back."""
+
+
+class PromptLookup(Guesser):
+    """Guesses from the text itself: what followed the latest earlier occurrence of its ending
+    (NgramIndex). The kind of guess is the length of the match: ("ngram", n)."""
+
+    def __init__(self, pooled: AcceptCounts | None = None, rule=accept, n_min: int = LOOKUP_NGRAM[0],
+                 n_max: int = LOOKUP_NGRAM[1]):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"n-gram lengths {n_min}..{n_max}: need 1 <= n_min <= n_max")
+        super().__init__(pooled if pooled is not None else AcceptCounts(), rule)
+        self.n_min, self.n_max = n_min, n_max
+        self.index = NgramIndex(n_max)
+
+    def find(self, tokens, k: int) -> tuple[int, list]:
+        """NgramIndex.find on this text: (n, k tokens guessed), (0, []) if nothing matched. The
+        index follows the text: extended while the text only grew (a sequence's context does),
+        built again when it is shorter or ends otherwise (a text rolled back and written again)."""
+        have = self.index.tokens
+        if len(tokens) < len(have) or (have and tokens[len(have) - 1] != have[-1]):
+            self.index = NgramIndex(self.n_max)
+        self.index.extend(tokens[len(self.index.tokens):])
+        return self.index.find(k, self.n_min)
+
+    def look(self, context, k_max: int) -> int:
+        n, self.found = self.find(context, k_max)
+        self.key = ("ngram", n)
+        return len(self.found)
+
+
+class DraftGuesser(Guesser):
+    """One sequence's guesses from a draft model (DraftSpeculation runs the model): its pages in
+    the draft model's pool hold the first `valid` positions of its context (caught up before it
+    drafts), then the guesses it fed; `sampler` draws sampled guesses (the sequence's
+    temperature, top-k, top-p and min-p; its own random numbers) and keeps what each was drawn
+    from, the rule's q."""
+
+    def __init__(self, pooled: AcceptCounts, rule, pool: PagePool):
+        super().__init__(pooled, rule)
+        self.table = PageTable(pool)
+        self.valid = 0
+        self.sampler = None
+        self.key = "model"
+
+    def look(self, context, k_max: int) -> int:
+        self.key = "model"
+        return k_max
+
+    def feed(self, context) -> list:
+        """The tokens the next draft step runs for it: its context past what its pages hold and
+        agree with (the first step; its last guesses dropped), else its newest guess."""
+        if not self.found:
+            held = self.table.tokens
+            same = 0
+            for a, b in zip(held[:min(self.valid, len(context) - 1)], context):
+                if a != b:
+                    break
+                same += 1
+            self.valid = same
+            self.table.truncate(same)
+            return list(context[same:])
+        return self.found[-1:]
+
+    def take(self, logits: np.ndarray, sequence_sampler: Sampler):
+        """A guess from the draft model's row after what it fed."""
+        if self.sampler is None:
+            p = sequence_sampler.params
+            self.sampler = Sampler(SamplingParams(temp=p.temp, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p))
+            self.sampler.rng = np.random.default_rng(int(sequence_sampler.rng.integers(2**63)))
+        if self.sampler.params.greedy:
+            self.found.append(int(np.argmax(logits)))
+            return
+        ids, probs = self.sampler.distribution(logits)
+        self.found.append(int(ids[self.sampler.rng.choice(len(ids), p=probs)]))
+        self.q = (self.q or []) + [dense_distribution(ids, probs, len(logits))]
+
+    def verify(self, rows, guesses, sampler, history):
+        kept, tok = super().verify(rows, guesses, sampler, history)
+        self.valid = min(len(self.table), len(history) + kept)       # its context and the kept guesses
+        self.table.truncate(self.valid)
+        return kept, tok
+
+    def release(self):
+        self.table.release()
+        self.valid = 0
+
+
+# ---- what a step costs ------------------------------------------------------------------------
+
+def expected_tokens(k: int, a: float) -> float:
+    """Tokens a sequence's step with k guesses yields when each is kept with probability a."""
+    return float(sum(a ** j for j in range(k + 1)))
+
+
 def allot(offers, rows: float, cost) -> list[int]:
     """How many guesses each sequence of a step makes (the module docstring's rule).
 
@@ -387,191 +433,368 @@ def allot(offers, rows: float, cost) -> list[int]:
     return ks
 
 
-class DraftLength:
-    """k per step for one sequence (the module docstring): the accept rate of each kind of
-    guess, and the cost of a step with k guesses: a verify pass of k+1 rows (StepCost) plus the
-    drafting, in one-row steps (per_guess: a draft model's step over the target's; prompt
-    lookup costs nothing). The accept rate is drawn from the counts (AcceptCounts.draw) before
-    k is chosen; the draw changes how many guesses are made, never which tokens come out."""
+class StepTime:
+    """t(M): the ms of a step of M rows, the one model of step times (one sequence's or a
+    server's). Three parts:
 
-    PRIOR = AcceptCounts.PRIOR
-    SEED = 0                  # the draws are reproducible: the same run makes the same steps
+        shape     the forward pass of M rows: timed once before the first step (`calibrate`:
+                  every row count of ROWS up to the most a step can take, in rounds, the best of
+                  each, and a pass of more rows never counted cheaper; padded to the row block:
+                  a stage that pads rows costs the same for every M in a block), then learned
+                  from the steps with guesses, the row count of each a point of its own; between
+                  points interpolated, past the last by its slope
+        scale     what the passes take now against the shape (the machine may be busier),
+                  followed by the steps without guesses: the plain step a guess is weighed
+                  against is never learned from the guesses themselves
+        outside   the step's time outside its pass (planning, sampling, the rule, events): a
+                  part every step has and a part per guess row, fitted as the steps run
 
-    def __init__(self, k_max: int = DRAFT_MAX, cost: StepCost | None = None):
-        self.k_max = k_max
-        self.cost = cost or StepCost()
-        self.per_guess = 0.0
-        self.counts = AcceptCounts()
-        self.rng = np.random.default_rng(self.SEED)
+    So a guess row that costs more than its calibration said costs more in the next plans,
+    and a busier machine makes every step dearer alike. Without a calibration every row costs
+    a step: nothing is guessed. The planner tells it each step's guess rows (`planned`) before
+    the step runs; `last` is the last step observed, what the planner charges that step's
+    guesses by (`extra`)."""
 
-    def rate(self, key) -> float:
-        return self.counts.rate(key)
+    SMOOTH = 0.1              # weight of a new step in the running figures (at least 1/n of the first n)
+    ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
+    ROUNDS = 3
 
-    @staticmethod
-    def expected(k: int, a: float) -> float:
-        """Tokens a step with k guesses yields when each is kept with probability a."""
-        return float(sum(a ** j for j in range(k + 1)))
+    def __init__(self, shape: dict | None = None, row_block: int = 1):
+        self.shape = dict(shape or {})          # rows -> ms of the forward pass at scale 1
+        self.seen = dict.fromkeys(self.shape, 1)    # rows -> passes its figure is made of
+        self.row_block = row_block
+        self.scale = 1.0
+        self.fit = np.zeros(5)                  # running means of 1, x, y, x*x, x*y (x guess rows, y outside ms)
+        self.guess_rows = 0                     # of the step about to run
+        self.last = None                        # (rows, ms) of the last step observed
+        self.calibrate_s = 0.0
 
-    def step_cost(self, k: int) -> float:
-        return self.cost(k + 1) + k * self.per_guess
+    @property
+    def calibrated(self) -> bool:
+        return len(self.shape) >= 2
 
-    def choose(self, key, available: int) -> int:
-        """Guesses to make now (0: a plain step), when `available` could be made."""
-        available = min(available, self.k_max)
-        if available <= 0:
-            return 0
-        return allot([(self.counts.draw(key, self.rng), available)], 1, self.step_cost)[0]
+    def shape_at(self, m: int) -> float:
+        """The shape at m rows (already padded): interpolated between its points, past the last
+        by its slope."""
+        known = sorted(self.shape)
+        lo = max([r for r in known if r <= m], default=known[0])
+        hi = min([r for r in known if r >= m], default=known[-1])
+        if lo == hi:
+            if m <= known[-1]:
+                return self.shape[lo]
+            lo, hi = known[-2], known[-1]
+        return self.shape[lo] + (self.shape[hi] - self.shape[lo]) * (m - lo) / (hi - lo)
 
-    def drafted_in(self, ms_per_guess: float):
-        """A draft model's time per guess, as a share of the target's one-row step."""
-        if self.cost.t1_ms:
-            seen = ms_per_guess / self.cost.t1_ms
-            self.per_guess = seen if not self.per_guess else 0.8 * self.per_guess + 0.2 * seen
+    def forward_ms(self, rows: int) -> float:
+        """A pass of `rows` rows (padded to the row block), now."""
+        return self.scale * self.shape_at(padded(max(rows, 1), self.row_block))
 
-    def observe(self, key, drafted: int, kept: int):
-        """A step's guesses: made and kept (those after the first rejection were not tried)."""
-        self.counts.observe(key, drafted, kept)
+    def outside_ms(self, guess_rows: int = 0) -> float:
+        """The step's time outside its pass: the fitted line at this many guess rows."""
+        n, x, y, xx, xy = self.fit
+        if n == 0:
+            return 0.0
+        var = xx - x * x
+        slope = max((xy - x * y) / var, 0.0) if var > 1e-9 else 0.0
+        return max(y + slope * (guess_rows - x), 0.0)
 
+    def __call__(self, rows: int, guess_rows: int = 0) -> float:
+        """A step of `rows` rows, `guess_rows` of them guesses. Uncalibrated: `rows` steps."""
+        if not self.calibrated:
+            return float(rows)
+        return self.forward_ms(rows) + self.outside_ms(guess_rows)
 
-# ---- the rule ---------------------------------------------------------------------------------
+    def planned(self, guess_rows: int):
+        self.guess_rows = guess_rows
 
-def accept(logits: np.ndarray, draft: Draft, sampler: Sampler, history) -> tuple[int, int]:
-    """logits [k+1, n_vocab]: the verify pass's rows p_0 .. p_k (the module docstring). Returns
-    (guesses kept, the model's own next token). Each token kept is counted as drawn
-    (Sampler.took) before the next row's distribution is taken, as plain decoding would have."""
-    history = list(history)
-    k = len(draft.tokens)
-    rng = sampler.rng
-
-    def settled(i, tok):
-        sampler.took(tok)
-        return i, tok
-    for i, d in enumerate(draft.tokens):
-        ids, probs = sampler.distribution(logits[i], history)
-        if sampler.params.greedy:
-            if int(ids[0]) != d:
-                return settled(i, int(ids[0]))
+    def observe(self, rows: int, forward_ms: float, step_ms: float):
+        """A step ran: its rows (the planned guess rows among them), its pass's ms and its whole ms."""
+        guess_rows, self.guess_rows = self.guess_rows, 0
+        if not self.calibrated:
+            return
+        s, m = self.SMOOTH, padded(max(rows, 1), self.row_block)
+        if guess_rows:                          # a point of the shape, at what the plain step takes now
+            n = self.seen.get(m, 0)
+            w = max(s, 1.0 / (n + 2))            # a first point is half its interpolation
+            self.shape[m] = (1 - w) * self.shape_at(m) + w * forward_ms / self.scale
+            self.seen[m] = n + 1
         else:
-            p = dense_distribution(ids, probs, logits.shape[1])
-            q = draft.q[i] if draft.q is not None else dense_distribution([d], [1.0], logits.shape[1])
-            if not rng.random() < min(1.0, p[d] / q[d]):
-                residual = np.maximum(p - q, 0.0)
-                nz = np.flatnonzero(residual)
-                if len(nz) == 0:                   # p == q: a rejection cannot happen; rounding
-                    nz, residual = ids, p
-                return settled(i, int(nz[rng.choice(len(nz), p=residual[nz] / residual[nz].sum())]))
-        sampler.took(d)
-        history.append(d)
-    ids, probs = sampler.distribution(logits[k], history)
-    return settled(k, int(ids[0]) if sampler.params.greedy else int(ids[rng.choice(len(ids), p=probs)]))
+            self.scale += s * (forward_ms / self.shape_at(m) - self.scale)
+        x, y = float(guess_rows), max(step_ms - forward_ms, 0.0)
+        point = np.array([1.0, x, y, x * x, x * y])
+        self.fit = point if self.fit[0] == 0 else (1 - s) * self.fit + s * point
+        self.last = (rows, step_ms)
 
+    def extra(self, rows: int, step_ms: float) -> float:
+        """What a step's guess rows cost, measured, in tokens: the step's ms beyond a plain step
+        of its other `rows` rows, at the rate that step makes them (rows tokens in t(rows))."""
+        plain = self(rows)
+        return (step_ms - plain) * rows / plain
+
+    # ---- calibration ----------------------------------------------------------------------------
+    def calibrate(self, run, max_rows: int):
+        """Time run(m), a forward pass of m rows, for every m of ROWS up to max_rows and max_rows
+        itself (within ROWS; padded to the row block), ROUNDS times each, round after round (a
+        burst of other work falls on one round of a few row counts, not on every round of one);
+        the best of each, never less for more rows."""
+        t0 = time.perf_counter()
+        most = [max_rows] if max_rows <= self.ROWS[-1] else []
+        sizes = sorted({padded(m, self.row_block) for m in [*self.ROWS, *most] if m <= max_rows})
+        if len(sizes) < 2:
+            return
+        ms = dict.fromkeys(sizes, float("inf"))
+        for _ in range(self.ROUNDS):
+            for m in sizes:
+                t = time.perf_counter()
+                run(m)
+                ms[m] = min(ms[m], (time.perf_counter() - t) * 1e3)
+        top = 0.0
+        self.shape = {m: (top := max(top, t)) for m, t in sorted(ms.items())}
+        self.seen = dict.fromkeys(self.shape, 1)
+        self.scale = 1.0
+        self.calibrate_s = time.perf_counter() - t0
+
+    def calibrate_arena(self, engine, max_rows: int, start: int = 0):
+        """One sequence over the stage's arena: a plain step (greedy_next) for one row, a pass
+        of every row's logits for more, at positions start.. (past what the cache holds, where
+        nothing is read: the next step writes over them). A stage without a cache recomputes the
+        whole text at every step, so k more rows add k to its length: nearly free (not timed:
+        its passes take seconds); the steps then measure it."""
+        if not engine.uses_kv_cache:
+            self.shape, self.seen, self.scale = {1: 1.0, max_rows: 1.0}, {1: 1, max_rows: 1}, 1.0
+            return
+
+        def run(m):
+            if m == 1:
+                engine.greedy_next([0], start)
+            else:
+                engine.forward([0] * m, start, all_logits=True)
+        self.calibrate(run, min(max_rows, engine.n_ctx - start))
+
+    def calibrate_pool(self, forward, pool: PagePool, max_rows: int):
+        """A server's step: forward(Batch) for M rows of one sequence at positions 0.., M up to
+        max_rows and what the pool can hold, every row's logits; its pages are given back."""
+        table = PageTable(pool)
+        most = max_rows
+        while most > 1 and PageTable.pages_for(padded(most, self.row_block), pool.page_size) > pool.n_available:
+            most //= 2
+        if table.admit([0], padded(most, self.row_block)) is None:
+            return
+
+        def run(m):
+            table.truncate(0)
+            table.reserve_for(m)
+            forward(Batch(pool, [Segment(table, [0] * m, all_logits=True)], self.row_block))
+        try:
+            self.calibrate(run, most)
+        finally:
+            table.release()
+
+
+# ---- the planner: one for a server's step and for one sequence ---------------------------------
+
+class Speculation:
+    """Prompt lookup's guesses for the decoding sequences of a step (`plan`), the measured step
+    times (`time`), and the counts of guesses made and kept (`pooled`: every sequence's, the
+    prior a new sequence starts from; its `drafted` and `accepted` are /metrics' counters).
+    A decoding sequence, to the planner: `context` (its tokens, the newest not yet in its cache),
+    `room` (tokens it may still make), `guesser`, `sampler`; the plan sets its `guesses`.
+    `rule`: accept (tests plant wrong ones); `seed`: the accept-rate draws are reproducible."""
+
+    def __init__(self, n_ctx: int, draft_max: int = DRAFT_MAX, time: StepTime | None = None, rule=accept,
+                 n_max: int = LOOKUP_NGRAM[1], seed: int = 0):
+        self.n_ctx, self.draft_max, self.rule, self.n_max = n_ctx, draft_max, rule, n_max
+        self.time = time or StepTime()
+        self.pooled = AcceptCounts()
+        self.rng = np.random.default_rng(seed)
+        self.guessed: list[Guesser] = []        # who guessed in the last step planned
+
+    def guesser(self) -> Guesser:
+        """One sequence's part (app/serve/sequence.py: Sequence.guesser; Speculator's one)."""
+        return PromptLookup(self.pooled, self.rule, n_max=self.n_max)
+
+    def plan(self, decoding: list, rows: int):
+        """Set each decoding sequence's `guesses` for the next step, whose other rows number
+        `rows` (the module docstring's rule); first the last step's guesses are charged."""
+        self.charge()
+        offers = []
+        for seq in decoding:
+            cap = min(self.draft_max, seq.room - 1, self.n_ctx - len(seq.context))
+            offers.append(seq.guesser.offer(seq.context, cap, self.rng) if cap > 0 and seq.guesser else (0, 0.0))
+        ks = allot([(a, n) for n, a in offers], rows, self.cost(rows, sum(n > 0 for n, _ in offers)))
+        self.fill(decoding, ks)
+        self.guessed = [seq.guesser for seq in decoding if seq.guesses]
+        self.time.planned(sum(len(seq.guesses) for seq in decoding))
+
+    def charge(self):
+        """The last step's guess rows, measured (StepTime.extra of the step last observed),
+        charged to the sequences that guessed in it, by the guesses each made."""
+        guessed, self.guessed = self.guessed, []
+        step, self.time.last = self.time.last, None
+        made = sum(g.last_drafted for g in guessed)
+        if step is None or not made or step[0] <= made:
+            return
+        rows, ms = step
+        tokens = self.time.extra(rows - made, ms)
+        for g in guessed:
+            g.charge(tokens * g.last_drafted / made)
+
+    def cost(self, rows: int, guessing: int):
+        """cost(extra): a step of rows + extra rows (prompt lookup costs nothing more)."""
+        return lambda extra: self.time(rows + extra, extra)
+
+    def fill(self, decoding: list, ks: list[int]):
+        """Each sequence's guesses for the step: the first k of what it found."""
+        for seq, k in zip(decoding, ks):
+            seq.guesses = list(seq.guesser.found[:k]) if k else []
+
+    def calibrate_draft(self, max_rows: int):
+        """A draft model's steps, timed (DraftSpeculation); prompt lookup has none."""
+
+
+class DraftSpeculation(Speculation):
+    """A draft model's guesses for the decoding sequences (`--spec draft --model-draft FILE`): the
+    same rule for how many (allot), where a step's guesses also cost the draft model's steps,
+    ceil(extra rows / sequences offering) of them at `draft_time` (calibrated like the
+    target's); then the draft steps run batched, every guessing sequence's rows in one call of
+    the draft model per guess, over its own page pool (`pages` of it)."""
+
+    def __init__(self, n_ctx: int, draft, pages: int, draft_max: int = DRAFT_MAX, time: StepTime | None = None,
+                 draft_time: StepTime | None = None, rule=accept, seed: int = 0):
+        super().__init__(n_ctx, draft_max, time, rule, seed=seed)
+        cfg = draft.config
+        self.draft = draft
+        self.pool = PagePool(cfg.n_layer, draft.backend.kv_width(cfg), pages, dtype=draft.backend.kv_dtype)
+        self.draft_time = draft_time or StepTime(row_block=draft.backend.row_block)
+
+    def guesser(self) -> DraftGuesser:
+        return DraftGuesser(self.pooled, self.rule, self.pool)
+
+    def cost(self, rows: int, guessing: int):
+        def cost(extra: int) -> float:
+            steps = -(-extra // max(guessing, 1))
+            return self.time(rows + extra, extra) + steps * (self.draft_time(guessing)
+                                                             if self.draft_time.calibrated else 0)
+        return cost
+
+    def calibrate_draft(self, max_rows: int):
+        self.draft_time.calibrate_pool(self.draft.forward_batch, self.pool, max(max_rows, 2))
+
+    def fill(self, decoding: list, ks: list[int]):
+        """Run the draft model for the sequences that guess: k_max steps, each a batch of every
+        sequence still drafting; one whose draft pages cannot be had stops guessing there."""
+        drafting = []
+        for seq, k in zip(decoding, ks):
+            seq.guesses, seq.guesser.found, seq.guesser.q = [], [], None
+            if k:
+                drafting.append((seq, k))
+        for j in range(max((k for _, k in drafting), default=0)):
+            rows = []
+            for seq, k in drafting:
+                g = seq.guesser
+                if len(g.found) == j < k:
+                    tokens = g.feed(seq.context)
+                    if g.table.reserve_for(len(tokens)):
+                        rows.append((seq, tokens))
+                        g.valid = len(seq.context) if j == 0 else g.valid     # caught up once this runs
+            if not rows:
+                break
+            t0 = time.perf_counter()
+            batch = Batch(self.pool, [Segment(s.guesser.table, tokens) for s, tokens in rows],
+                          self.draft.backend.row_block)
+            logits = self.draft.forward_batch(batch)
+            ms = (time.perf_counter() - t0) * 1e3
+            self.draft_time.observe(batch.n_rows, ms, ms)
+            for i, (seq, _) in enumerate(rows):
+                seq.guesser.take(logits[i], seq.sampler)
+        for seq, _ in drafting:
+            seq.guesses = list(seq.guesser.found)
 
 
 # ---- one sequence over the arena: Session.generate's step ----------------------------------------
 
-@dataclass
+class One:
+    """The one decoding sequence of `run --spec`, as the planner sees a server's: the session's
+    tokens, the tokens it may still make, its guesser, sampler and the step's guesses."""
+
+    def __init__(self, session: Session, guesser: Guesser):
+        self.session, self.guesser = session, guesser
+        self.room, self.sampler, self.guesses = 0, None, []
+
+    @property
+    def context(self) -> list:
+        return self.session.tokens
+
+
 class Speculator:
-    """Guesses, how many, and the rule: Session.generate's step strategy (common/generate.py:
-    PlainStep is the other), appending 1..k+1 tokens per step."""
-    drafter: object
-    draft_max: int = DRAFT_MAX
-    rule: object = accept                 # tests plant wrong rules here
-    length: DraftLength = field(default=None)
+    """Session.generate's step strategy (common/generate.py: PlainStep is the other): the planner
+    over a batch of one, each step 1..k+1 tokens. `speculation`: Speculation (prompt lookup) or
+    DraftSpeculation; its step times are measured over this engine's arena (`prepare`)."""
     name = "speculative"
 
-    def __post_init__(self):
-        if self.length is None:
-            self.length = DraftLength(self.draft_max)
+    def __init__(self, speculation: Speculation):
+        self.speculation = speculation
+        self.one = None
 
     def prepare(self, session: Session):
-        """Measure the step costs on this engine once (StepCost.calibrate), where the session's
-        cache ends: before its tokens are fed, or past those it holds."""
-        if not self.length.cost.calibrated:
-            self.length.cost.calibrate(session.engine, self.draft_max + 1, session.n_cached)
+        """Before the prompt is fed: the step times of this engine, measured where the session's
+        cache ends (StepTime.calibrate_arena, and the draft model's), once; its guesser."""
+        spec = self.speculation
+        spec.n_ctx = session.engine.n_ctx
+        if not spec.time.calibrated:
+            spec.time.calibrate_arena(session.engine, spec.draft_max + 1, session.n_cached)
+            spec.calibrate_draft(2)
+        self.one = None
 
     def step(self, session: Session, sampler: Sampler, room: int) -> tuple[list, int, int]:
         """One decode step: (the tokens appended, at most `room`; guesses made; guesses kept)."""
-        cap = min(self.draft_max, room - 1, session.engine.n_ctx - len(session.tokens))
-        draft = self.drafter.draft(session.tokens, cap, self.length, sampler) if cap > 0 else None
+        spec = self.speculation
+        if self.one is None or self.one.session is not session:
+            self.one = One(session, spec.guesser())
+        one = self.one
+        one.room, one.sampler = room, sampler
         t0 = time.perf_counter()
-        if not draft:
+        spec.plan([one], 1)
+        guesses, one.guesses = one.guesses, []
+        t1 = time.perf_counter()
+        if not guesses:
             tok = session.next_token(sampler)
-            self.length.cost.observe(1, (time.perf_counter() - t0) * 1e3)
+            now = time.perf_counter()
+            spec.time.observe(1, (now - t1) * 1e3, (now - t0) * 1e3)
             return [tok], 0, 0
-        k = len(draft.tokens)
-        kept, tok = session.verify(draft.tokens, lambda rows: self.rule(rows, draft, sampler, session.tokens))
-        self.length.cost.observe(k + 1, (time.perf_counter() - t0) * 1e3)
-        self.length.observe(draft.key, k, kept)
-        return draft.tokens[:kept] + [tok], k, kept
+        ruled = []
+
+        def rule(rows):
+            t = time.perf_counter()
+            out = one.guesser.verify(rows, guesses, sampler, session.tokens)
+            ruled.append(time.perf_counter() - t)
+            return out
+        kept, tok = session.verify(guesses, rule)
+        now = time.perf_counter()
+        one.guesser.observe(len(guesses), kept, kept)
+        spec.time.observe(len(guesses) + 1, (now - t1 - sum(ruled)) * 1e3, (now - t0) * 1e3)
+        return guesses[:kept] + [tok], len(guesses), kept
 
     def close(self):
-        self.drafter.close()
+        if self.one is not None:
+            self.one.guesser.release()
+            self.one = None
 
 
 def from_flags(mode: str, draft_max: int = DRAFT_MAX, draft_engine=None, target=None) -> Speculator | None:
-    """The Speculator for `--spec MODE` (lookup | draft | off: None)."""
+    """The Speculator for `run --spec MODE` (lookup | draft | off: None); `target`: the engine it
+    serves (the draft's vocabulary checked against it)."""
     if mode == "off":
         return None
+    n_ctx = target.n_ctx if target is not None else 0        # set from the session's engine (prepare)
     if mode == "lookup":
-        return Speculator(PromptLookup(), draft_max)
+        return Speculator(Speculation(n_ctx, draft_max))
     if mode == "draft":
         if draft_engine is None:
             raise ParameterError("--spec draft needs a draft model: give --model-draft FILE (a smaller model "
                                  "with the same vocabulary)")
-        return Speculator(DraftModel(draft_engine, target), draft_max)
+        if target is not None:
+            check_vocabulary(target.gguf, draft_engine.gguf)
+        pages = PageTable.pages_for(draft_engine.n_ctx + draft_max + 1) + 1
+        return Speculator(DraftSpeculation(n_ctx, draft_engine, pages, draft_max))
     raise ParameterError(f"--spec {mode!r}: must be lookup, draft or off")
-
-
-# ---- one sequence of a server's batch, over the paged pool ---------------------------------------
-
-class Guesser:
-    """One sequence's prompt lookup in a server's batched step (app/serve/speculation.py plans
-    the step; app/serve/sequence.py runs its part):
-
-        offer     what it could guess now (`found`: the lookup over its own context, prompt and
-                  output so far) and an accept rate drawn from its own counts for that kind
-        verify    the rule on its k+1 rows of the step's logits [k+1, n_vocab] -> the kept
-                  guesses and the model's own token (the caller cuts them where the text ends
-                  and gives the rest of the positions back: PageTable.truncate)
-
-    Its counts start from the server's (`pooled`: every sequence's guesses), worth PRIOR_WEIGHT
-    guesses of evidence, so a new sequence starts from what this server has seen and then
-    follows its own text. `q`: the distributions the guesses were drawn from (a draft model's;
-    None for lookup's deterministic guesses)."""
-
-    PRIOR_WEIGHT = 3.0        # Beta(1, 2)'s weight: the pooled rate counts as 3 guesses
-
-    def __init__(self, pooled: AcceptCounts, n_max: int = LOOKUP_NGRAM[1], rule=accept):
-        self.pooled, self.rule = pooled, rule
-        self.index = NgramIndex(n_max)
-        self.counts = AcceptCounts()
-        self.key = None
-        self.found: list = []
-        self.q = None
-
-    def offer(self, context, k_max: int, rng) -> tuple[int, float]:
-        """(how many guesses it has, up to k_max; their drawn accept rate); (0, 0) when the
-        lookup finds nothing. The context only ever grows, so the index takes its new tokens."""
-        self.index.extend(context[len(self.index.tokens):])
-        n, self.found = self.index.find(k_max)
-        if not self.found:
-            return 0, 0.0
-        self.key = ("ngram", n)
-        return len(self.found), self.draw(rng)
-
-    def draw(self, rng) -> float:
-        """An accept rate for this kind of guess, from its own counts and the server's."""
-        r = self.pooled.rate(self.key)
-        return self.counts.draw(self.key, rng, (self.PRIOR_WEIGHT * r, self.PRIOR_WEIGHT * (1 - r)))
-
-    def verify(self, rows: np.ndarray, guesses: list, sampler: Sampler, history) -> tuple[int, int]:
-        """(guesses kept, the model's own token) by the rule; every token kept taken by the sampler."""
-        q = self.q[:len(guesses)] if self.q is not None else None
-        return self.rule(rows, Draft(list(guesses), q, self.key), sampler, history)
-
-    def observe(self, drafted: int, kept: int, emitted: int):
-        for counts in (self.counts, self.pooled):
-            counts.observe(self.key, drafted, kept, emitted)
-
-    def release(self):
-        """The sequence ended or was preempted: what it holds besides its text goes back."""

@@ -38,8 +38,8 @@ from common.constrain import (
     Constraint,
     ConstraintError,
     Grammar,
-    VocabularyMismatch,
-    check_vocabulary,
+    LLTokenizerMismatch,
+    check_ll_tokenizer,
     fill_masks,
     handed_over,
     ll_tokenizer,
@@ -69,14 +69,14 @@ def ids(tok, text: str) -> list:
 # ---- the vocabulary ------------------------------------------------------------------------------
 
 def test_llguidance_sees_every_token_as_our_tokenizer_writes_it(tok, ll):
-    """Checked here by the test itself, token for token, and by check_vocabulary."""
+    """Checked here by the test itself, token for token, and by check_ll_tokenizer."""
     special = 0
     for i in range(tok.n_vocab):
         assert ll.decode_bytes([i]) == tok.token_piece(i, special=True), i
         special += ll.is_special_token(i)
         assert ll.is_special_token(i) == (tok.token_piece(i, special=False) == b"" != tok.token_piece(i)), i
     assert special == 17 and sorted(ll.eos_tokens) == sorted(tok.eog_ids) and ll.eos_token == tok.eos_id
-    check_vocabulary(ll, tok)
+    check_ll_tokenizer(ll, tok)
 
 
 @pytest.mark.needs("vocab")
@@ -112,8 +112,8 @@ def test_a_planted_mismatch_is_caught_and_named(tok, plant):
     else:
         vocab.eos = [vocab.eos[0], 17]
         want = "end tokens"
-    with pytest.raises(VocabularyMismatch, match=want):
-        check_vocabulary(build(vocab), tok)
+    with pytest.raises(LLTokenizerMismatch, match=want):
+        check_ll_tokenizer(build(vocab), tok)
 
 
 # ---- the matcher -------------------------------------------------------------------------------
@@ -562,8 +562,9 @@ def test_constrained_requests_in_one_batch_through_preemption(tok, ll, engine):
     assert crowded == roomy and any(preempted[1:]), preempted                  # a constrained one was preempted
     # with speculative decoding (every guess lookup finds, a step's rows costing nothing more):
     # guesses the grammar forbids refused, the kept ones moving each matcher on, the same texts
-    from app.serve.speculation import Speculation, StepTime
-    loop, guessed, _, seqs = run(64, asks, Speculation(engine.n_ctx, 8, StepTime({1: 1.0, 1 << 16: 1.0})))
+    from common.speculative import Speculation
+    from tests.test_speculative import FreeRows
+    loop, guessed, _, seqs = run(64, asks, Speculation(engine.n_ctx, 8, FreeRows()))
     assert guessed == roomy and all(s.guesser.counts.drafted for s in seqs[1:3]), \
         [s.guesser.counts.drafted for s in seqs]
     assert all(s.sampler.constraint.tokens == out for s, out in zip(seqs[1:], guessed[1:]))

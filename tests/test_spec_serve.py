@@ -45,20 +45,20 @@ from app.serve.engine_loop import EngineLoop
 from app.serve.metrics import Metrics
 from app.serve.scheduler import Scheduler
 from app.serve.sequence import Ask, Sequence
-from app.serve.speculation import DraftGuesser, DraftSpeculation, Speculation, StepTime
 from common import speculative as sp
 from common.generate import Sampler, SamplingParams
 from common.paged_kv import PageTable
+from common.speculative import DraftGuesser, DraftSpeculation, Speculation, StepTime
 from tests.stub_engine import StubEngine, StubServer
-from tests.test_speculative import chi_square_p, keep_every_guess, resample_from_p
+from tests.test_speculative import FreeRows, chi_square_p, keep_every_guess, resample_from_p
 
 MAX_TOKENS = 48
 
 
 def free_rows() -> StepTime:
-    """A step costs the same whatever its rows: the rule then guesses all it can, so the
-    checks' steps do not depend on this machine's speed."""
-    return StepTime({1: 1.0, 1 << 16: 1.0})
+    """A step costs the same whatever its rows, and nothing in the ledger: the rule then
+    guesses all it can, so the checks' steps do not depend on this machine's speed."""
+    return FreeRows()
 
 
 def lookup(rule=sp.accept, draft_max: int = 8) -> Speculation:
@@ -494,8 +494,12 @@ def test_step_time_pads_to_the_row_block_interpolates_and_follows_the_steps():
     t = StepTime({1: 10.0, 8: 10.0, 16: 18.0, 32: 34.0}, row_block=8)
     assert t.forward_ms(1) == t.forward_ms(8) == 10.0 and t.forward_ms(9) == 18.0      # rows padded to 8
     assert t.forward_ms(24) == pytest.approx(26.0) and t.forward_ms(64) == pytest.approx(66.0)
-    t.observe(16, 36.0, 40.0)                       # the machine got twice as slow: the shape scales
-    assert t.scale == pytest.approx(1.1) and t.other_ms == pytest.approx(0.4)
+    t.observe(16, 36.0, 40.0)                       # a plain step: the machine got twice as slow, the shape scales
+    assert t.scale == pytest.approx(1.1) and t.outside_ms() == pytest.approx(4.0)
+    t.planned(8)
+    t.observe(24, 33.0, 43.0)                       # a step with 8 guess rows: the shape at 24 learns (30 at 1.1)
+    assert t.shape[24] == pytest.approx((26.0 + 30.0) / 2) and t.scale == pytest.approx(1.1)
+    assert t.outside_ms(8) > t.outside_ms(0) and t.last == (24, 43.0)
     assert StepTime()(5) == 5.0                     # nothing measured: every row a step (nothing guessed)
 
 
@@ -503,13 +507,13 @@ def test_calibration_gives_every_page_back():
     engine = StubEngine()
     loop = EngineLoop(engine, kv_pages=64)
     t = StepTime()
-    t.calibrate(loop.forward, loop.pool, 40)
-    assert sorted(t.shape) == [m for m in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32) if m <= 40]
+    t.calibrate_pool(loop.forward, loop.pool, 40)
+    assert sorted(t.shape) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40]      # ROWS, and the most
     assert pages_back(loop) == []
 
 
 class Clock:
-    """perf_counter for app/serve/speculation.py: seconds that pass only when a pass runs."""
+    """perf_counter for common/speculative.py: seconds that pass only when a pass runs."""
 
     def __init__(self):
         self.now = 0.0
@@ -527,9 +531,9 @@ BURSTS = {(0, 4): 50.0, (1, 7): 30.0}          # (round, rows) -> ms more
 def calibration_problems(monkeypatch, rounds: int = 3) -> list[str]:
     """The calibrated shape: each row count's pass at its cost without the bursts (the best of
     the rounds), and never less for more rows (6 rows cost what 5 do)."""
-    from app.serve import speculation
     clock = Clock()
-    monkeypatch.setattr(speculation, "time", clock)
+    monkeypatch.setattr(sp, "time", clock)
+    monkeypatch.setattr(StepTime, "ROUNDS", rounds)
     seen = {}
 
     def forward(batch):
@@ -538,7 +542,7 @@ def calibration_problems(monkeypatch, rounds: int = 3) -> list[str]:
         clock.now += (PASS_MS[m] + BURSTS.get((r, m), 0.0)) / 1e3
     loop = EngineLoop(StubEngine(), kv_pages=64)
     t = StepTime()
-    t.calibrate(forward, loop.pool, 8, rounds=rounds)
+    t.calibrate_pool(forward, loop.pool, 8)
     want = {**PASS_MS, 6: PASS_MS[5]}
     return [f"{m} rows: {t.shape.get(m)} ms, not {w}" for m, w in want.items() if t.shape.get(m) != pytest.approx(w)]
 
@@ -546,8 +550,7 @@ def calibration_problems(monkeypatch, rounds: int = 3) -> list[str]:
 def test_calibration_takes_the_best_round_and_more_rows_never_cost_less(monkeypatch):
     assert calibration_problems(monkeypatch) == []
     assert calibration_problems(monkeypatch, rounds=1) != [], "planted: one round, its burst kept"
-    from app.serve import speculation
-    monkeypatch.setattr(speculation, "max", lambda *a, **k: a[-1], raising=False)    # planted: no running max
+    monkeypatch.setattr(sp, "max", lambda *a, **k: a[-1], raising=False)    # planted: no running max
     assert calibration_problems(monkeypatch) != []
 
 
@@ -613,8 +616,8 @@ class NoRoomForItsOwnToken(Speculation):
     """Planted: guesses may fill max_tokens, leaving no room for the step's own token."""
 
     def plan(self, decoding, rows):
-        offers = [seq.guesser.offer(seq.context, min(self.draft_max, seq.ask.max_tokens - len(seq.generated),
-                                                     self.n_ctx - len(seq.context)), self.rng) for seq in decoding]
+        offers = [seq.guesser.offer(seq.context, min(self.draft_max, seq.room, self.n_ctx - len(seq.context)),
+                                    self.rng) for seq in decoding]
         self.fill(decoding, sp.allot([(a, n) for n, a in offers], rows,
                                      self.cost(rows, sum(n > 0 for n, _ in offers))))
 

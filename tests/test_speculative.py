@@ -3,8 +3,13 @@
 * Prompt lookup on crafted sequences: the longest n-gram, its most recent occurrence; the
   index that keeps the search up to date gives what a scan of the text gives (a planted index
   that keeps first occurrences is caught).
-* How many guesses: a kind that keeps failing stops guessing, one that keeps matching guesses
-  long (and a policy that ignored the outcomes, planted, is caught by the same check).
+* How many guesses, the planner over one sequence, simulated (step times and accept rates made
+  up, noisy): a kind that keeps failing stops guessing, one that keeps matching guesses long (a
+  rate that never learns, planted, is caught); never below 0.97x plain decoding over step costs
+  from nearly free rows to a step per row and accept rates from 0 to 0.9, with a wrong accept
+  rate (the ledger stops it; planted without the ledger: caught) and a calibration that prices
+  guess rows at a fifth of their cost (the shape learns; planted: the scale learned from every
+  step, caught).
 * The rule keeps the model's distribution: many seeded draws of the next two tokens on a tiny
   model, a chi-square test against the plain sampler's distribution (deterministic guesses, a
   draft model's guesses, the whole sampler chain); planted wrong rules must fail it.
@@ -27,6 +32,7 @@ import numpy as np
 import pytest
 
 from common import speculative as sp
+from common.batch import padded
 from common.generate import ParameterError, Sampler, SamplingParams, Session, generate
 from common.gguf import GGUFFile, GGUFWriter, ValueType
 from common.paged_kv import PagePool, PageTable
@@ -41,38 +47,48 @@ ROUNDING_STAGE = "fused"         # activations rounded to 8 bits (int8's numeric
 NEAR_TIE = 0.25                  # logits: as tests/test_stages.py allows int8 at a near-tie
 
 
-class FreeRows(sp.StepCost):
-    """Every verify pass costs one step: the policy then always guesses as far as it can, so the
-    tests' steps do not depend on this machine's speed."""
-    calibrated = True
+class FreeRows(sp.StepTime):
+    """Every step costs the same whatever its rows, and a step's guesses cost nothing in the
+    ledger: the planner then guesses all it is offered, so the tests' steps do not depend on
+    this machine's speed."""
 
-    def __call__(self, rows):
-        return 1.0
+    def __init__(self, ms: float = 1.0):
+        super().__init__({1: ms, 1 << 16: ms})
 
-    def observe(self, rows, ms):
-        pass
+    def observe(self, rows, forward_ms, step_ms):
+        self.guess_rows = 0
+
+    def extra(self, rows, step_ms):
+        return 0.0
 
 
-def always_guessing(drafter, draft_max=8, rule=sp.accept) -> sp.Speculator:
-    return sp.Speculator(drafter, draft_max, rule, sp.DraftLength(draft_max, FreeRows()))
+def always_guessing(guesser: sp.Guesser, draft_max=8, rule=sp.accept) -> sp.Speculator:
+    """The one sequence guessing with `guesser` (its rule set to `rule`) over FreeRows."""
+    spec = sp.Speculation(4096, draft_max, FreeRows(), rule)
+    guesser.pooled, guesser.rule = spec.pooled, rule
+    spec.guesser = lambda: guesser
+    return sp.Speculator(spec)
 
 
-class Scripted:
+def always_drafting(draft_engine, draft_max=8, rule=sp.accept) -> sp.Speculator:
+    """A draft model's guesses, every one it may make (its steps cost nothing either)."""
+    pages = PageTable.pages_for(draft_engine.n_ctx + draft_max + 1) + 1
+    return sp.Speculator(sp.DraftSpeculation(4096, draft_engine, pages, draft_max, FreeRows(), FreeRows(0.0), rule))
+
+
+class Scripted(sp.Guesser):
     """Guesses read from a script (position -> token), every `wrong`-th one replaced by another token."""
-    name = "scripted"
 
     def __init__(self, script, wrong: int | None = None, n_vocab: int = 49152):
+        super().__init__(sp.AcceptCounts())
         self.script, self.wrong, self.n_vocab = list(script), wrong, n_vocab
 
-    def draft(self, tokens, k_max, length, sampler):
-        n = len(tokens)
-        k = length.choose("scripted", min(k_max, len(self.script) - n))
-        guesses = [t if self.wrong is None or (n + j) % self.wrong else (t + 1) % self.n_vocab
-                   for j, t in enumerate(self.script[n:n + k])]
-        return sp.Draft(guesses, None, "scripted") if guesses else None
-
-    def close(self):
-        pass
+    def look(self, context, k_max):
+        n = len(context)
+        self.key = "scripted"
+        self.found = [t if self.wrong is None or (n + j) % self.wrong else (t + 1) % self.n_vocab
+                      for j, t in enumerate(self.script[n:n + k_max])]
+        return len(self.found)
 
 
 def keep_every_guess(logits, draft, sampler, history):
@@ -84,7 +100,7 @@ def keep_every_guess(logits, draft, sampler, history):
 # ---- prompt lookup -------------------------------------------------------------------------------
 
 def test_lookup_proposes_what_followed_the_longest_recent_match():
-    look = sp.PromptLookup(1, 3)
+    look = sp.PromptLookup(n_min=1, n_max=3)
     #        0  1  2  3  4  5  6  7  8  9 10 11
     text = [5, 1, 2, 3, 9, 8, 1, 2, 3, 7, 1, 2]
     assert look.find(text, 4) == (2, [3, 7, 1, 2])         # [1, 2] last seen at 6, not at 1
@@ -94,9 +110,9 @@ def test_lookup_proposes_what_followed_the_longest_recent_match():
     assert look.find([7, 1, 2, 1, 2], 5) == (2, [1, 2, 1, 2, 1])   # with the period it has (2 here)
     assert look.find([1, 2, 3, 4], 3) == (0, [])           # nothing occurred before
     assert look.find([6], 3) == (0, [])
-    assert sp.PromptLookup(2, 3).find([5, 1, 2, 1], 3) == (0, [])     # n_min = 2: a single 1 does not count
+    assert sp.PromptLookup(n_min=2, n_max=3).find([5, 1, 2, 1], 3) == (0, [])     # n_min = 2: a single 1 does not count
     with pytest.raises(ValueError, match="n_min <= n_max"):
-        sp.PromptLookup(3, 2)
+        sp.PromptLookup(n_min=3, n_max=2)
 
 
 def scanned(tokens, k: int, n_min: int, n_max: int) -> tuple[int, list]:
@@ -130,7 +146,7 @@ def index_mismatches(index_class) -> int:
     """Texts of a few symbols (many matches, of every length), grown a token at a time, cut
     short (the index is built again) and grown again: how often the index and the scan differ."""
     rng = np.random.default_rng(0)
-    look = sp.PromptLookup(1, 4)
+    look = sp.PromptLookup(n_min=1, n_max=4)
     look.index = index_class(4)
     wrong = 0
     for _ in range(20):
@@ -146,65 +162,180 @@ def index_mismatches(index_class) -> int:
 def test_the_index_finds_what_a_scan_of_the_text_finds():
     assert index_mismatches(sp.NgramIndex) == 0
     assert index_mismatches(KeepsTheFirst) > 0                   # the planted index is caught
-    look = sp.PromptLookup(1, 4)
+    look = sp.PromptLookup(n_min=1, n_max=4)
     assert [look.find(t, 3) for t in ([1, 2, 3, 1, 2], [1, 2, 3, 1, 2, 3], [5, 2, 5])] == \
         [(2, [3, 1, 2]), (3, [1, 2, 3]), (1, [2, 5, 2])]       # grown, then another text: built again
     index = sp.NgramIndex(3, [1, 2, 3, 1, 2])
     assert index.find(4) == (2, [3, 1, 2, 3]) and index.find(4, n_min=3) == (0, [])
 
 
-def test_lookup_drafts_through_the_length_policy():
-    look = sp.PromptLookup()
-    length = sp.DraftLength(8, FreeRows())
-    draft = look.draft([1, 2, 3, 4, 5, 1, 2], 8, length, Sampler())
-    assert draft.tokens == [3, 4, 5, 1, 2, 3, 4, 5] and draft.q is None and draft.key == ("ngram", 2)
-    assert look.draft([1, 2, 3], 8, length, Sampler()) is None
+def test_lookup_offers_what_it_found_and_the_planner_takes_what_pays():
+    spec = sp.Speculation(4096, 8, FreeRows())
+    seq = Sim(spec.guesser(), [1, 2, 3, 4, 5, 1, 2])
+    spec.plan([seq], 1)
+    assert seq.guesses == [3, 4, 5, 1, 2, 3, 4, 5] and seq.guesser.key == ("ngram", 2)
+    seq = Sim(spec.guesser(), [1, 2, 3])
+    spec.plan([seq], 1)
+    assert seq.guesses == []
 
 
-# ---- how many guesses -------------------------------------------------------------------------
+# ---- how many guesses: the planner over one sequence, simulated -----------------------------------
 
-def test_step_cost_interpolates_between_measured_row_counts():
-    cost = sp.StepCost({1: 1.0, 2: 1.8, 5: 3.0, 9: 4.0}, t1_ms=10.0)
-    assert cost(2) == 1.8 and cost(3) == pytest.approx(2.2) and cost(7) == pytest.approx(3.5)
-    assert cost(13) == pytest.approx(5.0)                        # past the last: its slope
-    cost.observe(2, 30.0)                                        # a 2-row step took 3 one-row steps
-    assert cost(2) == pytest.approx(0.8 * 1.8 + 0.2 * 3.0)
-    assert sp.StepCost()(4) == 4.0                               # nothing measured: each row a step
+class Sim:
+    """A decoding sequence as the planner sees it (a server's Sequence, run's One)."""
+
+    def __init__(self, guesser, context=(0,) * 8, room: int = 10**6):
+        self.guesser, self.context, self.room = guesser, list(context), room
+        self.guesses, self.sampler = [], None
 
 
-def guessing_steps(length, accept_rate: float, steps: int = 300, seed: int = 1) -> tuple[float, float]:
-    """(share of steps that guessed, mean guesses per guessing step) when each guess is kept
-    with probability accept_rate (the first rejection ends a step's run)."""
+class Offered(sp.Guesser):
+    """Guesses of one kind, 16 on offer at every step (prompt lookup on a text that copies
+    itself throughout, or a draft model)."""
+
+    def look(self, context, k_max):
+        self.key, self.found = "kind", [0] * k_max
+        return k_max
+
+
+class Stubborn(Offered):
+    """A WRONG accept rate, planted: what the guesses did never reaches the counts (its own
+    or the pooled ones), so the rate stays the prior's; the ledger still sees the tokens."""
+
+    def observe(self, drafted, kept, emitted):
+        self.credit += emitted
+        self.last_drafted = drafted
+
+
+class Unledgered(Stubborn):
+    """Planted on top: the ledger never charged (nothing stops a guess the rate favours)."""
+
+    def charge(self, tokens):
+        self.last_drafted = 0
+
+
+class ShapeOnly(sp.StepTime):
+    """The ledger never charged: the accept rate and the step times alone decide."""
+
+    def extra(self, rows, step_ms):
+        return 0.0
+
+
+class EveryStepScales(sp.StepTime):
+    """The WRONG rule of step times, planted: every step moves the scale (the plain step a
+    guess is weighed against learned from the guesses too), the shape never learns."""
+
+    def observe(self, rows, forward_ms, step_ms):
+        self.guess_rows = 0
+        self.scale += self.SMOOTH * (forward_ms / self.shape_at(padded(rows, self.row_block)) - self.scale)
+        self.last = (rows, step_ms)
+
+
+def simulated(rate: float, true_ms, calibrated=None, guesser=Offered, time_class=sp.StepTime, steps: int = 400,
+              noise: float = 0.0, seed: int = 1) -> tuple[float, float, float]:
+    """One sequence decoding `steps` steps under the planner, each guess kept with probability
+    `rate` (the first refusal ends the step's run), a pass of m rows taking true_ms(m) ms times
+    (1 + noise x a standard normal), the step times calibrated as calibrated(m) (default: the
+    truth). Returns (tokens per ms over plain decoding's, share of steps that guessed, guesses
+    per guessing step)."""
     rng = np.random.default_rng(seed)
-    guessed = made = 0
+    time = time_class({m: (calibrated or true_ms)(m) for m in sp.StepTime.ROWS if m <= 17})
+    spec = sp.Speculation(10**6, 16, time, seed=seed)
+    seq = Sim(guesser(spec.pooled))
+    ms = tokens = guessed = made = 0
     for _ in range(steps):
-        k = length.choose("kind", 16)
-        if k:
-            kept = 0
-            while kept < k and rng.random() < accept_rate:
-                kept += 1
-            length.observe("kind", k, kept)
-            guessed += 1
-            made += k
-    return guessed / steps, made / max(guessed, 1)
+        spec.plan([seq], 1)
+        guesses, seq.guesses = seq.guesses, []
+        kept = 0
+        while kept < len(guesses) and rng.random() < rate:
+            kept += 1
+        t = true_ms(len(guesses) + 1) * max(0.2, 1 + noise * rng.standard_normal())
+        if guesses:
+            seq.guesser.observe(len(guesses), kept, kept)
+            guessed, made = guessed + 1, made + len(guesses)
+        time.observe(len(guesses) + 1, t, t)
+        ms, tokens = ms + t, tokens + kept + 1
+    return tokens / ms * true_ms(1), guessed / steps, made / max(guessed, 1)
 
 
-class Stubborn(sp.DraftLength):
-    """A WRONG policy, planted: it never learns (every outcome ignored)."""
+def nearly_free(m):                 # a memory-bound step: a row adds a tenth of a step
+    return 1.0 + 0.1 * (m - 1)
 
-    def observe(self, key, drafted, kept):
-        pass
+
+def fused_small_cpu(m):             # a verify pass as measured for the fused stage on a small CPU
+    return 1.0 + 0.45 * (m - 1)
+
+
+def knee(m):                        # free up to 4 rows, then each row most of a step (a kernel's third pair)
+    return 1.0 + 0.05 * (min(m, 4) - 1) + 0.8 * max(m - 4, 0)
+
+
+def every_row_a_step(m):            # compute-bound: no guess can pay
+    return float(m)
 
 
 def test_guesses_that_keep_failing_stop_and_those_that_match_grow():
-    # a verify pass's cost as measured for the fused stage on a small CPU: one extra row ~0.45 steps
-    cost = sp.StepCost({m: 1.0 + 0.45 * (m - 1) for m in range(1, 18)}, t1_ms=10.0)
-    failing, _ = guessing_steps(sp.DraftLength(16, cost), accept_rate=0.1)
+    """The accept rate decides (the ledger set aside): a kind of guess that keeps failing is
+    seldom tried, one that keeps matching guesses long; a rate that never learns (planted)
+    keeps guessing."""
+    _, failing, _ = simulated(0.1, fused_small_cpu, time_class=ShapeOnly)
     assert failing < 0.1, f"free text: guessed on {failing:.0%} of the steps"
-    share, k = guessing_steps(sp.DraftLength(16, cost), accept_rate=0.97)
+    _, share, k = simulated(0.97, fused_small_cpu, time_class=ShapeOnly)
     assert share > 0.9 and k >= 6, (share, k)
-    stuck, _ = guessing_steps(Stubborn(16, cost), accept_rate=0.1)
-    assert stuck > 0.2, "the planted policy that never learns should keep guessing"
+    _, stuck, _ = simulated(0.1, fused_small_cpu, guesser=Stubborn, time_class=ShapeOnly)
+    assert stuck > 0.2, "the planted rate that never learns should keep guessing"
+
+
+CASES = [(cost, rate) for cost in (nearly_free, fused_small_cpu, knee, every_row_a_step)
+         for rate in (0.0, 0.1, 0.3, 0.6, 0.9)]
+
+
+def losses(guesser=Offered, time_class=sp.StepTime, calibrated=None, noise: float = 0.3) -> list[str]:
+    """Every case of CASES simulated with step times that wander by `noise`: the cases slower
+    than 0.97x plain decoding."""
+    out = []
+    for cost, rate in CASES:
+        speed, share, _ = simulated(rate, cost, calibrated and calibrated(cost), guesser, time_class, noise=noise)
+        if speed < 0.97:
+            out.append(f"{cost.__name__}, accept rate {rate}: {speed:.3f}x plain, guessed on {share:.0%} of steps")
+    return out
+
+
+def test_speculation_never_costs_more_than_three_percent():
+    """Over step costs from nearly free rows to rows that each cost a step, and accept rates
+    from 0 to 0.9, with step times wandering by 30%: never below 0.97x plain decoding, and
+    where guesses are likely and rows cheap, far above it. It holds with a wrong accept rate
+    (planted: one that never learns), the ledger stopping it; and with a calibration that
+    prices every guess row at a fifth of its cost, the shape learning the truth. Without the
+    ledger (planted), the wrong rate loses; with the scale learned from every step (planted:
+    the plain step weighed against guesses inflated by them), the wrong calibration loses."""
+    assert losses() == []
+    assert simulated(0.9, nearly_free, noise=0.3)[0] > 2.0
+    assert losses(Stubborn) == []
+    assert losses(Unledgered) != []
+
+    def cheap(cost):                            # guess rows at a fifth of their cost
+        return lambda m: cost(1) + (cost(m) - cost(1)) / 5
+    assert losses(calibrated=cheap) == []
+    assert losses(time_class=EveryStepScales, calibrated=cheap) != []
+
+
+def test_step_time_learns_a_dear_guess_row_and_weighs_it_against_the_plain_step():
+    """Calibrated: 5 rows cost what 1 does; the steps say 5 rows take 15 ms and 1 row 10: the
+    shape at 5 follows, the plain step stays 10 ms, and a 5-row step of 15 ms costs half a
+    token in the ledger. The planted rule (scale from every step) weighs it against a plain
+    step inflated by the guesses: it charges far less."""
+    for time_class, want in ((sp.StepTime, 0.5), (EveryStepScales, None)):
+        t = time_class({1: 10.0, 8: 10.0, 16: 18.0})
+        for _ in range(60):
+            t.observe(1, 10.0, 10.0)
+            t.planned(4)
+            t.observe(5, 15.0, 15.0)
+        if want is not None:
+            assert t.forward_ms(1) == pytest.approx(10.0) and t.forward_ms(5) == pytest.approx(15.0, rel=0.01)
+            assert t.extra(1, 15.0) == pytest.approx(want, rel=0.02)
+        else:
+            assert t.extra(1, 15.0) < 0.35
 
 
 # ---- the rule keeps the distribution: a tiny model, many draws, a chi-square test -----------------
@@ -306,19 +437,16 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
-class Fixed:
+class Fixed(sp.Guesser):
     """A deterministic guess: always the same token (q one-hot at it)."""
-    name = "fixed"
 
     def __init__(self, token: int):
+        super().__init__(sp.AcceptCounts())
         self.token = token
 
-    def draft(self, tokens, k_max, length, sampler):
-        k = length.choose("fixed", k_max)
-        return sp.Draft([self.token] * k, None, "fixed") if k else None
-
-    def close(self):
-        pass
+    def look(self, context, k_max):
+        self.key, self.found = "fixed", [self.token] * k_max
+        return k_max
 
 
 def resample_from_p(logits, draft, sampler, history):
@@ -361,16 +489,18 @@ def test_speculative_sampling_keeps_the_plain_samplers_distribution(tiny, case):
     exact = exact_two(target, params)
     assert exact.sum() == pytest.approx(1.0)
 
-    def drafter():
-        return sp.DraftModel(draft, target) if case == "draft model" else Fixed(best_second(target))
+    def guessing(rule=sp.accept):
+        if case == "draft model":
+            return always_drafting(draft, 1, rule)
+        return always_guessing(Fixed(best_second(target)), 1, rule)
 
     wrong = {"keeps every guess": keep_every_guess, "draws a rejection from p": resample_from_p}
     if case == "sampler chain":
         wrong["verifies against the raw softmax"] = raw_softmax
-    p_right = chi_square_p(drawn_two(target, always_guessing(drafter(), 1), params), exact)
+    p_right = chi_square_p(drawn_two(target, guessing(), params), exact)
     assert p_right > 1e-3, f"{case}: the rule's draws fail the chi-square test (p = {p_right:.2g})"
     for name, rule in wrong.items():
-        p_wrong = chi_square_p(drawn_two(target, always_guessing(drafter(), 1, rule), params), exact)
+        p_wrong = chi_square_p(drawn_two(target, guessing(rule), params), exact)
         assert p_wrong < 1e-6, f"{case}: a rule that {name} passed the chi-square test (p = {p_wrong:.2g})"
 
 
@@ -390,7 +520,7 @@ def test_a_draft_models_guesses_are_kept_at_min_one_p_over_q(tiny):
     target, draft = tiny
     engine_p = exact_two(target, PLAIN).sum(axis=1)                       # p of the first token
     draft_q = exact_two(draft, PLAIN).sum(axis=1)
-    spec = always_guessing(sp.DraftModel(draft, target), 1)
+    spec = always_drafting(draft, 1)
     session = Session(target)
     target.reset()
     target.forward(PROMPT[:-1], 0, all_logits=False)
@@ -652,13 +782,14 @@ def test_a_draft_model_of_the_first_layers_gives_plain_greedy_text(float_engine,
     assert draft.config.n_layer == 8 and draft.config.n_vocab == e.config.n_vocab
     prompt = e.tokenizer.encode(COPY_PROMPT)
     plain = generate(e, prompt, N_GEN, ignore_eos=True).tokens
-    gen = spec_tokens(e, prompt, N_GEN, always_guessing(sp.DraftModel(draft, e), 4))
+    gen = spec_tokens(e, prompt, N_GEN, always_drafting(draft, 4))
     assert gen.tokens == plain and gen.drafted > 0
 
 
 def test_from_flags_refuses_what_cannot_run():
     assert sp.from_flags("off") is None
-    assert isinstance(sp.from_flags("lookup", 4).drafter, sp.PromptLookup)
+    lookup = sp.from_flags("lookup", 4).speculation
+    assert lookup.draft_max == 4 and isinstance(lookup.guesser(), sp.PromptLookup)
     with pytest.raises(ParameterError, match="--model-draft"):
         sp.from_flags("draft")
     with pytest.raises(ParameterError, match="lookup, draft or off"):

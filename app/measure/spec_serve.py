@@ -26,7 +26,7 @@ import numpy as np
 from app.measure.speculative import medians, timed_passes
 from common.batch import Batch, Segment
 from common.paged_kv import PagePool, PageTable
-from common.speculative import DraftLength
+from common.speculative import expected_tokens
 
 PLAIN, LOOKUP = "ours", "ours, lookup"
 TARGETS = (("copy", 1, 1.8), ("copy", 4, 1.3), ("free", 8, 0.97))     # (set, clients, lookup / plain at least)
@@ -57,8 +57,8 @@ def batch_verify_times(engine, context: list, k_max: int, rounds: int) -> list[l
 
 def speedup(ratios: list[float], a: float) -> tuple[float, int]:
     """(the best E(k) / c(k+1) over k, that k) for pass costs ratios[k] = c(k+1) in steps."""
-    best = max(range(len(ratios)), key=lambda k: DraftLength.expected(k, a) / ratios[k])
-    return DraftLength.expected(best, a) / ratios[best], best
+    best = max(range(len(ratios)), key=lambda k: expected_tokens(k, a) / ratios[k])
+    return expected_tokens(best, a) / ratios[best], best
 
 
 def verify_record(engine, model: str, context: list, k_max: int, rounds: int) -> dict:

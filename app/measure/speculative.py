@@ -122,11 +122,13 @@ def roofline_prediction(engine, context_len: int, k_max: int, ceil: dict) -> dic
 # ---- generation: plain against prompt lookup ---------------------------------------------------
 
 def run_ours(engine, ids, n: int, spec: sp.Speculator | None = None) -> dict:
-    """Greedy, exactly n tokens; decode = the tokens after the first, and their time."""
+    """Greedy, exactly n tokens; decode = the tokens after the first, and their time. With a
+    Speculator, as `run --spec` runs it: its step times measured before the prompt, untimed."""
     gen = generate(engine, ids, n, Sampler(), ignore_eos=True, step=spec)
     seconds = sum(gen.decode_ms) / 1e3
     return {"tokens": gen.tokens, "decode_s": seconds, "tokens_per_s": (len(gen.tokens) - 1) / seconds,
-            "drafted": gen.drafted if spec else 0, "accepted": gen.accepted if spec else 0}
+            "drafted": gen.drafted if spec else 0, "accepted": gen.accepted if spec else 0,
+            "calibrate_s": spec.speculation.time.calibrate_s if spec else 0.0}
 
 
 def parting(engine, ids, plain, other) -> dict | None:
@@ -212,9 +214,6 @@ def measure_threads(args, model, stage: str, threads: int, prompts: dict, bar) -
         del llama
     engines = None if args.no_llama else llama_engines(model, threads, args.draft_max)
     names = [OURS, OURS_LOOKUP] + ([LLAMA, LLAMA_LOOKUP] if engines else [])
-    cost = sp.StepCost()                                # measured once, followed by every run after
-    cost.calibrate(engine, args.draft_max + 1)
-    out["calibrated"] = {"ratios": cost.ratios, "t1_ms": cost.t1_ms, "seconds": cost.calibrate_s}
     for r in range(args.rounds):
         names_now = order(names, r, rotate=True)
         for set_name, texts in prompts.items():
@@ -225,9 +224,7 @@ def measure_threads(args, model, stage: str, threads: int, prompts: dict, bar) -
                     if name == OURS:
                         res = run_ours(engine, ids, args.n_predict)
                     elif name == OURS_LOOKUP:
-                        spec = sp.Speculator(sp.PromptLookup(), args.draft_max,
-                                             length=sp.DraftLength(args.draft_max, cost))
-                        res = run_ours(engine, ids, args.n_predict, spec)
+                        res = run_ours(engine, ids, args.n_predict, sp.from_flags("lookup", args.draft_max))
                     else:
                         res = run_llama(engines[name], ids, args.n_predict)
                     out["runs"].append({"round": r, "set": set_name, "prompt": i, "engine": name,

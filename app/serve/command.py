@@ -18,12 +18,11 @@ import threading
 import time
 
 from app.models import DEFAULT_MODEL, resolve
+from app.serve import speculation as serve_speculation
 from app.serve.engine_loop import EngineLoop
 from app.serve.sequence import Ask, Sequence
 from app.serve.server import MAX_BODY_BYTES, REQUEST_TIMEOUT_S, Server
-from app.serve.speculation import DraftSpeculation, Speculation, StepTime
 from common.gguf import GGUFFile
-from common.paged_kv import PageTable
 from common.speculative import DRAFT_MAX, check_vocabulary
 from stages import StageError, info
 
@@ -51,24 +50,17 @@ def build(stage: str, model, ctx_size=None, threads=None, max_batch=32, kv_pages
         check_vocabulary(target, draft)
     engine = load(stage, target, n_ctx=ctx_size, threads=threads, progress=progress)
     engine.warmup()
-    speculation = None
-    if spec == "lookup":
-        speculation = Speculation(engine.n_ctx, draft_max, StepTime(row_block=engine.backend.row_block))
-    elif spec == "draft":
+    if spec == "draft":
         draft = load(stage, draft, n_ctx=engine.n_ctx, threads=threads, progress=progress)
         draft.warmup()
-        pages = kv_pages + max_batch * PageTable.pages_for(draft_max + 1)        # each one's context and guesses
-        speculation = DraftSpeculation(engine.n_ctx, draft, pages, draft_max,
-                                       StepTime(row_block=engine.backend.row_block))
+    speculation = serve_speculation.for_server(spec, engine, draft, draft_max, kv_pages, max_batch)
     loop = EngineLoop(engine, kv_pages=kv_pages, max_batch=max_batch, max_queue=max_queue,
                       prefill_chunk=prefill_chunk, speculation=speculation)
     loop.submit(Sequence(Ask([0, 1], max_tokens=2)))     # compile the batched kernels before serving
     while loop.step() or loop.scheduler.running:
         pass
     if speculation is not None:                          # what a step of M rows costs on this engine
-        speculation.time.calibrate(loop.forward, loop.pool, max_batch * (1 + draft_max) + prefill_chunk)
-    if draft is not None:                                # and on the draft model
-        speculation.draft_time.calibrate(draft.forward_batch, speculation.pool, max_batch)
+        serve_speculation.calibrate(speculation, loop, max_batch, prefill_chunk)
     loop.reset_counters()
     model_id = engine.gguf.path.split("/")[-1].removesuffix(".gguf")
     server = Server(engine, stage, loop, model_id, **settings)

@@ -52,7 +52,8 @@ class EngineLoop:
     docstring). `observer`, if given, is told of every step (`step(rows)`) and preemption
     (`preempted()`), from the engine thread. `scheduler`: the Scheduler class (tests plant
     bugs in a subclass). `forward`: what runs a Batch and returns its logits rows (default:
-    engine.forward_batch). `speculation`: app/serve/speculation.py's Speculation, or None (off)."""
+    engine.forward_batch). `speculation`: common/speculative.py's Speculation (built by
+    app/serve/speculation.py), or None (off)."""
 
     def __init__(self, engine, kv_pages: int, max_batch: int = 32, max_queue: int = 64, prefill_chunk: int = 64,
                  page_size: int = PAGE_SIZE, observer=None, scheduler=Scheduler, forward=None, speculation=None):

@@ -98,6 +98,11 @@ class Sequence:
         return self.ask.prompt + self.generated
 
     @property
+    def room(self) -> int:
+        """Tokens it may still make (what speculative decoding's planner may guess within)."""
+        return self.ask.max_tokens - len(self.generated)
+
+    @property
     def scoring(self) -> bool:
         """Its prompt's log-probabilities are asked for and not yet computed."""
         return self.ask.prompt_logprobs is not None and len(self.prompt_scores) < len(self.ask.prompt)

@@ -23,7 +23,7 @@ allows only the end tokens, and drawing one ends the generation.
 
 from common.constrain.constraint import Constraint, fill_masks
 from common.constrain.grammar import ConstraintError, Grammar
-from common.constrain.vocabulary import VocabularyMismatch, check_vocabulary, handed_over, ll_tokenizer
+from common.constrain.vocabulary import LLTokenizerMismatch, check_ll_tokenizer, handed_over, ll_tokenizer
 
-__all__ = ["Constraint", "ConstraintError", "Grammar", "VocabularyMismatch", "check_vocabulary", "fill_masks",
+__all__ = ["Constraint", "ConstraintError", "Grammar", "LLTokenizerMismatch", "check_ll_tokenizer", "fill_masks",
            "handed_over", "ll_tokenizer"]

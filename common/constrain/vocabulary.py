@@ -27,7 +27,7 @@ from common.generate import ParameterError
 MARKER = 0xFF                       # llguidance's special-token marker (TokTrie::SPECIAL_TOKEN_MARKER)
 
 
-class VocabularyMismatch(ParameterError):
+class LLTokenizerMismatch(ParameterError):
     """llguidance sees a token otherwise than our tokenizer does: the message names the first one."""
 
 
@@ -80,8 +80,8 @@ def handed_over(tokenizer, n_vocab: int | None = None) -> Vocabulary:
     if n_vocab < n:
         raise ValueError(f"the model has {n_vocab} logits for {n} tokens")
     if not tokenizer.eog_ids:
-        raise VocabularyMismatch(f"{tokenizer.source}: the vocabulary has no end-of-generation token, which a "
-                                 "grammar needs to end the text")
+        raise LLTokenizerMismatch(f"{tokenizer.source}: the vocabulary has no end-of-generation token, which a "
+                                  "grammar needs to end the text")
     tokens = [expected_bytes(tokenizer, i) for i in range(n)] + [b""] * (n_vocab - n)
     special = [i for i in range(n) if is_special(tokenizer, i)]
     return Vocabulary(tokens, special, end_ids(tokenizer), tokenizer.bos_id, tokenizer)
@@ -92,27 +92,27 @@ def build(vocab: Vocabulary) -> llguidance.LLTokenizer:
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), eos_token=list(vocab.eos))
 
 
-def check_vocabulary(ll: llguidance.LLTokenizer, tokenizer, n_vocab: int | None = None):
-    """Raise VocabularyMismatch unless llguidance sees every token as our tokenizer writes it:
+def check_ll_tokenizer(ll: llguidance.LLTokenizer, tokenizer, n_vocab: int | None = None):
+    """Raise LLTokenizerMismatch unless llguidance sees every token as our tokenizer writes it:
     the same bytes (expected_bytes), special exactly where ours is (is_special), the same end
     tokens, and no more ids than the model has logits."""
     n = tokenizer.n_vocab
     n_vocab = n if n_vocab is None else n_vocab
     where = f"llguidance's view of {tokenizer.source}"
     if ll.vocab_size != n_vocab:
-        raise VocabularyMismatch(f"{where}: {ll.vocab_size} tokens for a model of {n_vocab} logits")
+        raise LLTokenizerMismatch(f"{where}: {ll.vocab_size} tokens for a model of {n_vocab} logits")
     if sorted(ll.eos_tokens) != sorted(tokenizer.eog_ids) or ll.eos_token != tokenizer.eos_id:
-        raise VocabularyMismatch(f"{where}: end tokens {ll.eos_tokens} (main {ll.eos_token}), ours "
-                                 f"{end_ids(tokenizer)} (EOS {tokenizer.eos_id})")
+        raise LLTokenizerMismatch(f"{where}: end tokens {ll.eos_tokens} (main {ll.eos_token}), ours "
+                                  f"{end_ids(tokenizer)} (EOS {tokenizer.eos_id})")
     for i in range(n_vocab):
         want = expected_bytes(tokenizer, i) if i < n else b""
         got = ll.decode_bytes([i])
         if got != (want or shown_empty(i)):
-            raise VocabularyMismatch(f"{where}: token {i} is {bytes(got)!r} there, {want!r} here")
+            raise LLTokenizerMismatch(f"{where}: token {i} is {bytes(got)!r} there, {want!r} here")
         special = i < n and is_special(tokenizer, i)
         if ll.is_special_token(i) != special:
-            raise VocabularyMismatch(f"{where}: token {i} ({want!r}) is {'' if special else 'not '}special here, "
-                                     f"{'not ' if special else ''}there")
+            raise LLTokenizerMismatch(f"{where}: token {i} ({want!r}) is {'' if special else 'not '}special here, "
+                                      f"{'not ' if special else ''}there")
 
 
 _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()      # tokenizer -> {n_vocab: LLTokenizer}
@@ -120,11 +120,11 @@ _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()      # tokenizer
 
 def ll_tokenizer(tokenizer, n_vocab: int | None = None) -> llguidance.LLTokenizer:
     """llguidance's tokenizer for ours, built once per tokenizer and model width, and checked
-    (check_vocabulary) before it is first used: a fraction of a second, a trie of the vocabulary."""
+    (check_ll_tokenizer) before it is first used: a fraction of a second, a trie of the vocabulary."""
     n_vocab = tokenizer.n_vocab if n_vocab is None else n_vocab
     per = _built.setdefault(tokenizer, {})
     if n_vocab not in per:
         ll = build(handed_over(tokenizer, n_vocab))
-        check_vocabulary(ll, tokenizer, n_vocab)
+        check_ll_tokenizer(ll, tokenizer, n_vocab)
         per[n_vocab] = ll
     return per[n_vocab]

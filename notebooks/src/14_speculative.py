@@ -144,19 +144,19 @@ findings["the rule keeps p"] = (f"kept guesses plus residual draws give p to {np
 #
 # Greedy, the same stage: the text must be plain decoding's, token for token (a stage whose
 # multi-row pass rounds activations otherwise, the 8-bit ones, may part at a near-tie, and the
-# cell measures by how much). How many guesses a step makes is chosen from the measured cost of a
-# pass and the accept rate so far (`DraftLength`): where guesses keep failing, it stops guessing.
+# cell measures by how much). How many guesses a step makes is the planner's (`Speculation.plan`,
+# the one `serve --spec` runs over its batch, here over a batch of one): from the step times it
+# measured on this engine and the accept rate so far; where guesses keep failing, or cost more
+# than they gained, it stops guessing.
 
 # %%
 prompts = ms.prompt_sets()
 n_gen = 16 if cfg.quick else 64
-cost = sp.StepCost()
-cost.calibrate(engine, 11)
 rows, live, texts = [], {}, {}
 for kind in ("copy", "free"):
     ids = engine.tokenizer.encode(prompts[kind][-1 if kind == "copy" else 0])
     plain = ms.run_ours(engine, ids, n_gen)
-    looked = ms.run_ours(engine, ids, n_gen, sp.Speculator(sp.PromptLookup(), 10, length=sp.DraftLength(10, cost)))
+    looked = ms.run_ours(engine, ids, n_gen, sp.from_flags("lookup", 10))     # run --spec lookup --draft-max 10
     part = ms.parting(engine, ids, plain["tokens"], looked["tokens"])
     rate = looked["accepted"] / looked["drafted"] if looked["drafted"] else 0.0
     live[kind] = looked["tokens_per_s"] / plain["tokens_per_s"]
