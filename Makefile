@@ -21,7 +21,7 @@ args   ?=
 
 .DEFAULT_GOAL := help
 
-.PHONY: help setup model vocab compile test test-all test-avx2 run bench report lessons baseline llama-cpp notebooks setup-cuda clean
+.PHONY: help setup model vocab compile test test-all test-avx2 run bench report lessons baseline llama-cpp notebooks book book-execute setup-cuda clean
 
 help:  ## list the targets and the stages
 	@echo "usage: make TARGET [stage=NAME prompt=TEXT n=N model=PATH name=MODEL]"
@@ -31,10 +31,10 @@ help:  ## list the targets and the stages
 	@echo "stages (stage=NAME):"
 	@$(PYTHON) stages/registry.py
 
-$(STAMP): requirements.txt requirements-test.txt
+$(STAMP): requirements.txt requirements-test.txt requirements-book.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { echo "error: '$(PYTHON) -m venv' failed; install Python 3.10+ with venv (Debian: apt-get install python3-venv)"; exit 1; }
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt -r requirements-test.txt
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-test.txt -r requirements-book.txt
 	@touch $@
 
 setup: $(STAMP)  ## create .venv and install the requirements
@@ -64,7 +64,7 @@ compile: $(STAMP) $(MODEL_FILE)  ## compile every CPU stage's kernels into .numb
 jobs   ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 PYTEST := GOMP_SPINCOUNT=1000 $(PY) -m pytest -q -rfEsx $(if $(filter-out 1,$(jobs)),-n $(jobs) --dist loadfile)
 
-test: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP)  ## lint, compile, the test suite (fast tests; GPU tests skip, saying why), then test-avx2
+test: $(STAMP) $(MODEL_FILE) $(VOCAB_STAMP) test-browser  ## lint, compile, the test suite (fast tests; GPU tests skip, saying why), then test-avx2
 	$(VENV)/bin/ruff check .
 	$(PY) -m app compile
 	$(PYTEST) tests $(args)
@@ -131,8 +131,30 @@ lessons: $(STAMP)  ## the article's claims beside this machine's records (profil
 baseline: llama-cpp $(MODEL_FILE)  ## install llama-cpp-python if needed and record llama.cpp's row
 	$(PY) -m app baseline -m $(model) $(args)
 
-notebooks: $(STAMP) $(MODEL_FILE)  ## start Jupyter Lab on notebooks/ (LLM_NOTEBOOK_QUICK=1: tiny settings)
+notebooks: $(STAMP) $(MODEL_FILE)  ## start Jupyter Lab on notebooks/: run a chapter for your machine's figures (LLM_NOTEBOOK_QUICK=1: tiny settings)
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/ $(args)
+
+# The book renders the chapters as committed: the outputs of one execution for the book, named in
+# each chapter's first output. It executes nothing; book-execute does, after `make report` has
+# written the records the chapters read, and its notebooks are committed.
+chapters ?=
+book: $(STAMP)  ## the chapters as a static site, as executed for the book: build/book/html/index.html (executes nothing)
+	$(PY) notebooks/build.py --book
+
+book-execute: $(STAMP) $(MODEL_FILE)  ## execute the chapters at full settings and write notebooks/*.ipynb with their outputs [chapters="02 12"]
+	$(PY) -m app compile
+	$(PY) notebooks/build.py --execute $(chapters)
+
+# ---- the course's exercises and experiments (exercises/README.md) --------------------------------
+.PHONY: exercise try-it
+ch  ?=
+exp ?=
+
+exercise: $(STAMP) $(MODEL_FILE)  ## check your solution of a chapter's exercise against the stage's code, then time it: make exercise ch=02
+	$(PY) -m exercises.check $(ch) $(args)
+
+try-it: $(STAMP) $(MODEL_FILE)  ## a chapter's experiments, each predicted then measured: make try-it ch=02 [exp=tile_k] (args=--quick)
+	$(PY) -m exercises.try_it $(ch) $(exp) $(args)
 
 setup-cuda: $(STAMP)  ## build and install PyCUDA for the cuda stage (needs an NVIDIA GPU, driver and nvcc)
 	PYTHON=$(PY) bash scripts/install_pycuda.sh
@@ -142,19 +164,26 @@ clean:  ## remove the numba cache and Python caches (keeps .venv and models/)
 	find . -name __pycache__ -prune -exec rm -rf {} +
 
 # ---- many users at once: the OpenAI-compatible server and its load test -------------------------
-.PHONY: serve loadtest soak browser
+.PHONY: serve loadtest soak browser test-browser
 
 serve: $(STAMP) $(MODEL_FILE)  ## OpenAI-compatible HTTP server, continuous batching: make serve [stage=... args="--port 8080"] (tp: np=2 [hosts=FILE])
 	$(if $(np),$(MPIEXEC) -n $(np) $(if $(hosts),-f $(hosts)) )$(PY) -m app serve --stage $(stage) -m $(model) $(args)
 
 loadtest: $(STAMP) $(MODEL_FILE)  ## 1..32 concurrent clients against the server: profiles/batching.png [args="--llama-server auto"]
-	$(PY) scripts/loadtest.py --stage $(stage) -m $(model) $(if $(np),--np $(np)) $(args)
+	$(PY) -m app bench loadtest --stage $(stage) -m $(model) $(if $(np),--np $(np)) $(args)
 
 soak: $(STAMP) $(MODEL_FILE)  ## a few minutes of mixed traffic against the server: profiles/bench/soak.json [args="--seconds 180"]
-	$(PY) scripts/soak.py --stage $(stage) -m $(model) $(args)
+	$(PY) -m app bench soak --stage $(stage) -m $(model) $(args)
 
 # The page's test drives Debian's Chromium through its driver (selenium is in requirements-test.txt).
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 browser:  ## install Debian's chromium and chromium-driver, for the page's test in a headless browser
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
 		$(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends chromium chromium-driver; }
+
+# `make test` tests the page in a real browser: nothing to do where Chromium is there; installed where
+# this can (root, with apt); elsewhere a note, and the page's test skips saying the same command.
+test-browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then $(MAKE) --no-print-directory browser; \
+		else echo "note: no Chromium here, so the page's test will skip: \`make browser\` installs it (sudo apt-get install chromium chromium-driver)"; fi; }

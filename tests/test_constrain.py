@@ -335,6 +335,40 @@ def judged(schema, text: str) -> bool:
         return False
 
 
+PAIR = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+# JSON whitespace (grammar.py's JSON_WHITESPACE): none, one space, or one or two newlines and an
+# indent of at most 20 spaces or tabs; nothing else, and nothing after the object
+WHITESPACE = [('{"a":1,"b":2}', True), ('{"a": 1, "b": 2}', True), ('{\n  "a": 1,\n\t"b": 2\n}', True),
+              ('{\n\n"a": 1, "b": 2}', True), ("{\n" + " " * 20 + '"a": 1, "b": 2}', True),
+              ('{"a":  1, "b": 2}', False), ('{\n\n\n"a": 1, "b": 2}', False),
+              ("{\n" + " " * 21 + '"a": 1, "b": 2}', False), ('{\t"a": 1, "b": 2}', False),
+              ('{"a": 1, "b": 2} ', False)]
+
+
+def whitespace_problems(tok, ll) -> list[str]:
+    """The JSON whitespace a schema's text may hold, and a schema's own x-guidance pattern (here
+    up to three spaces, no newline) taking the place of ours."""
+    pair = Grammar.json_schema(PAIR).checked(ll)
+    problems = [f"{text!r}: {'refused' if want else 'taken'}" for text, want in WHITESPACE
+                if passes(tok, pair, ll, text) != want]
+    own = Grammar.json_schema({**PAIR, "x-guidance": {"whitespace_pattern": "[ ]{0,3}"}}).checked(ll)
+    if not passes(tok, own, ll, '{"a":   1, "b": 2}') or passes(tok, own, ll, '{\n"a": 1, "b": 2}'):
+        problems.append("the schema's own whitespace pattern did not win")
+    return problems
+
+
+def test_json_whitespace_is_bounded_and_a_schemas_own_pattern_wins(tok, ll, monkeypatch):
+    from common.constrain import grammar
+    assert whitespace_problems(tok, ll) == []
+    monkeypatch.setattr(grammar, "with_json_options", lambda schema: schema)       # planted: llguidance's default
+    assert whitespace_problems(tok, ll) != []
+    monkeypatch.undo()
+    monkeypatch.setattr(grammar, "with_json_options", lambda schema: {             # planted: ours win
+        **schema, "x-guidance": {**schema.get("x-guidance", {}), **grammar.JSON_WHITESPACE}})
+    assert whitespace_problems(tok, ll) != []
+
+
 @pytest.mark.parametrize("feature", FEATURES)
 def test_the_constraint_passes_what_jsonschema_accepts_and_nothing_else(tok, ll, feature):
     schema, good, bad = FEATURES[feature]
@@ -546,7 +580,7 @@ def test_constrained_requests_in_one_batch_through_preemption(tok, ll, engine):
 # ---- the benchmark's page -------------------------------------------------------------------------
 
 def test_the_bench_page_is_drawn_from_its_record():
-    """scripts/bench_constrain.py's page from a made-up record: medians over rounds, ratios taken
+    """`python -m app bench constrain`'s page from a made-up record: medians over rounds, ratios taken
     within each round, the mask's share of the server's step."""
     from app.measure.constrain_bench import page
     b1 = [(6.0, 6.5), (8.0, 8.0), (7.0, 14.0)]                 # run: plain, constrained
@@ -558,7 +592,7 @@ def test_the_bench_page_is_drawn_from_its_record():
               for (a, b), (c, d), (e, f, g) in zip(b1, one, eight)]
     masks = {"batch1": {"mask_us": [30.0, 40.0, 50.0], "apply_us": [20.0, 20.0, 20.0]},
              "batch8": {"fill_us_per_row": [35.0, 45.0], "apply_us_per_row": [25.0, 25.0]}}
-    record = {"kind": "constrain", "command": "python scripts/bench_constrain.py", "n_vocab": 49152,
+    record = {"kind": "constrain", "command": "python -m app bench constrain", "n_vocab": 49152,
               "settings": {"stage": "repack", "threads": 2, "model": "m.gguf", "rounds": 3, "n_predict": 64},
               "machine": {"cpu": "a CPU", "physical_cores": 2}, "provenance": {"commit": "abc", "code_hash": "h"},
               "rounds": rounds, "masks": {"json schema": masks}, "texts": {"json schema": '{"a": 1}'}}

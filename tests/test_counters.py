@@ -189,9 +189,7 @@ def test_multiplexed_counts_are_scaled_and_ipc_derived():
 
 def test_a_benchmark_record_carries_the_counters_and_its_cold_start(default_model_path):
     from app.measure import bench
-    rec, path = bench.bench_stage("quantized", default_model_path, prompt_tokens=4, n_predict=3, write=False,
-                                  cold=True)
-    assert path is None
+    rec = bench.bench_stage("quantized", default_model_path, prompt_tokens=4, n_predict=3, cold=True)
     for region in (rec["counters"], rec["cold_start"]["load"], rec["cold_start"]["first_forward"]):
         assert {"wall_ms", "task_clock_ms", "context_switches", "minor_faults", "major_faults",
                 "faults_per_s"} <= set(region)

@@ -1,8 +1,10 @@
 """The fused stage: the integer tiles against the int8 stage's loops for every type and shape,
 the activation blocks against int8's, the flash-decoding split against numpy, the barrier that
-gives up instead of hanging, one compiled call per token, one compile shared with repack, and the
-model: 1 thread and N bit for bit, within int8's tolerance of the float64 reference, int8's greedy
-tokens but at near-ties.
+gives up instead of hanging and whose spin bound adapts (doubling back to its most, halving to
+its floor), one compiled call per token, one compile shared with repack, and the model: 1 thread
+and N bit for bit, within int8's tolerance of the float64 reference, int8's greedy tokens but at
+near-ties; CoreShare's choice of one thread or all when the cores are shared (its spells, the
+calls it tries on, a median per row count).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 from common import reference
 from common.gguf import GGMLType, GGUFFile
 from stages import load
+from stages.fused import CoreShare
 from stages.int8 import LOGIT_TOLERANCE as INT8_TOLERANCE
 from stages.kernels import int_tiles, repack_steps, repacked, vector_ir
 from stages.kernels import layer_stack as F
@@ -21,7 +24,7 @@ from stages.kernels.int_dot import matvec_int8_auto
 from stages.kernels.layer_ops import CHUNK, attend_chunk, chunks_of, fast_exp, merge_chunks
 from stages.kernels.q8 import ACTIVATION_BLOCK, dequantize_q8, new_packs, quantize_q8, quantize_row
 from stages.kernels.repack_steps import Repacked
-from stages.kernels.sync import ABORT, SPIN, SPIN_MOST, SPIN_NS, barrier, new_sync, ticks_per_ns
+from stages.kernels.sync import ABORT, ARRIVALS, SPIN, SPIN_MOST, SPIN_NS, barrier, new_sync, ticks_per_ns
 from stages.kernels.toolkit import BLOCK_BYTES, F16_TO_F32
 from tests.test_int8 import activations
 from tests.test_quantized import MIXED_TYPES, n_cols_for, random_blocks, stage_logits, write_tiny_llama
@@ -366,25 +369,39 @@ def test_greedy_tokens_are_int8s_but_at_near_ties(default_model_path, default_en
 
 
 def shared_core_run(rule, slow_at: range, calls: int = 120, base: float = 1.0, shared_factor: float = 12.0,
-                    single_factor: float = 1.7, grows_at: int | None = None):
-    """The threads a CoreShare chose for each of `calls` decode calls of one row, with made-up
-    times: a call on both threads takes `base`, one on one thread `single_factor` times that;
-    while the cores are shared (the calls in slow_at) two threads take `shared_factor` times
-    `base` and one thread still `single_factor` (it has the core the other process left). From
-    call grows_at on, every call's work is three times larger (a longer context, no other process)."""
+                    single_factor: float = 1.7, grows_at: int | None = None, rows=(1,), work=None):
+    """The threads a CoreShare chose for each of `calls` calls, with made-up times: a call on both
+    threads takes `base`, one on one thread `single_factor` times that; while the cores are shared
+    (the calls in slow_at) two threads take `shared_factor` times `base` and one thread still
+    `single_factor` (it has the core the other process left). From call grows_at on, every call's
+    work is three times larger (a longer context, no other process). Call i has rows[i % len(rows)]
+    rows, whose work is work[rows] times a one-row call's (default 1)."""
     chosen = []
     for i in range(calls):
         nt = rule.threads(2)
         if i == grows_at:
             base *= 3.0
-        seconds = base * (single_factor if nt == 1 else (shared_factor if i in slow_at else 1.0))
-        rule.ran(nt, 2, 1, seconds)
+        m = rows[i % len(rows)]
+        seconds = base * (work or {}).get(m, 1.0) * (single_factor if nt == 1 else
+                                                      (shared_factor if i in slow_at else 1.0))
+        rule.ran(nt, 2, m, seconds)
         chosen.append(nt)
     return chosen
 
 
+def spells(chosen) -> list[int]:
+    """The lengths of the runs of calls on one thread."""
+    runs, n = [], 0
+    for nt in chosen + [2]:
+        if nt == 1:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    return runs
+
+
 def test_shared_cores_send_the_call_to_one_thread_and_back():
-    from stages.fused import CoreShare
     E = CoreShare.EXPLORE
     idle = shared_core_run(CoreShare(), slow_at=range(0), calls=2 * E)
     assert idle.count(1) == 2 and idle[:3] == [2] * 3       # an idle machine: a try now and then, lost
@@ -412,3 +429,105 @@ def test_shared_cores_send_the_call_to_one_thread_and_back():
             super().__init__()
             self.calls = 1
     assert shared_core_run(OnlyChanges(), slow_at=range(0, 200), calls=200)[3:].count(1) < 180
+
+
+class NoDoubling(CoreShare):
+    """Planted: every spell on one thread HOLD calls long, however often a retry lost."""
+    MAX_HOLD = CoreShare.HOLD
+
+
+class NoLongestSpell(CoreShare):
+    """Planted: the spells double without end."""
+    MAX_HOLD = 1 << 30
+
+
+class TriesLongCalls(CoreShare):
+    """Planted: tries of one thread on calls of any number of rows."""
+    EXPLORE_ROWS = 1 << 30
+
+
+class OneMedian(CoreShare):
+    """Planted: one median over calls of every row count."""
+
+    def ran(self, used, nt, rows, seconds):
+        super().ran(used, nt, 0, seconds)
+
+
+def spell_problems(make) -> list[str]:
+    """Shared cores from the start to the end: the first try wins a spell of HOLD calls on one
+    thread (after the try itself), and each retry on all threads that loses doubles the next
+    spell, up to MAX_HOLD. Idle cores and calls of EXPLORE_ROWS + 1 rows: never a try (a
+    prompt's pieces are few); of EXPLORE_ROWS rows: the tries. Idle cores and calls of 1 and 32
+    rows (20 times the work) mixed: a 32-row call is slow only against the 32-row calls before
+    it, so nothing but the tries of one thread."""
+    H, M, E = CoreShare.HOLD, CoreShare.MAX_HOLD, CoreShare.EXPLORE
+    want = [1 + H] + [H * 2 ** i for i in range(1, M.bit_length() - H.bit_length() + 1)] + [M, M]
+    problems = []
+    got = spells(shared_core_run(make(), slow_at=range(0, 4000), calls=4000))[:len(want)]
+    if got != want:
+        problems.append(f"spells on one thread while the cores are shared: {got}, want {want}")
+    for rows, tries in ((CoreShare.EXPLORE_ROWS + 1, 0), (CoreShare.EXPLORE_ROWS, 2)):
+        got = shared_core_run(make(), slow_at=range(0), calls=2 * E, rows=(rows,)).count(1)
+        if got != tries:
+            problems.append(f"idle, calls of {rows} rows: {got} tries of one thread, want {tries}")
+    mixed = shared_core_run(make(), slow_at=range(0), calls=2 * E, rows=(1, 32, 32), work={32: 20.0})
+    if mixed.count(1) > 2:
+        problems.append(f"idle, calls of 1 and 32 rows: {mixed.count(1)} calls on one thread")
+    return problems
+
+
+@pytest.mark.parametrize("make", [CoreShare, NoDoubling, NoLongestSpell, TriesLongCalls, OneMedian],
+                         ids=lambda c: c.__name__)
+def test_spells_on_one_thread_double_to_the_longest_and_tries_are_on_short_calls_of_their_own_kind(make):
+    assert (spell_problems(make) == []) == (make is CoreShare)
+
+
+@numba.njit
+def _barrier_of_two(sync, k):
+    return barrier(sync, 2, k)
+
+
+def twin_barrier(**changed):
+    """A planted twin of the barrier: its own code compiled with some of the names it reads
+    changed (a wrong rule where the real one reads min or max)."""
+    import types
+    f = barrier.py_func
+    twin = numba.njit(_nrt=False)(types.FunctionType(f.__code__, {**f.__globals__, **changed}, f.__name__))
+
+    @numba.njit
+    def of_two(sync, k):
+        return twin(sync, 2, k)
+    return of_two
+
+
+def spin_problems(of_two) -> list[str]:
+    """The spin bound after one barrier of two threads, the other there already (its arrival
+    counted: it came within the spin) or never coming (the abort flag up: this one leaves after
+    its spin): within the spin doubles the bound back towards SPIN_MOST, never past it; a spin
+    that ran out halves it, never below SPIN_MOST // SPIN_FLOOR."""
+    from stages.kernels.sync import SPIN_FLOOR
+    most = int(new_sync()[SPIN_MOST])
+    floor = most // SPIN_FLOOR
+    cases = [("came", most // 8, 2 * (most // 8)), ("came", most - 1, most), ("came", most, most),
+             ("ran out", most, most // 2), ("ran out", 2 * floor, floor), ("ran out", floor + 1, floor),
+             ("ran out", floor, floor)]
+    problems = []
+    for how, before, want in cases:
+        sync = new_sync()
+        sync[SPIN] = before
+        if how == "came":
+            sync[ARRIVALS] = 2                       # barrier 1 of two threads: the other has arrived
+        else:
+            sync[ABORT] = 1
+        passed = of_two(sync, 1)
+        if (sync[SPIN], passed) != (want, how == "came"):
+            problems.append(f"{how}, a bound of {before}: {sync[SPIN]} after (passed: {passed}), want {want}")
+    return problems
+
+
+def test_the_spin_bound_doubles_back_to_its_most_and_halves_to_its_floor():
+    assert spin_problems(_barrier_of_two) == []
+    at_most = numba.njit(lambda a, b: a)              # planted: back to the most at once
+    no_floor = numba.njit(lambda a, b: b)             # planted: halved without a floor
+    assert spin_problems(twin_barrier(min=at_most)) != []
+    assert spin_problems(twin_barrier(max=no_floor)) != []

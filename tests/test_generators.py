@@ -1,7 +1,7 @@
 """The summaries and pages drawn from records, on made-up records whose figures are worked out
 by hand here (tests/test_records.py checks the committed pages against their records, which
 only shows a generator agrees with itself): app/measure/compare.py's summary and page,
-app/measure/kernel_bench.py's page, scripts/loadtest.py's percentile, summary and round ratios.
+app/measure/kernel_bench.py's page, app/measure/loadtest.py's percentile, summary and round ratios.
 """
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import math
 
 import pytest
 
-from app.measure import compare, kernel_bench, spec_serve
-from scripts import loadtest
+from app.measure import compare, kernel_bench, loadtest, spec_serve
 
 PROVENANCE = {"commit": "abcdef0123456789", "code_hash": "c0de", "dirty": False}
 
@@ -36,7 +35,7 @@ def comparison(quantized_rounds=3) -> dict:
         "rows": [{"row": r, "engine": r.split("@")[0], "threads": 1} for r in runs],
         "runs": runs, "bandwidth_gbs": {"1": 20.0}, "decode_floor_ms": {"1": 5.0},
         "machine": {"cpu": "Test CPU", "physical_cores": 2}, "provenance": PROVENANCE,
-        "command": "python scripts/bench_vs_llama.py --rounds 3", "time": "2025-01-01T00:00:00+0000",
+        "command": "python -m app bench vs-llama --rounds 3", "time": "2025-01-01T00:00:00+0000",
     }
 
 
@@ -84,7 +83,7 @@ def test_the_comparison_page_shows_the_summary():
 def kernels_record() -> dict:
     base = {"model": "m.gguf", "matrices": 2, "weights": 4_000_000, "bytes": 3 * 2**20}
     return {"kind": "kernels", "passes": 5, "machine": {"cpu": "Test CPU"}, "provenance": PROVENANCE,
-            "time": "2025-01-01T00:00:00+0000", "command": "python scripts/bench_kernels.py",
+            "time": "2025-01-01T00:00:00+0000", "command": "python -m app bench kernels",
             "results": [dict(base, type="Q4_1", kernels="quantized", cpu_s=0.002),
                         dict(base, type="Q4_1", kernels="int8", cpu_s=0.001),
                         dict(base, type="Q5_0", kernels="int8", cpu_s=0.004)]}
@@ -127,7 +126,7 @@ def test_the_load_tests_ratios_pair_the_rounds():
     ours = {"clients": 4, "rounds": [{"tokens_per_s": 10.0}, {"tokens_per_s": 30.0}, {"tokens_per_s": 20.0}]}
     theirs = {"clients": 4, "rounds": [{"tokens_per_s": 5.0}, {"tokens_per_s": 10.0}, {"tokens_per_s": 40.0}]}
     assert loadtest.round_ratios(ours, theirs) == [2.0, 3.0, 0.5]
-    with pytest.raises(ValueError, match="4 clients: 3 rounds of ours and 2 of llama-server's"):
+    with pytest.raises(ValueError, match="4 clients: ours has 3 rounds and llama-server 2"):
         loadtest.round_ratios(ours, dict(theirs, rounds=theirs["rounds"][:2]))
 
 
@@ -145,7 +144,7 @@ def test_the_load_test_names_a_server_slower_than_run():
     assert len(gaps) == 1 and "0.25x" in gaps[0] and "fused" in gaps[0]
 
 
-# ---- scripts/loadtest.py --spec: speculation in the server (app/measure/spec_serve.py) -------------
+# ---- bench loadtest --spec: speculation in the server (app/measure/spec_serve.py) ------------------
 
 def spec_round(plain_tps, lookup_tps, drafted=0, accepted=0):
     """A round: decode rates as given, whole-request rates half of them."""

@@ -13,12 +13,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # argv: cache folder, locked|bare (app.configure_numba or numba's own save), key, then what to
-# plant: "dawdle" (after reading the index, say so, then wait until the other saver is about to
-# save, and half a second more, before writing it back), "announce" (say, by a file beside the
-# folder, that this save is about to begin), "check-order" (at the moment the index is written,
-# the entry's data file must exist).
+# plant: "dawdle" (after reading the index, say "read" and wait for a line on stdin before writing
+# it back), "contend" (say "waits" when the index's lock is held by another process, just before
+# waiting for it; "saved" once the save is done), "check-order" (at the moment the index is
+# written, the entry's data file must exist).
 SAVER = """
-import os, sys, time
+import fcntl, os, sys
 folder, mode, key, plant = sys.argv[1:5]
 if mode == "locked":
     import app
@@ -30,14 +30,19 @@ if plant == "dawdle":
     def dawdle():
         got = read()
         print("read", flush=True)
-        deadline = time.time() + 60
-        while not os.path.exists(folder + ".announced") and time.time() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.5)                 # the other's save (locked: its wait for the lock) is under way
+        sys.stdin.readline()            # the other saver has saved, or waits for this one's lock
         return got
     f._load_index = dawdle
-elif plant == "announce":
-    open(folder + ".announced", "w").close()
+elif plant == "contend":
+    flock = fcntl.flock
+    def contended(fd, op):
+        if op == fcntl.LOCK_EX:
+            try:
+                return flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:     # another process holds it: say so, then wait for it
+                print("waits", flush=True)
+        return flock(fd, op)
+    fcntl.flock = contended
 elif plant == "check-order":
     write = f._save_index
     def checked(overloads):
@@ -45,12 +50,13 @@ elif plant == "check-order":
         write(overloads)
     f._save_index = checked
 f.save(key, key * 1000)
+print("saved", flush=True)
 """
 
 
 def save(folder, mode, key, plant="") -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", SAVER, str(folder), mode, key, plant or "-"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def entries(folder) -> dict:
@@ -60,11 +66,17 @@ def entries(folder) -> dict:
 
 
 def two_at_once(folder, mode) -> dict:
-    """A reads the index and waits; B saves meanwhile; then A writes."""
+    """A reads the index and waits; B saves meanwhile (numba's own save: it saves; the locked
+    save: it waits for A's lock, which B says before it waits); then A writes. Ordered by what
+    each process says, never by a clock."""
     folder.mkdir()
     a = save(folder, mode, "A", "dawdle")
     assert a.stdout.readline().strip() == "read", a.stderr.read()
-    b = save(folder, mode, "B", "announce")
+    b = save(folder, mode, "B", "contend")
+    said = b.stdout.readline().strip()
+    assert said == ("waits" if mode == "locked" else "saved"), (said, b.stderr.read())
+    a.stdin.write("go\n")
+    a.stdin.flush()
     for p in (b, a):
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-2000:]
@@ -86,3 +98,43 @@ def test_an_entry_is_written_after_its_data(tmp_path, mode):
         assert entries(tmp_path)["A"] == "A" * 1000
     else:                                                             # numba's own order: index first
         assert p.returncode != 0 and "the entry was written before its data" in err, err[-2000:]
+
+
+# ---- the numba it was written against ------------------------------------------------------------
+
+def test_the_installed_numba_is_one_the_lock_was_checked_against():
+    """The save replaced and the methods it calls are numba's private code: a numba outside
+    NUMBA_VERSIONS, or whose methods differ from PRIVATE_API's fingerprints, fails here by name."""
+    import numba
+    from numba.core.caching import IndexDataCacheFile
+
+    from app.numba_cache import unverified
+    assert unverified(numba.__version__, IndexDataCacheFile) == []
+
+
+def test_requirements_pin_numba_to_the_checked_releases():
+    from app.numba_cache import NUMBA_VERSIONS
+    pins = [line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines()
+            if line.startswith("numba")]
+    assert pins == [NUMBA_VERSIONS], f"requirements.txt pins {pins}; app/numba_cache.py was checked against " \
+                                     f"{NUMBA_VERSIONS}"
+
+
+def test_an_unknown_numba_is_named():
+    """Planted: a release past the range, one before it, a method whose source changed and one gone."""
+    from numba.core.caching import IndexDataCacheFile
+
+    from app.numba_cache import unverified
+    assert "outside numba>=0.60,<0.69" in unverified("0.69.0", IndexDataCacheFile)[0]
+    assert "outside" in unverified("0.59.1", IndexDataCacheFile)[0]
+    assert unverified("0.68.1", IndexDataCacheFile) == unverified("0.60.0", IndexDataCacheFile) == []
+
+    class Changed(IndexDataCacheFile):
+        def _save_index(self, overloads):            # a release that writes the index another way
+            pass
+    assert [p.split(" changed")[0] for p in unverified("0.68.1", Changed)] == ["IndexDataCacheFile._save_index"]
+
+    class Gone(IndexDataCacheFile):
+        _data_name = None
+    assert unverified("0.68.1", Gone) == ["IndexDataCacheFile._data_name is gone: read numba's new caching.py "
+                                          "before moving the pin"]

@@ -1,5 +1,5 @@
 """`python -m app perplexity` (app/measure/perplexity.py) against llama.cpp's perplexity of the same
-tokens: the golden file tests/golden/llama_cpp_perplexity.npz (scripts/make_perplexity_golden.py)
+tokens: the golden file tests/golden/llama_cpp_perplexity.npz (scripts/goldens/make_perplexity_golden.py)
 holds llama.cpp's token ids of the committed text and, per context size, the negative
 log-likelihood sums of every chunk. Our tokens must be llama.cpp's, and each stage's perplexity
 over the first chunks within 1% of llama.cpp's over the same chunks (2% for int8, which rounds

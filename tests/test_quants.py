@@ -15,8 +15,8 @@ import pytest
 
 from common import quants as Q
 from common.gguf import BLOCK_SIZES, GGMLType, GGUFError, GGUFFile, type_nbytes
-from scripts.ggml_ref import GGMLUnavailable, ggml_quantizer
-from scripts.make_kquant_golden import GOLDEN_K, K_TYPES, k_quant_cases, sha256_rows, tricky_rows
+from scripts.goldens.ggml_ref import GGMLUnavailable, ggml_quantizer
+from scripts.goldens.make_kquant_golden import GOLDEN_K, K_TYPES, k_quant_cases, sha256_rows, tricky_rows
 
 gguf = pytest.importorskip("gguf", reason="gguf-py (requirements-test.txt) is the dequantization oracle")
 from gguf import quants as gguf_quants  # noqa: E402
@@ -160,7 +160,7 @@ def test_quantize_accepts_any_leading_shape():
 
 @pytest.fixture(scope="module")
 def ggml_quantize_chunk():
-    """ggml's own quantizer (from llama-cpp-python's ggml library); see scripts/ggml_ref.py."""
+    """ggml's own quantizer (from llama-cpp-python's ggml library); see scripts/goldens/ggml_ref.py."""
     try:
         return ggml_quantizer()
     except GGMLUnavailable as e:
@@ -181,7 +181,7 @@ def test_k_quantize_byte_exact_with_ggml_reference(ggml_type, ggml_quantize_chun
 @pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
 def test_k_quantize_matches_recorded_ggml_output(ggml_type):
     """The same check without llama.cpp: ggml's output for these inputs, recorded by
-    scripts/make_kquant_golden.py as one sha256 per quantized row."""
+    scripts/goldens/make_kquant_golden.py as one sha256 per quantized row."""
     golden = json.loads(GOLDEN_K.read_text())[ggml_type.name]
     for what, x in k_quant_cases(ggml_type).items():
         assert hashlib.sha256(x.tobytes()).hexdigest() == golden[what]["input_sha256"], \

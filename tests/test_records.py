@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from app.measure.protocol import write_record
 from app.report import charts
-from app.report.pages import PAGES, page_for, write_record
+from app.report.pages import DRAWINGS, draw, page_for
 from app.report.report import too_large
 from stages import STAGES
 
@@ -47,7 +48,7 @@ def _kind(record: Path):
     return rec.get("kind") if isinstance(rec, dict) else None
 
 
-PAGED = [r for r in sorted(BENCH.rglob("*.json")) if _kind(r) in PAGES]
+PAGED = [r for r in sorted(BENCH.rglob("*.json")) if _kind(r) in DRAWINGS]
 
 
 @pytest.mark.parametrize("record", PAGED, ids=lambda p: p.relative_to(BENCH).as_posix())
@@ -56,51 +57,74 @@ def test_generated_pages_match_their_records(record):
 
 
 def test_a_written_record_comes_back_as_its_own_page(tmp_path):
-    """write_record (the benchmark scripts' last step): the record as written, and the page returned is
-    the one drawn from it, in the folder beside it."""
+    """write_record with its drawing (every benchmark's last step): the record as written, and its
+    page the one drawn from it, beside it."""
     record = json.loads(next((ROOT / "profiles" / "bench" / "prefetch").glob("*.json")).read_text())
     path = tmp_path / "prefetch" / "m.json"
-    shown = write_record(record, path)
+    assert write_record(record, path, draw=draw) == [path, path.with_suffix(".md")]
     assert json.loads(path.read_text()) == record
-    assert shown == path.with_suffix(".md").read_text() == page_for(path)
-    assert record["command"] in shown
+    assert path.with_suffix(".md").read_text() == page_for(path)
+    assert record["command"] in page_for(path)
 
 
 def test_the_records_without_a_page_are_of_kinds_that_have_none():
-    """Only comparison and kernel records have a generated page; the others (the load test draws
-    its own, below) have none, and no page stands without its record."""
-    assert PAGED, "no comparison or kernel record under profiles/bench/"
+    """A record has a generated page exactly where its kind has a drawing (app/report/pages.py), the
+    load test's and the soak test's among them; no page stands without its record."""
+    assert {_kind(r) for r in PAGED} >= {"comparison", "kernels", "batching", "soak", "speculative_serve"}
     for record in sorted(BENCH.rglob("*.json")):
-        assert (page_for(record) is None) == (_kind(record) not in PAGES), record.name
+        assert (page_for(record) is None) == (_kind(record) not in DRAWINGS), record.name
     for page in sorted(BENCH.rglob("*.md")):
         assert page.with_suffix(".json").exists(), f"{page.relative_to(ROOT)} has no record beside it"
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in BENCH.glob("batching*.json")))
-def test_the_load_test_table_is_drawn_from_its_record(tmp_path, name):
-    from scripts.loadtest import draw
-    draw(json.loads((BENCH / f"{name}.json").read_text()), tmp_path / f"{name}.png", tmp_path / f"{name}.md")
-    assert (tmp_path / f"{name}.md").read_text() == (BENCH / f"{name}.md").read_text(), \
-        f"redraw with `python scripts/loadtest.py --chart-only --out profiles/bench/{name}.json`"
+def committed_folder() -> str:
+    """The records folder the README's results table names."""
+    return RECORDS_NAMED.search(dict(_tables())["README.md"]).group(1)
 
 
-def test_the_spec_load_test_table_is_drawn_from_its_record(tmp_path):
-    """`scripts/loadtest.py --spec` records (profiles/bench/speculative_serve*.json), each beside
-    its table (until one is committed from a quiet machine there is none to check)."""
-    from scripts.loadtest import draw_spec
-    for record in sorted(BENCH.glob("speculative_serve*.json")):
-        copy = tmp_path / record.name
-        copy.write_text(record.read_text())
-        drawn = draw_spec(json.loads(record.read_text()), copy).read_text()
-        shown = drawn.replace(str(copy), record.relative_to(ROOT).as_posix())
-        assert shown == record.with_suffix(".md").read_text(), \
-            f"redraw with `python scripts/loadtest.py --spec --chart-only --out {record.relative_to(ROOT)}`"
+def committed_results():
+    """The records of the README's results table, loaded as the report loads them."""
+    return charts.load_results(ROOT / committed_folder(), expected=STAGES)
 
 
 def test_ops_table_is_drawn_from_the_records():
-    block = dict(_tables())["README.md"]
-    res = charts.load_results(ROOT / RECORDS_NAMED.search(block).group(1), expected=STAGES)
-    assert (ROOT / "profiles" / "ops.md").read_text() == charts.ops_markdown(res)
+    assert (ROOT / "profiles" / "ops.md").read_text() == charts.ops_markdown(committed_results())
+
+
+def readme_answer() -> str:
+    text = (ROOT / "README.md").read_text()
+    return text.split(charts.ANSWER_BEGIN)[1].split(charts.ANSWER_END)[0].lstrip("\n")
+
+
+def worked_decode_problems(answer: str, res) -> list[str]:
+    """The README's worked number against the records it names, recomputed here: the weights' MB
+    (the fewest any stage reads), the bandwidth (machine.json, the most threads), their quotient in
+    ms, and the fastest stage's decode over it."""
+    m = re.search(r"([\d,.]+) MB of weights ÷ ([\d.]+) GB/s = ([\d.]+) ms a token; the fastest stage here, (\w+), "
+                  r"takes ([\d.]+) ms \(([\d.]+)× that floor\)", answer)
+    if not m:
+        return ["the answer does not work decode's floor out (bytes ÷ bandwidth = ms, the fastest stage against it)"]
+    mb, gbs, floor, stage, ms, times = m.groups()
+    bw = res.machine["bandwidth_gbs"][max(res.machine["bandwidth_gbs"], key=int)]
+    best = min(res.stages, key=lambda r: r["decode_ms"])
+    want = {"MB": (float(mb.replace(",", "")), min(r["weights_stream_bytes"] for r in res.stages) / 1e6, 0.05),
+            "GB/s": (float(gbs), bw, 0.05), "floor": (float(floor), float(mb.replace(",", "")) / float(gbs), 0.01),
+            "ms": (float(ms), best["decode_ms"], 0.005), "×": (float(times), float(ms) / float(floor), 0.05)}
+    problems = [f"{k}: the README says {got}, the records give {exp:.4g}" for k, (got, exp, tol) in want.items()
+                if abs(got - exp) > tol]
+    return problems + ([f"the fastest stage is {best['stage']}, not {stage}"] if stage != best["stage"] else [])
+
+
+def test_the_readmes_worked_number_is_drawn_from_the_records():
+    """The README's first lines are what `make report` writes from the records its table names, and
+    the arithmetic they show holds against those records (a planted bandwidth is caught)."""
+    res = committed_results()
+    assert readme_answer() == charts.answer(res, committed_folder()), \
+        "the README's answer differs from what its records draw: `python -m app report --draw-only` redraws it"
+    assert worked_decode_problems(readme_answer(), res) == []
+    m = res.machine["bandwidth_gbs"]
+    res.machine = dict(res.machine, bandwidth_gbs={k: v * 1.5 for k, v in m.items()})
+    assert worked_decode_problems(readme_answer(), res)
 
 
 def test_every_committed_record_says_what_code_it_measured():
@@ -195,7 +219,8 @@ def _prose():
     """(where, text) of the prose a reader reads as fact: the README outside its generated
     blocks, the notebooks' README, and the docstrings of the stage, kernel and engine modules."""
     text = (ROOT / "README.md").read_text()
-    for begin, end in ((charts.TABLE_BEGIN, charts.TABLE_END), (charts.STAGES_BEGIN, charts.STAGES_END)):
+    for begin, end in ((charts.TABLE_BEGIN, charts.TABLE_END), (charts.STAGES_BEGIN, charts.STAGES_END),
+                       (charts.ANSWER_BEGIN, charts.ANSWER_END)):
         text = text.split(begin)[0] + text.split(end)[1]
     yield "README.md", text
     yield "notebooks/README.md", (ROOT / "notebooks" / "README.md").read_text()

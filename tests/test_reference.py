@@ -1,7 +1,7 @@
 """The float64 reference forward against llama.cpp's logits on the default model.
 
 The golden file (tests/golden/llama_cpp_logits.npz) was written by
-scripts/make_llama_golden.py with llama-cpp-python; it holds, per prompt, llama.cpp's token
+scripts/goldens/make_llama_golden.py with llama-cpp-python; it holds, per prompt, llama.cpp's token
 ids and, per position, its 16 best tokens with their logits and the logits of a fixed
 subset of 1024 vocabulary ids. So CI needs no llama.cpp build.
 

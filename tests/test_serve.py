@@ -25,7 +25,6 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -462,30 +461,13 @@ def test_metrics_parse_and_agree_with_health(server):
 
 # ---- the page, in a real browser ---------------------------------------------------------------
 
-def browser_missing() -> str | None:
-    for exe in ("chromium", "chromedriver"):
-        if shutil.which(exe) is None:
-            return f"{exe} is not installed"
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        return "selenium is not installed (requirements-test.txt)"
-    return None
-
-
 @pytest.fixture
 def browser(tmp_path):
-    reason = browser_missing()
+    from app.report import browser as headless
+    reason = headless.missing()
     if reason:
         pytest.skip(f"no headless browser: {reason} (`make browser` installs Debian's chromium and chromium-driver)")
-    from selenium import webdriver
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium")
-    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--window-size=1400,1000",
-                f"--user-data-dir={tmp_path / 'profile'}"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(shutil.which("chromedriver")))
+    driver = headless.chromium(tmp_path / "profile")
     try:
         yield driver
     finally:

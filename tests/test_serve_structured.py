@@ -191,8 +191,14 @@ def test_a_tool_loop_of_two_turns(server):
                                                                                 choice.message.content)
     assert choice.message.content and not choice.message.content.lstrip().startswith("{"), choice.message.content
     again = c.chat.completions.create(messages=turn, **kw).choices[0]       # auto: words or a call, valid either way
-    assert (again.message.tool_calls is None) == (again.finish_reason == "stop")
     assert_calls_valid(again.message.tool_calls or [])
+    finish, content, names = None, "", []                                   # and streamed, the same reply
+    for ch in c.chat.completions.create(messages=turn, stream=True, **kw):
+        content += ch.choices[0].delta.content or ""
+        names += [t.function.name for t in ch.choices[0].delta.tool_calls or [] if t.id]
+        finish = ch.choices[0].finish_reason or finish
+    assert (finish, content or None, names) == (again.finish_reason, again.message.content,
+                                                 [t.function.name for t in again.message.tool_calls or []])
 
 
 def test_streamed_tool_call_deltas_reassemble_into_the_whole_reply(server):

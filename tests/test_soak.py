@@ -1,5 +1,5 @@
-"""The soak test's verdicts and table (scripts/soak.py) on made-up records, and its committed
-table redrawn from its committed record. The run itself is minutes of traffic: a script, run
+"""The soak test's verdicts and table (app/measure/soak.py) on made-up records, and its committed
+table redrawn from its committed record. The run itself is minutes of traffic: a benchmark, run
 on a quiet machine (`make soak`), not part of the suite."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import soak
+from app.measure import soak
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "profiles" / "bench" / "soak.json"
@@ -71,15 +71,16 @@ def test_the_warm_up_is_the_baseline_of_the_memory_check():
 def test_the_table_says_what_each_check_saw():
     rec = copy.deepcopy(GOOD)
     rec["checks"] = soak.checks(rec)
-    text = soak.table(rec)
+    text = soak.page(rec, "soak.json")
     assert "| rss_flat | yes | +10.0 MiB after the warm-up (bound 48 MiB" in text
     assert "| abandoned | client left | 4 |" in text and "Preemptions: 5." in text
     rec = planted(health_after__kv_pages_free=40)
     rec["checks"] = soak.checks(rec)
-    assert "| pages_all_free | **no** | 40 of 48 pages free" in soak.table(rec)
+    assert "| pages_all_free | **no** | 40 of 48 pages free" in soak.page(rec, "soak.json")
 
 
 def test_the_committed_soak_table_is_drawn_from_its_record():
     rec = json.loads(RECORD.read_text())
-    assert RECORD.with_suffix(".md").read_text() == soak.table(rec), "redraw with `python scripts/soak.py --table-only`"
+    assert RECORD.with_suffix(".md").read_text() == soak.page(rec, "profiles/bench/soak.json"), \
+        "redraw with `python -m app bench soak --draw-only`"
     assert rec["checks"] == soak.checks(copy.deepcopy(rec)), "the verdicts follow from the record's own figures"

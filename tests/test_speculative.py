@@ -776,15 +776,15 @@ def test_the_page_computes_medians_of_round_ratios_and_the_claims_verdict():
     assert page.same_text(runs, "copy") == "parted in 1 of 2, at a lead of at most 0.200 logits"
     (row,) = page.claim_rows(rec, "r.json")
     assert row.measured == pytest.approx(1.2) and row.verdict == "reproduced"
-    (row,) = page.claim_rows(made_up_record(2.9), "r.json")                # the twin that must be refuted
-    assert row.measured == pytest.approx(2.9) and row.verdict == "refuted"
+    (row,) = page.claim_rows(made_up_record(2.9), "r.json")                # the twin: far from one step
+    assert row.measured == pytest.approx(2.9) and row.verdict == "reversed"
     text = page.page(rec, "r.json")
     assert "| copy | 1 | ours, lookup / ours | 2.50x | 2.00x | yes |" in text
     assert "| free | 1 | ours, lookup / ours | 0.96x | 0.95x | yes |" in text
 
 
 def test_the_chart_is_drawn_from_the_record(tmp_path):
-    from scripts.bench_speculative import draw
+    from app.report.pages import draw
     record = tmp_path / "speculative.json"
     record.write_text(json.dumps(made_up_record(1.5)))
     md, png = draw(json.loads(record.read_text()), record)

@@ -239,6 +239,92 @@ def test_bad_messages_are_refused_naming_them(tok, ll, messages, message):
     assert refused.value.param == "messages" and message in str(refused.value), str(refused.value)
 
 
+SHOWS_TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+                        "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                        "{% for c in m.tool_calls or [] %}{{ c.function | tojson }}{% endfor %}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CALLED = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
+
+
+def form_problems(choose, tok, ll) -> list[str]:
+    """The three forms a tool is shown in, by the template: SmolLM2's knows no tools (the generic
+    form: the tools and the instructions in a system message, a call as a JSON line, a result as
+    a user turn); a Hermes template (tools shown by it, calls in <tool_call> tags, tool turns as
+    they are); a template that reads `tools` without those tags (tools shown by it, calls as bare
+    JSON objects it renders from objects). In each, the grammar takes a call written in that form
+    and refuses one in another. `choose`: the rule that picks the form from the tokenizer."""
+    def with_template(text):
+        return Tokenizer.from_metadata({**tok._meta, "tokenizer.chat_template": text})
+    cases = [("SmolLM2's", tok, False, GENERIC.open), ("Hermes", with_template(HERMES_TEMPLATE), True, TAGGED.open),
+             ("tools without tags", with_template(SHOWS_TOOLS_TEMPLATE), True, "")]
+    problems = []
+    for name, tokenizer, shows, opening in cases:
+        form = choose(tokenizer)
+        request = structured({"tools": TOOLS, "tool_choice": "required"}, ll, form)
+        prompt = render_prompt(tokenizer, LOOP, request)
+        if form.template_shows_tools != shows or form.open != opening:
+            problems.append(f"{name}: the form {form}")
+        if shows != (json.dumps(WEATHER) in prompt) or shows == ("You can call tools" in prompt):
+            problems.append(f"{name}: the tools {'not ' if shows else ''}shown by the template: {prompt!r}")
+        result = "<|im_start|>tool\n18 C, sunny" if shows else "<|im_start|>user\nResult of get_weather (call call_1)"
+        if result not in prompt or CALLED not in prompt:
+            problems.append(f"{name}: the call and its result: {prompt!r}")
+        other = TAGGED if not opening else GENERIC
+        args = {"city": "Paris", "unit": "C"}
+        if not passes(tok, ll, request, call("get_weather", args, form)) or \
+                passes(tok, ll, request, call("get_weather", args, other)):
+            problems.append(f"{name}: the grammar does not hold to {form.name}'s calls")
+    return problems
+
+
+def tags_decide_alone(tokenizer):
+    """A WRONG rule, planted: the tags alone decide (a template that reads tools without them is generic)."""
+    return TAGGED if "<tool_call>" in (tokenizer.chat_template or "") else GENERIC
+
+
+def never_tagged(tokenizer):
+    """A WRONG rule, planted: a template that reads tools shows them, its calls always bare JSON."""
+    form = tool_form(tokenizer)
+    return form if form != TAGGED else tool_form(Tokenizer.from_metadata(
+        {**tokenizer._meta, "tokenizer.chat_template": SHOWS_TOOLS_TEMPLATE}))
+
+
+@pytest.mark.parametrize("choose", [tool_form, tags_decide_alone, never_tagged], ids=lambda f: f.__name__)
+def test_each_template_gets_its_form_of_showing_tools_and_writing_calls(choose, tok, ll):
+    assert (form_problems(choose, tok, ll) == []) == (choose is tool_form)
+
+
+NOW = {"type": "function", "function": {"name": "now", "description": "The time now"}}
+
+
+def no_parameters_problems(tok, ll) -> list[str]:
+    """A tool declared without `parameters` takes none: its call's arguments are the empty object
+    (anything else refused), the prompt shows it so, and the reply parses to arguments "{}"."""
+    request = structured({"tools": [NOW], "tool_choice": "required"}, ll)
+    problems = []
+    if not passes(tok, ll, request, '{"name": "now", "arguments": {}}'):
+        problems.append("the empty arguments refused")
+    for other in ('{"name": "now", "arguments": {"tz": "UTC"}}', '{"name": "now", "arguments": {"": 0}}'):
+        if passes(tok, ll, request, other):
+            problems.append(f"{other} taken")
+    prompt = render_prompt(tok, [{"role": "user", "content": "What time is it?"}], request)
+    shown = [json.JSONDecoder().raw_decode(line)[0] for line in prompt.splitlines()
+             if line.startswith('{"name": "now"')]
+    if [t.get("parameters") for t in shown] != [{"type": "object", "properties": {}, "additionalProperties": False}]:
+        problems.append(f"the prompt shows it as {shown}")
+    _, calls = request.parse('{"name": "now", "arguments": {}}')
+    if [c["function"]["arguments"] for c in calls] != ["{}"]:
+        problems.append(f"parsed as {calls}")
+    return problems
+
+
+def test_a_tool_without_parameters_is_called_with_the_empty_object(tok, ll, monkeypatch):
+    from app.structured import request
+    assert no_parameters_problems(tok, ll) == []
+    monkeypatch.setattr(request, "NO_PARAMETERS", {"type": "object"})       # planted: any object
+    assert no_parameters_problems(tok, ll) != []
+
+
 # ---- the reply -----------------------------------------------------------------------------------
 
 def numbered():

@@ -80,11 +80,30 @@ def test_fused_attention_against_numpy(n_head, n_kv, hd, m, start):
     assert len(results) == 2 and np.array_equal(results[0], results[1])
 
 
+def default_problems(default, monkeypatch, tmp_path) -> list[str]:
+    """The default on a machine of 2 cores with 2 hyperthreads each (its topology as data,
+    tests/test_machine.py's): 2 threads, one per core; with numba's pool of 1, 1."""
+    from common.cpu import physical_cores
+    from stages import threads
+    from tests.test_machine import topology
+    smt = topology(tmp_path / "smt", {0: (0, 0), 1: (0, 1), 2: (0, 0), 3: (0, 1)})
+    monkeypatch.setattr(threads, "physical_cores", lambda: physical_cores({0, 1, 2, 3}, smt))
+    problems = [] if (got := default()) == 2 else [f"2 cores, 4 hyperthreads: {got} threads"]
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 1)
+    if (got := default()) != 1:
+        problems.append(f"numba's pool of 1: {got} threads")
+    return problems
+
+
+def test_the_default_is_one_thread_per_physical_core_within_numbas_pool(monkeypatch, tmp_path):
+    from stages import threads
+    assert default_problems(default_threads, monkeypatch, tmp_path / "right") == []
+    monkeypatch.undo()                                          # planted: the pool not looked at
+    assert default_problems(lambda: max(1, threads.physical_cores()), monkeypatch, tmp_path / "wrong") != []
+
+
 def test_thread_count_is_the_backends():
-    """--threads N reaches the backend, numba's pool follows it, the run record states it,
-    and the default is the machine's physical cores (at most numba's pool)."""
-    from app.measure.machine import physical_cores
-    assert default_threads() == max(1, min(physical_cores(), POOL))
+    """--threads N reaches the backend, numba's pool follows it, the run record states it."""
     assert ThreadsBackend().threads == default_threads()
     assert ThreadsBackend(threads=1).threads == 1
     assert ThreadsBackend(threads=10 * POOL).threads == POOL          # no more than numba's pool

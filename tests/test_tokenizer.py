@@ -1,7 +1,7 @@
 """common/tokenizer.py: token ids identical to llama.cpp's on every llama/gpt2 vocabulary.
 
 Oracle: llama.cpp through llama-cpp-python. Its answers are committed under
-tests/golden/tokenizer/ by scripts/make_tokenizer_golden.py (see that script to regenerate), so
+tests/golden/tokenizer/ by scripts/goldens/make_tokenizer_golden.py (see that script to regenerate), so
 these tests need no llama.cpp build. llama.cpp's own tokenizer test pairs (models/vocab/*.inp
 and .out, Hugging Face's ids, which llama.cpp reproduces) are checked too. Where llama-cpp-python
 is installed, one more test fuzzes fresh random text against it live.
@@ -21,14 +21,14 @@ import pytest
 
 from common.gguf import GGUFFile
 from common.tokenizer import ATTR_NORMAL, Tokenizer, TokenizerError, clean_up_spaces, unicode_category
-from scripts import make_tokenizer_golden as golden_script  # the corpus lives there
+from scripts.goldens import make_tokenizer_golden as golden_script  # the corpus lives there
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN_DIR = ROOT / "tests" / "golden" / "tokenizer"
 GOLDEN_FILES = sorted(GOLDEN_DIR.glob("*.json"))
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB_DIR = ROOT / "models" / "vocab"
-REGENERATE = "regenerate with `.venv/bin/python scripts/make_tokenizer_golden.py`"
+REGENERATE = "regenerate with `.venv/bin/python -m scripts.goldens.make_tokenizer_golden`"
 # the fixture files these tests read (tests/conftest.py: one message, naming the make target, if one is missing)
 NEEDS_BY_FIXTURE = {"smol": "model", "smol_meta": "model", "spm": "vocab"}
 NEEDS_VOCAB = pytest.mark.needs("vocab")
@@ -86,7 +86,7 @@ def test_ids_match_llama_cpp(name):
     g = _golden(name)
     tok = _tokenizer(g["file"])
     assert [c["text"] for c in g["cases"]["plain"]] == golden_script.corpus(g["specials"]), \
-        f"the corpus in scripts/make_tokenizer_golden.py changed: {REGENERATE}"
+        f"the corpus in scripts/goldens/make_tokenizer_golden.py changed: {REGENERATE}"
     bad, n = [], 0
     for kind, cases in g["cases"].items():
         add = kind in ("add_special", "add_and_parse_special")

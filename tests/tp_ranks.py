@@ -4,8 +4,9 @@ numba), in a scenario that tests a failure path: `python tests/tp_ranks.py SCENA
     healthy     every rank all-reduces and gathers; rank 0 prints the sums as JSON
     stall       rank 1 sleeps at its first all-reduce (it stops answering); the others time out
     leave       rank 1 exits with an error before its first all-reduce
-    leave-late  the same, LEAVE_LATE_S into rank 0's wait: rank 0's deadline (LLM_TP_TIMEOUT) passes
-                before the grace it gives a leaving rank, and it must still name the rank that left
+    leave-late  the same, where rank 0's deadline (LLM_TP_TIMEOUT) passes before the grace it gives a
+                leaving rank (its grace made far longer here, so the order is certain, not timed), and it
+                must still name the rank that left
     kill        rank 1 is killed (SIGKILL) before its first all-reduce
     no-start    rank 1 exits before MPI starts
     transport   every rank reaches the all-reduce and none sees it complete (a planted transport
@@ -24,8 +25,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stages.parallel import ranks as R  # noqa: E402
-
-LEAVE_LATE_S = 2.0        # with the test's deadline of 3 s and GRACE_S of 2: the deadline comes first
 
 
 class StuckCollectives:
@@ -52,6 +51,8 @@ def main(scenario: str) -> int:
         return 3
     w = R.world()
     w.warming = False
+    if scenario == "leave-late" and w.rank == 0:
+        R.GRACE_S = 20 * R.timeout_s()   # a leaving rank is named once the deadline has passed, not before
     if w.rank == 0:
         print(w.banner(), file=sys.stderr, flush=True)
     import numpy as np
@@ -59,7 +60,6 @@ def main(scenario: str) -> int:
         if scenario == "stall":
             time.sleep(120)
         elif scenario in ("leave", "leave-late"):
-            time.sleep(LEAVE_LATE_S if scenario == "leave-late" else 0)
             print("rank 1: an error of its own", file=sys.stderr, flush=True)
             return 2
         elif scenario == "kill":

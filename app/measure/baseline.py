@@ -14,9 +14,10 @@ import time
 
 import numpy as np
 
-from app.measure.bench import add_context, bench_prompt, model_summary, write_record
+from app.measure.bench import bench_prompt, model_summary, record_path
 from app.measure.counters import Counters
 from app.measure.machine import rusage
+from app.measure.protocol import header, write_record
 from app.models import DEFAULT_MODEL, resolve
 from common.gguf import GGUFFile
 from common.tokenizer import Tokenizer
@@ -88,9 +89,9 @@ def cmd_baseline(args):
         summary = model_summary(g)
     rec = measure_llama_cpp(model, prompt, args.n_predict, threads=args.threads, n_ctx=args.ctx_size)
     rec["model_info"] = summary
-    add_context(rec, {"prompt_tokens": args.prompt_tokens, "n_predict": args.n_predict, "sampling": "greedy",
-                      "ignore_eos": True, "threads": args.threads, "n_ctx": args.ctx_size})
-    path = None if args.no_write else write_record(rec, args.out)
+    rec.update(header({"prompt_tokens": args.prompt_tokens, "n_predict": args.n_predict, "sampling": "greedy",
+                       "ignore_eos": True, "threads": args.threads, "n_ctx": args.ctx_size}))
+    path = None if args.no_write else write_record(rec, record_path(rec, args.out))[0]
     if args.json:
         print(json.dumps(rec, default=float))
     else:

@@ -3,15 +3,15 @@ one JSON record per measurement. `make report`, `python -m app bench`, the noteb
 the llama.cpp comparison (scripts/bench_vs_llama.py) all measure through here.
 
     measure(engine, stage, prompt_tokens, n_predict)    in this process: the record
-    measure_in_child(name, model, ...)                  in a fresh process (its own peak RSS and
-                                                        JIT warm-up): `python -m app bench`
+    stage_in_child(name, model, ...)                    in a fresh process (its own peak RSS and
+                                                        JIT warm-up): `python -m app bench stage`
                                                         or, for llama.cpp, `... baseline`
 
 The protocol: exactly `prompt_tokens` prompt ids (BENCH_TEXT, the same ids for every engine),
 greedy, exactly `n_predict` tokens (EOS ignored), JIT warmed up first and reported apart. A
 record holds the timings (TTFT, decode median/mean/spread), load and JIT time, peak RSS, page
 faults, the settings, the model's type mix, the machine, the package versions and the code
-that ran (app/measure/provenance.py). Records of `make report` go to
+that ran (protocol.header). Records of `make report` go to
 profiles/results/<machine>/<model>/<stage>.json; charts and tables are drawn from them only.
 
 Counters (app/measure/counters.py): `counters` holds those of the timed region (task clock,
@@ -30,28 +30,28 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import json
 import math
 import os
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
+from app import ROOT
 from app.measure import roofline
 from app.measure.counters import Counters, evict
-from app.measure.machine import machine_id, machine_info, rusage
-from app.measure.provenance import provenance
+from app.measure.machine import machine_id, rusage
+from app.measure.phases import PHASE_NAMES
+from app.measure.protocol import header, run_child
 from app.models import resolve
+from common.cpu import cache_sizes
 from common.generate import Generation, Sampler, generate
 from common.model import LlamaConfig, flops_per_token, n_params, prompt_matmul_ops
 from stages import info, load, logit_tolerance
 from stages.registry import REPORT_PROMPT_TOKENS
 
-ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "profiles" / "results"
 BASELINE = "llama.cpp"
 # The fewest layers a stage too slow for the whole model runs before its time is extrapolated
@@ -111,13 +111,6 @@ def run_record(engine, stage, gen, text, jit_s, counters: dict | None = None) ->
     return rec
 
 
-def add_context(rec: dict, settings: dict) -> dict:
-    """What every written record carries besides its figures: settings, machine, code, time."""
-    rec.update({"settings": settings, "machine": machine_info(), "provenance": provenance(),
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-    return rec
-
-
 def settings_for(stage: str, prompt_tokens: int | None, n_predict: int | None) -> tuple[int, int]:
     """The report's settings unless given: the registry's prompt length and token count."""
     return prompt_tokens or REPORT_PROMPT_TOKENS, n_predict or info(stage).tokens.report
@@ -151,8 +144,9 @@ def _finish(rec: dict, engine, gen, prompt_tokens: int, n_predict: int) -> dict:
     modelled = roofline.traffic(rec["stage"], engine.config, n, 1 if engine.uses_kv_cache else n + 1)
     if modelled:                            # naive, tiling: the roofline places them by it
         rec["traffic"] = modelled
-    return add_context(rec, {"prompt_tokens": prompt_tokens, "n_predict": n_predict, "sampling": "greedy",
-                             "ignore_eos": True, "threads": engine.backend.threads, "n_ctx": engine.n_ctx})
+    rec.update(header({"prompt_tokens": prompt_tokens, "n_predict": n_predict, "sampling": "greedy",
+                       "ignore_eos": True, "threads": engine.backend.threads, "n_ctx": engine.n_ctx}))
+    return rec
 
 
 def results_dir(model_file: str, out_dir=None) -> Path:
@@ -168,23 +162,42 @@ def record_name(rec: dict) -> str:
     return rec["stage"]
 
 
-def write_record(rec: dict, out_dir=None) -> Path:
-    folder = results_dir(rec["model"], out_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{record_name(rec)}.json"
-    tmp = path.with_suffix(".json.part")
-    tmp.write_text(json.dumps(rec, indent=1, default=float))
-    os.replace(tmp, path)
-    return path
+def record_path(rec: dict, out_dir=None) -> Path:
+    """Where a stage's (or llama.cpp's) record goes: its model's folder of this machine's results."""
+    return results_dir(rec["model"], out_dir) / f"{record_name(rec)}.json"
 
 
 def profile_run(engine, stage: str, prompt_tokens: int, n_predict: int) -> list[dict]:
     """A separate, per-op profiled run (the timers slow it a little; figures come from measure):
-    the stage's own profiler's rows (common/profile.py)."""
+    the stage's own profiler's rows (common/profile.py). Where the layer stack runs as one compiled
+    call that keeps a clock per phase (the backend's phase_seconds), that call's row also carries
+    `phases_ms`: the run's time in each phase (phases.PHASE_NAMES), which the per-op chart splits it by."""
     prompt = bench_prompt(engine.tokenizer, prompt_tokens)
+    clock = getattr(engine.backend, "phase_seconds", None)
+    before = None if clock is None else np.array(clock, dtype=np.float64)
     with engine.backend.profiler(engine) as prof:
         generate(engine, prompt, n_predict, Sampler(), ignore_eos=True)
-    return prof.rows()
+    rows = prof.rows()
+    if before is not None:
+        with_phases(rows, np.asarray(engine.backend.phase_seconds, dtype=np.float64) - before)
+    return rows
+
+
+def with_phases(rows: list[dict], seconds) -> list[dict]:
+    """rows with the compiled stack's row given `phases_ms` ({phase: ms}, in layer_stack.PHASES'
+    order) from the seconds its clock counted per phase, or `phase_clock: False` where it counted
+    none (a stage whose compiled calls keep no clock: the chart says so)."""
+    if len(seconds) != len(PHASE_NAMES):
+        raise ValueError(f"the layer stack counted {len(seconds)} phases and app/measure/phases.py names "
+                         f"{len(PHASE_NAMES)} (PHASE_NAMES): name them in layer_stack.PHASES' order")
+    stack = next((r for r in rows if r["op"] in ("forward_layers", "forward_layers_batch")), None)
+    if stack is None:
+        return rows
+    if np.sum(seconds) > 0:
+        stack["phases_ms"] = {name: float(s * 1e3) for name, s in zip(PHASE_NAMES, seconds)}
+    else:
+        stack["phase_clock"] = False
+    return rows
 
 
 def too_slow_for(stage: str, params: int) -> bool:
@@ -198,7 +211,7 @@ def layers_to_measure(engine) -> int:
     model, no layer's weights are still cached when its next pass starts (one small layer run
     again and again would be timed from the cache, and extrapolate too fast)."""
     layer_bytes = sum(engine.backend.weight_bytes(w) for w in vars(engine.layers[0]).values())
-    llc = max(roofline.cache_bytes().values(), default=0)
+    llc = max(cache_sizes().values(), default=0)
     return min(len(engine.layers), max(EXTRAPOLATED_LAYERS, math.ceil(2 * llc / max(layer_bytes, 1))))
 
 
@@ -295,11 +308,10 @@ def validate(engine, stage: str, prompt: list) -> dict:
 
 
 def bench_stage(stage: str, model, prompt_tokens=None, n_predict=None, threads=None, ctx_size=None,
-                out_dir=None, profile_n: int = 0, write: bool = True, cold: bool | None = None):
-    """Load, measure and (unless write=False) record one stage or variant; with profile_n, add a
-    per-op profile of a run of profile_n tokens; with cold (default: when writing), the cold
-    start. A stage too slow for the model is measured by extrapolation (measure_extrapolated).
-    Returns (record, path or None)."""
+                profile_n: int = 0, cold: bool = True) -> dict:
+    """Load and measure one stage or variant: its record (not written); with profile_n, a per-op
+    profile of a run of profile_n tokens added; with cold, the cold start. A stage too slow for
+    the model is measured by extrapolation (measure_extrapolated)."""
     prompt_tokens, n_predict = settings_for(stage, prompt_tokens, n_predict)
     path = resolve(model)
     engine = load(stage, path, n_ctx=ctx_size, threads=threads, progress=True)
@@ -315,29 +327,23 @@ def bench_stage(stage: str, model, prompt_tokens=None, n_predict=None, threads=N
         if profile_n:
             rec["profile"] = profile_run(engine, stage, prompt_tokens, profile_n)
             rec["profile_settings"] = {"prompt_tokens": prompt_tokens, "n_predict": profile_n}
-    if (write if cold is None else cold):
+    if cold:
         n_ctx, threads = engine.n_ctx, engine.backend.threads
         del engine                                   # unmapped, so that its pages can be evicted
         gc.collect()
         rec["cold_start"] = cold_start(stage, path, prompt_tokens, n_ctx, threads, layers)
-    return rec, (write_record(rec, out_dir) if write else None)
+    return rec
 
 
-def measure_in_child(name: str, model, prompt_tokens: int, n_predict: int, threads: int | None = None,
-                     out_dir=None, profile_n: int = 0, n_ctx: int | None = None) -> dict:
+def stage_in_child(name: str, model, prompt_tokens: int, n_predict: int, threads: int | None = None,
+                   out_dir=None, profile_n: int = 0, n_ctx: int | None = None) -> dict:
     """One measurement in a fresh process, so that its peak RSS, page faults and JIT warm-up are
-    that engine's alone: `python -m app bench` for a stage or variant, `... baseline` for
+    that engine's alone: `python -m app bench stage` for a stage or variant, `... baseline` for
     llama.cpp. The record is written to out_dir unless it is None; returned either way."""
-    command = "baseline" if name == BASELINE else "bench"
-    cmd = [sys.executable, "-m", "app", command, "-m", str(model), "--prompt-tokens", str(prompt_tokens),
-           "-n", str(n_predict), "--json"]
-    cmd += ["--stage", name] if command == "bench" else []
-    cmd += ["--threads", str(threads)] if threads else []
-    cmd += ["--ctx-size", str(n_ctx)] if n_ctx else []
-    cmd += ["--out", str(out_dir)] if out_dir else ["--no-write"]
-    cmd += ["--profile-n", str(profile_n)] if profile_n and command == "bench" else []
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
-        raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    cmd = [sys.executable, "-m", "app", *(["baseline"] if name == BASELINE else ["bench", "stage", "--stage", name]),
+           "-m", model, "--prompt-tokens", prompt_tokens, "-n", n_predict, "--json"]
+    cmd += ["--threads", threads] if threads else []
+    cmd += ["--ctx-size", n_ctx] if n_ctx else []
+    cmd += ["--out", out_dir] if out_dir else ["--no-write"]
+    cmd += ["--profile-n", profile_n] if profile_n and name != BASELINE else []
+    return run_child(cmd, name)

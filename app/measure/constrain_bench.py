@@ -1,5 +1,8 @@
-"""What a grammar costs a decode step, measured: behind profiles/bench/constrain.md
-(`python scripts/bench_constrain.py`).
+"""What a grammar costs a decode step, measured: behind profiles/bench/constrain.md.
+
+    python -m app bench constrain                     # the stage the server batches through, all cores
+    python -m app bench constrain --stage repack --threads 2 --rounds 5
+    python -m app bench constrain --quick --out trial/constrain.json   # a check of the benchmark, minutes
 
     masks     the tokens of greedy constrained replies replayed through their matchers: per
               position, the mask's computation and its application to a row of logits (49,152
@@ -19,16 +22,19 @@
 
 Rounds alternate the order of the conditions; ratios are taken within a round, medians over
 rounds. The page sets the mask's cost beside the step's: the mask and its application must
-stay far below a step for decode under a schema to keep pace with decode without one.
+stay far below a step for decode under a schema to keep pace with decode without one. A
+benchmark, not a test: run it on a quiet machine.
 """
 
 from __future__ import annotations
 
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
+from app.measure.protocol import BENCH_DIR, add_options, header, load_average, median, order
 from app.serve.engine_loop import EngineLoop
 from app.serve.sequence import Ask, Sequence
 from common.constrain import Constraint, Grammar, fill_masks, ll_tokenizer
@@ -54,7 +60,8 @@ TOOLS = [{"type": "function", "function": {
 PEOPLE = ["Ada", "Brook", "Chen", "Dara", "Emeka", "Farah", "Goran", "Hana"]
 CITIES = ["Oslo", "Lagos", "Lima", "Pune", "Kyoto", "Quito", "Perth", "Turin"]
 BATCH = 8
-QUICK = " (--quick: a check of the script, not a measurement)"
+QUICK = " (--quick: a check of the benchmark, not a measurement)"
+RECORD = BENCH_DIR / "constrain.json"
 
 
 def grammars(tok, ll) -> dict:
@@ -158,8 +165,7 @@ def measure(engine, rounds: int, n: int, progress=lambda text: None) -> dict:
            "rounds": [], "masks": {}}
     for r in range(rounds):
         rec = {"batch1": {}, "server": {}}
-        order = ["plain", "constrained"] if r % 2 == 0 else ["constrained", "plain"]
-        for name in order:
+        for name in order(["plain", "constrained"], r):
             progress(f"round {r + 1}: run, {name}")
             if name == "constrained":
                 gen = constrained_reply(engine, ll, schema, ids[0], n)
@@ -170,10 +176,10 @@ def measure(engine, rounds: int, n: int, progress=lambda text: None) -> dict:
         for batch in (1, BATCH):
             modes = SERVER_MODES if batch == BATCH else SERVER_MODES[:2]
             step = rec["server"].setdefault(str(batch), {})
-            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+            for mode in order(modes, r, rotate=True):
                 progress(f"round {r + 1}: the server's step, {batch} decoding, {mode}")
                 steps = batch_steps(engine, ll, schema, ids[:batch], n, mode)
-                step[mode + "_ms"] = statistics.median(steps) if steps else float("nan")
+                step[mode + "_ms"] = median(steps)
                 step[mode + "_steps"] = len(steps)
         out["rounds"].append(rec)
     for name, (g, _) in grams.items():
@@ -188,27 +194,23 @@ def summary(record: dict) -> dict:
     """Medians over rounds of the step times, ratios (tokens/s under the schema over without:
     step without / step under) within rounds, mask figures per grammar."""
     rounds = record["rounds"]
-
-    def med(xs):
-        xs = [x for x in xs if x == x]
-        return statistics.median(xs) if xs else float("nan")
-    b1 = {k: med([r["batch1"][k] for r in rounds]) for k in ("plain_ms", "constrained_ms")}
-    b1["ratio"] = med([r["batch1"]["plain_ms"] / r["batch1"]["constrained_ms"] for r in rounds])
+    b1 = {k: median([r["batch1"][k] for r in rounds]) for k in ("plain_ms", "constrained_ms")}
+    b1["ratio"] = median([r["batch1"]["plain_ms"] / r["batch1"]["constrained_ms"] for r in rounds])
     server = {}
     for batch in rounds[0]["server"]:
         steps = [r["server"][batch] for r in rounds]
         modes = [m for m in SERVER_MODES if m + "_ms" in steps[0]]
-        row = {m + "_ms": med([s[m + "_ms"] for s in steps]) for m in modes}
+        row = {m + "_ms": median([s[m + "_ms"] for s in steps]) for m in modes}
         for m in modes[1:]:
-            row[m + "_ratio"] = med([s["plain_ms"] / s[m + "_ms"] for s in steps])
+            row[m + "_ratio"] = median([s["plain_ms"] / s[m + "_ms"] for s in steps])
         server[int(batch)] = row
     masks = {}
     for name, m in record["masks"].items():
         one, eight = m["batch1"], m["batch8"]
-        masks[name] = {"mask_us": med(one["mask_us"]), "mask_p90_us": float(np.percentile(one["mask_us"], 90)),
-                       "apply_us": med(one["apply_us"]), "fill_us_per_row": med(eight["fill_us_per_row"]),
+        masks[name] = {"mask_us": median(one["mask_us"]), "mask_p90_us": float(np.percentile(one["mask_us"], 90)),
+                       "apply_us": median(one["apply_us"]), "fill_us_per_row": median(eight["fill_us_per_row"]),
                        "fill_p90_us_per_row": float(np.percentile(eight["fill_us_per_row"], 90)),
-                       "apply_us_per_row": med(eight["apply_us_per_row"])}
+                       "apply_us_per_row": median(eight["apply_us_per_row"])}
     return {"batch1": b1, "server": server, "masks": masks}
 
 
@@ -262,3 +264,37 @@ def page(record: dict, source: str) -> str:
     for name, text in record["texts"].items():
         lines.append(f"- {name}: `{' '.join(text.split())[:160]}`")
     return "\n".join(lines) + "\n"
+
+
+# ---- the benchmark: `python -m app bench constrain` -------------------------------------------------
+
+def add_arguments(p):
+    p.add_argument("--stage", default=None, help="the stage (default: the one the server batches through, as "
+                                                  "`python -m app serve` picks)")
+    add_options(p, rounds=3, out=RECORD)
+    p.add_argument("--threads", type=int, default=None, help="threads (default: the stage's, the physical cores)")
+    p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens a reply at most (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="1 round of 24-token replies: checks the benchmark (the "
+                                                        "record says so; not a measurement to quote)")
+
+
+def records(args):
+    """Measure (the module docstring); yields (where, record): settings, machine, code and the load
+    average before and after beside every measurement."""
+    from app.models import resolve
+    from app.run import chosen_stage, fastest_stage
+    from stages import load
+    if args.quick:
+        args.rounds, args.n_predict = 1, 24
+    stage = chosen_stage(args.stage or fastest_stage(serving=True))
+    model = resolve(args.model)
+    before = load_average()
+    engine = load(stage, model, threads=args.threads)
+    engine.warmup()
+    measured = measure(engine, args.rounds, args.n_predict, progress=lambda text: print(text, file=sys.stderr))
+    settings = {"stage": stage, "threads": engine.backend.threads, "model": Path(model).name, "rounds": args.rounds,
+                "n_predict": args.n_predict, "quick": args.quick, "batch": BATCH}
+    rec = {"kind": "constrain", "n_vocab": engine.config.n_vocab, "load_average_before": before, **measured,
+           **header(settings, args.command_line)}
+    rec["load_average_after"] = load_average()
+    yield args.out, rec

@@ -2,7 +2,9 @@
 multiplies, for the quantized stage's float kernels, the int8 stage's named-instruction
 kernels and its loops (the variant int8-loops), and the fused stage's tiles (float vector
 accumulators across blocks; its matmul is the one it runs for the output head). Behind
-profiles/bench/kernels.md (`python scripts/bench_kernels.py`).
+profiles/bench/kernels.md:
+
+    python -m app bench kernels [--model smollm2 --model tinyllama-synthetic] [--passes 5]
 
 Every 2-D weight of each model, grouped by type, multiplied by one activation row on one
 thread (the int8 backends quantize the row once per call, as the stage does for q, k and v);
@@ -18,8 +20,8 @@ import time
 
 import numpy as np
 
-from app.measure.machine import machine_info
-from app.measure.provenance import describe, provenance
+from app.measure.protocol import BENCH_DIR, header
+from app.measure.provenance import describe
 from app.models import resolve
 from common.gguf import GGUFFile
 from stages import backend_class
@@ -27,7 +29,7 @@ from stages import backend_class
 BACKENDS = ("quantized", "int8", "int8-loops", "fused")
 
 
-def bench_kernels(models, passes: int = 5, log=print) -> dict:
+def bench_kernels(models, passes: int = 5, log=print, command: str | None = None) -> dict:
     backends = {name: backend_class(name)(threads=1) for name in BACKENDS}
     results = []
     for model in models:
@@ -54,9 +56,7 @@ def bench_kernels(models, passes: int = 5, log=print) -> dict:
                 results.append(row)
                 log(f"{row['model']:<40} {type_name:<5} {name:<10} {n_w / best / 1e9:5.2f} Gweights/s "
                     f"{n_b / best / 1e9:5.2f} GB/s")
-    return {"kind": "kernels", "passes": passes, "results": results, "machine": machine_info(),
-            "provenance": provenance(), "command": "python scripts/bench_kernels.py " + " ".join(sys.argv[1:]),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return {"kind": "kernels", "passes": passes, "results": results, **header(command=command)}
 
 
 def page(record: dict, source: str) -> str:
@@ -86,3 +86,15 @@ def page(record: dict, source: str) -> str:
                      f"| {r['bytes'] / 2**20:,.0f} | {r['weights'] / s / 1e9:.2f} | {r['bytes'] / s / 1e9:.2f} "
                      f"| {f'{vs / s:.2f}x' if vs else '-'} |")
     return "\n".join(lines) + "\n"
+
+
+def add_arguments(p):
+    p.add_argument("--model", action="append", help="model name or path (repeatable; default: smollm2, "
+                                                    "tinyllama-synthetic)")
+    p.add_argument("--passes", type=int, default=5, help="passes per group; the fastest counts (default: %(default)s)")
+
+
+def records(args):
+    yield BENCH_DIR / "kernels.json", bench_kernels(args.model or ["smollm2", "tinyllama-synthetic"], args.passes,
+                                                    log=lambda m: print(m, file=sys.stderr, flush=True),
+                                                    command=args.command_line)

@@ -36,14 +36,15 @@ from pathlib import Path
 
 import numpy as np
 
-from app.measure.bench import add_context, model_summary, results_dir
+from app import ROOT
+from app.measure.bench import model_summary, results_dir
+from app.measure.protocol import header, write_record
 from app.models import DEFAULT_MODEL, MODELS_DIR, resolve
 from common.gguf import BLOCK_SIZES, GGMLType, GGUFError, GGUFFile, GGUFWriter
 from common.quants import QUANTIZE_TYPES, dequantize_tensor, quantize
 from common.tokenizer import Tokenizer
 from stages import REGISTRY, StageError, info, load, runnable_stages
 
-ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TEXT = ROOT / "tests" / "fixtures" / "text" / "alice-in-wonderland-ch1-4.txt"
 DEFAULT_CTX = 512
 REQUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
@@ -197,15 +198,12 @@ def compare(model=None, text_path=DEFAULT_TEXT, ctx: int = DEFAULT_CTX, stages=N
                         f"are not in it)", "reference_stage": reference_stage, "rows": rows,
            "rounds_activations": [s for s in stages if s in ROUNDS_ACTIVATIONS],
            "seconds": time.perf_counter() - t0, "model_info": model_summary(GGUFFile(model))}
-    return add_context(rec, {"ctx": ctx, "text": Path(text_path).name, "method": "llama-perplexity"})
+    rec.update(header({"ctx": ctx, "text": Path(text_path).name, "method": "llama-perplexity"}))
+    return rec
 
 
 def write(rec: dict, out_dir=None) -> Path:
-    folder = results_dir(rec["model"], out_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "perplexity.json"
-    path.write_text(json.dumps(rec, indent=1, default=float))
-    return path
+    return write_record(rec, results_dir(rec["model"], out_dir) / "perplexity.json")[0]
 
 
 # ---- the command ----------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 decode kernel (stages/kernels/repacked.py, one activation row) streaming a matrix larger than the
 caches, compiled once per choice of cache level and distance (and once with no software prefetch,
 the hardware prefetchers alone), on one thread and on two (each its half of the rows, as the
-stages split a matmul). Behind profiles/bench/prefetch/<machine id>.md (`python
-scripts/bench_prefetch.py`).
+stages split a matmul). Behind profiles/bench/prefetch/<machine id>.md:
+
+    python -m app bench prefetch [--mib 128] [--rounds 9]
+
+A benchmark, not a test: a few minutes, on a quiet machine.
 
 The choices run in alternating rounds (the order reversed every other round) and the figure is
 the median round, so a burst of other work on a shared machine falls on every choice alike; the
@@ -13,15 +16,15 @@ for the type on this CPU (repacked.GROUP_PREFETCH), the median.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
 import numba
 import numpy as np
 
-from app.measure.machine import machine_info
-from app.measure.provenance import describe, provenance
+from app.measure.machine import machine_id
+from app.measure.protocol import BENCH_DIR, alternating, header, median
+from app.measure.provenance import describe
 from common.gguf import GGMLType
 from stages.kernels import repacked
 from stages.kernels.q8 import new_packs, quantize_row
@@ -52,7 +55,7 @@ def _one_row(x, K):
     return p32, pk
 
 
-def bench_prefetch(mib: int = 128, rounds: int = 9, log=print) -> dict:
+def bench_prefetch(mib: int = 128, rounds: int = 9, log=print, command: str | None = None) -> dict:
     rng = np.random.default_rng(0)
     p32, pk = _one_row(rng.standard_normal(K).astype(np.float32), K)
     now = repacked.GROUP_PREFETCH
@@ -74,25 +77,21 @@ def bench_prefetch(mib: int = 128, rounds: int = 9, log=print) -> dict:
         out = np.zeros((1, n_rows), np.float32)
         chosen = now[kind]
         for threads in (1, 2):
-            ms = {c: [] for c in CHOICES}
-            order = list(CHOICES)
-            for r in range(rounds):
-                for c in order if r % 2 == 0 else order[::-1]:
-                    t0 = time.perf_counter()
-                    kernels[c](kind, w, row_bytes, p32, pk, out, n_rows, threads)
-                    ms[c].append((time.perf_counter() - t0) * 1e3)
+            def timed(c, r, threads=threads):
+                t0 = time.perf_counter()
+                kernels[c](kind, w, row_bytes, p32, pk, out, n_rows, threads)
+                return (time.perf_counter() - t0) * 1e3
+            ms = alternating(CHOICES, rounds, timed)
             for c in CHOICES:
-                med = statistics.median(ms[c])
+                med = median(ms[c])
                 row = {"type": type_name, "threads": threads, "level": c[0], "bytes_ahead": c[1], "ms": ms[c],
                        "gb_per_s": w.nbytes / med / 1e6,
-                       "chosen": c == chosen, "vs_chosen": statistics.median(a / b for a, b in zip(ms[chosen], ms[c]))}
+                       "chosen": c == chosen, "vs_chosen": median(a / b for a, b in zip(ms[chosen], ms[c]))}
                 results.append(row)
                 log(f"{type_name:5} {threads} thread(s) {label(c):>16}: {row['gb_per_s']:6.1f} GB/s "
                     f"({row['vs_chosen']:.2f}x the chosen)")
     return {"kind": "prefetch", "matrix_mib": mib, "row_values": K, "rounds": rounds,
-            "results": results, "machine": machine_info(), "provenance": provenance(),
-            "command": "python scripts/bench_prefetch.py " + " ".join(sys.argv[1:]),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "results": results, **header(command=command)}
 
 
 def cell(row: dict) -> str:
@@ -141,3 +140,15 @@ def page(record: dict, source: str) -> str:
             cells = [cell(rows[c]) if c in rows else "-" for c in choices]
             lines.append(f"| {t} | {threads} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def add_arguments(p):
+    p.add_argument("--mib", type=int, default=128, help="each matrix's size, larger than the caches "
+                                                      "(default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=9, help="alternating rounds (default: %(default)s)")
+
+
+def records(args):
+    record = bench_prefetch(args.mib, args.rounds, log=lambda m: print(m, file=sys.stderr, flush=True),
+                            command=args.command_line)
+    yield BENCH_DIR / "prefetch" / f"{machine_id(record['machine'])}.json", record

@@ -21,7 +21,8 @@ import tokenize
 from functools import lru_cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from app import ROOT
+
 MEASURED_CODE = ("stages", "common")       # what a stage's figures depend on
 
 

@@ -30,7 +30,6 @@ the chart places them by that model, labelled "modelled".
 from __future__ import annotations
 
 import math
-import re
 import statistics
 import time
 
@@ -38,8 +37,7 @@ import numpy as np
 from llvmlite import ir
 from numba import get_num_threads, njit, parallel_chunksize, prange, set_num_threads, types
 
-from app.measure.machine import machine_info
-from common.cpu import physical_cores
+from common.cpu import cache_sizes, physical_cores
 from stages.kernels import vector_ir
 from stages.kernels.toolkit import FASTMATH
 from stages.kernels.vector_ir import B32, B64, D8, D16, I32, vector_intrinsic
@@ -219,17 +217,6 @@ def measure(threads: int | None = None, size_mib: int = 512) -> dict:
 
 # ---- the bytes a loop order really moves ------------------------------------------------------
 
-def cache_bytes(caches: dict | None = None) -> dict:
-    """{'L1d': bytes, 'L2': .., 'L3': ..} from the machine record's sizes ('48K', '32768K', '1M')."""
-    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
-    out = {}
-    for name, size in (caches if caches is not None else machine_info()["caches"]).items():
-        m = re.fullmatch(r"(\d+)\s*([KMG]?)i?B?", str(size).strip())
-        if m and name != "L1i":
-            out[name] = int(m.group(1)) * units[m.group(2)]
-    return out
-
-
 def matrix_shapes(cfg) -> list[tuple[int, int, int]]:
     """(K inputs, N outputs, rows it multiplies: 'all' = -1 or 'last' = 1) of every matrix of a
     forward pass: the layers' seven, each on every row, and the output matrix on the last row
@@ -263,7 +250,7 @@ def loop_order_bytes(stage: str, k: int, n: int, rows: int, caches: dict) -> int
 def traffic(stage: str, cfg, prefill_rows: int, decode_rows: int, caches: dict | None = None) -> dict | None:
     """The modelled memory traffic of a prefill and a decode step, for the roofline; None for a
     stage that reads each weight once (the chart then counts the minimum bytes)."""
-    caches = cache_bytes() if caches is None else caches
+    caches = cache_sizes() if caches is None else caches
     if loop_order_bytes(stage, 1, 1, 1, caches) is None:
         return None
 

@@ -1,5 +1,5 @@
-"""Speculation in the server, measured: what `scripts/loadtest.py --spec` records and the table
-it draws (profiles/bench/speculative_serve.json and .md).
+"""Speculation in the server, measured: what `python -m app bench loadtest --spec` records and the
+table drawn from it (profiles/bench/speculative_serve.json and .md).
 
 Two parts:
 
@@ -93,7 +93,7 @@ def page(rec: dict, shown: str) -> str:
     """The markdown table (profiles/bench/speculative_serve.md), drawn from the record alone."""
     s, m = rec["settings"], rec["machine"]
     lines = ["# Speculation inside the server: `serve` against `serve --spec lookup`", "",
-             f"Drawn from `{shown}` by `scripts/loadtest.py --spec --chart-only`. {s['model']}, stage "
+             f"Drawn from `{shown}` by `python -m app bench loadtest --draw-only`. {s['model']}, stage "
              f"`{s['stage']}`, {s['threads']} thread(s), on {m.get('cpu', '?')}; commit "
              f"{str(rec['provenance'].get('commit', '?'))[:10]}; {s['rounds']} alternating rounds, {s['requests']} "
              f"requests per client, {s['max_tokens']} tokens each (greedy, EOS ignored), --draft-max "

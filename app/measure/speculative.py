@@ -1,7 +1,7 @@
 """Speculative decoding, measured: what a verify pass of k+1 rows costs against one decode step
 (beside the roofline's prediction and llama.cpp's own pass), and what prompt lookup buys in
 tokens/s, ours and llama.cpp's (llama-cpp-python's LlamaPromptLookupDecoding), on text that
-copies itself and on free text. scripts/bench_speculative.py runs these into
+copies itself and on free text. `python -m app bench speculative` runs these into
 profiles/bench/speculative.json; the chapter notebooks/14_speculative.ipynb runs them live.
 
 The roofline's prediction for m rows (app/measure/roofline.py): a pass reads the weights once
@@ -22,14 +22,17 @@ from pathlib import Path
 
 import numpy as np
 
+from app import ROOT
 from app.measure import roofline
 from app.measure.machine import machine_id
+from app.measure.protocol import BENCH_DIR, add_options, alternating, header, load_average, order
 from common import speculative as sp
-from common.generate import Sampler, generate
+from common.generate import ParameterError, Sampler, generate
 from common.model import flops_per_token
 
 PROMPTS_FILE = Path(__file__).with_name("speculative_prompts.json")
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "profiles" / "results"
+RECORD = BENCH_DIR / "speculative.json"
+RESULTS_DIR = ROOT / "profiles" / "results"
 OURS, OURS_LOOKUP, LLAMA, LLAMA_LOOKUP = "ours", "ours, lookup", "llama.cpp", "llama.cpp, lookup"
 ENGINES = (OURS, OURS_LOOKUP, LLAMA, LLAMA_LOOKUP)
 
@@ -43,18 +46,14 @@ def prompt_sets() -> dict[str, list[str]]:
 # ---- one verify pass against one step ----------------------------------------------------------
 
 def timed_passes(k_max: int, rounds: int, one_pass) -> list[list[float]]:
-    """ms[round][k] of one_pass(k) for k = 0..k_max, the order of k alternating between rounds,
-    so that a drift of the machine's speed falls on every k alike."""
-    out = []
-    for r in range(rounds):
-        order = list(range(k_max + 1))
-        ms = [0.0] * (k_max + 1)
-        for k in (order if r % 2 == 0 else order[::-1]):
-            t0 = time.perf_counter()
-            one_pass(k)
-            ms[k] = (time.perf_counter() - t0) * 1e3
-        out.append(ms)
-    return out
+    """ms[round][k] of one_pass(k) for k = 0..k_max in alternating rounds (protocol.py), so that
+    a drift of the machine's speed falls on every k alike."""
+    def timed(k, r):
+        t0 = time.perf_counter()
+        one_pass(k)
+        return (time.perf_counter() - t0) * 1e3
+    ms = alternating(range(k_max + 1), rounds, timed)
+    return [[ms[k][r] for k in range(k_max + 1)] for r in range(rounds)]
 
 
 def verify_times(engine, context, k_max: int, rounds: int) -> list[list[float]]:
@@ -190,3 +189,112 @@ def medians(ms: list[list[float]]) -> list[float]:
     """Per k, the median over rounds of t(k+1) / t(1) taken within each round."""
     a = np.asarray(ms, dtype=float)
     return np.median(a / a[:, :1], axis=0).tolist()
+
+
+# ---- the benchmark: `python -m app bench speculative` ------------------------------------------
+
+def measure_threads(args, model, stage: str, threads: int, prompts: dict, bar) -> dict:
+    """At one thread count: the verify passes (ours, the roofline's, llama.cpp's), then every
+    prompt by every engine, the engine that goes first rotating from round to round."""
+    from stages import load
+    engine = load(stage, model, threads=threads)
+    engine.warmup()
+    tok = engine.tokenizer
+    context = tok.encode(" ".join(prompts["free"] + prompts["copy"]) * 4)[:args.context]
+    out = {"verify": {"k": list(range(args.k_max + 1))}, "runs": []}
+    v = out["verify"]
+    bar.set_postfix_str(f"{threads} thread(s): verify passes")
+    v["ours_ms"] = verify_times(engine, context, args.k_max, args.rounds)
+    v["roofline"] = roofline_prediction(engine, len(context), args.k_max, ceilings(threads))
+    llama = None if args.no_llama else llama_for_verify(model, threads)
+    if llama is not None:
+        v["llama_ms"] = llama_verify_times(llama, context, args.k_max, args.rounds)
+        del llama
+    engines = None if args.no_llama else llama_engines(model, threads, args.draft_max)
+    names = [OURS, OURS_LOOKUP] + ([LLAMA, LLAMA_LOOKUP] if engines else [])
+    cost = sp.StepCost()                                # measured once, followed by every run after
+    cost.calibrate(engine, args.draft_max + 1)
+    out["calibrated"] = {"ratios": cost.ratios, "t1_ms": cost.t1_ms, "seconds": cost.calibrate_s}
+    for r in range(args.rounds):
+        names_now = order(names, r, rotate=True)
+        for set_name, texts in prompts.items():
+            for i, text in enumerate(texts):
+                ids = tok.encode(text)
+                for name in names_now:
+                    bar.set_postfix_str(f"{threads} thread(s), round {r + 1}: {set_name} {i + 1}, {name}")
+                    if name == OURS:
+                        res = run_ours(engine, ids, args.n_predict)
+                    elif name == OURS_LOOKUP:
+                        spec = sp.Speculator(sp.PromptLookup(), args.draft_max,
+                                             length=sp.DraftLength(args.draft_max, cost))
+                        res = run_ours(engine, ids, args.n_predict, spec)
+                    else:
+                        res = run_llama(engines[name], ids, args.n_predict)
+                    out["runs"].append({"round": r, "set": set_name, "prompt": i, "engine": name,
+                                        "n_tokens": len(res["tokens"]), **res})
+                for run in out["runs"][-len(names_now):]:          # our lookup's text against our plain one's
+                    if run["engine"] == OURS_LOOKUP:
+                        plain = next(x for x in out["runs"][-len(names_now):] if x["engine"] == OURS)
+                        run["parting"] = parting(engine, ids, plain["tokens"], run["tokens"])
+                    bar.update(1)
+    return out
+
+
+def add_arguments(p):
+    add_options(p, rounds=3, out=RECORD)
+    p.add_argument("--stage", default="fastest", help="the stage (default: the fastest this machine runs, as "
+                                                       "`make run` picks)")
+    p.add_argument("--threads", default=None, help="thread counts (default: 1 and the physical cores)")
+    p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens per prompt (default: %(default)s)")
+    p.add_argument("--draft-max", type=int, default=10,
+                   help="guesses per step at most, ours and llama-cpp-python's (default: %(default)s, its own)")
+    p.add_argument("--k-max", type=int, default=16, help="verify passes of 1..k-max+1 rows (default: %(default)s)")
+    p.add_argument("--context", type=int, default=64, help="context before the verify passes (default: %(default)s)")
+    p.add_argument("--no-llama", action="store_true", help="leave llama.cpp out even if it is installed")
+    p.add_argument("--quick", action="store_true",
+                   help="1 round, 1 thread, 2 prompts per set, 16 tokens, k up to 8: checks the benchmark in about "
+                        "a minute (the record says so; not a measurement to quote)")
+
+
+def records(args):
+    """Measure, for each thread count, in --rounds alternating rounds: (1) one verify pass of k+1
+    rows over one plain decode step, k = 0..--k-max, at the end of a --context-token context, beside
+    the roofline's floor and llama.cpp's own pass; (2) greedy generation of exactly -n tokens for
+    every committed prompt (speculative_prompts.json) by ours plain, ours with prompt lookup
+    (--draft-max), llama.cpp plain and llama.cpp with LlamaPromptLookupDecoding. Yields (where,
+    record); its page and chart: app/report/speculative.py."""
+    from tqdm import tqdm
+
+    from app.measure.bench import model_summary
+    from app.models import resolve
+    from app.run import chosen_stage
+    from common.cpu import physical_cores
+    from common.gguf import GGUFFile
+    for name in ("rounds", "n_predict", "draft_max", "k_max", "context"):
+        if getattr(args, name) < 1:
+            raise ParameterError(f"--{name.replace('_', '-')} must be at least 1")
+    prompts = prompt_sets()
+    threads = sorted({1, physical_cores()})
+    if args.quick:
+        args.rounds, args.n_predict, args.k_max = 1, 16, 8
+        prompts = {k: v[:2] for k, v in prompts.items()}
+        threads = [1]
+    if args.threads:
+        threads = [int(t) for t in args.threads.split(",")]
+    stage = chosen_stage(args.stage)
+    model = resolve(args.model)
+    start = load_average()
+    n_runs = len(threads) * args.rounds * sum(len(v) for v in prompts.values()) * (2 if args.no_llama else 4)
+    rec = {"kind": "speculative", "model": model.name, "stage": stage, "threads": {}}
+    t0 = time.perf_counter()
+    with tqdm(total=n_runs, unit="run", desc="speculative", dynamic_ncols=True) as bar:
+        for t in threads:
+            rec["threads"][str(t)] = measure_threads(args, model, stage, t, prompts, bar)
+    rec["seconds"] = time.perf_counter() - t0
+    rec["load_average"] = {"start": start, "end": load_average()}
+    rec["model_info"] = model_summary(GGUFFile(model))
+    rec.update(header({"rounds": args.rounds, "n_predict": args.n_predict, "draft_max": args.draft_max,
+                       "k_max": args.k_max, "context": args.context, "threads": threads, "quick": args.quick,
+                       "sampling": "greedy", "ignore_eos": True,
+                       "prompts": {k: len(v) for k, v in prompts.items()}}, args.command_line))
+    yield args.out, rec

@@ -1,5 +1,9 @@
 """What splitting a model costs (the tp stage, stages/tp.py), measured: behind
-profiles/bench/tp_<model>.md (`python scripts/bench_tp.py`).
+profiles/bench/tp_<model>.md.
+
+    python -m app bench tp                                  # SmolLM2 and the synthetic TinyLlama
+    python -m app bench tp --model smollm2 --rounds 1 -n 8  # a quick look
+    python -m app bench tp --draw-only                      # redraw the pages and charts
 
 Conditions, each in fresh processes: the stage tp builds on in one process with N threads, and
 tp as N ranks of one thread each (`mpiexec -n N`), for each N asked; rounds alternate their
@@ -19,19 +23,27 @@ row-parallel slices are copied out of the file, repacked, then let go), plus the
 allocated (its arena, every position of the context). The process's whole resident size (Python,
 numba, LLVM) is recorded beside it: that part does not split.
 
-Across a link (scripts/bench_tp.py --link: two network namespaces joined by a veth pair,
-app/netns.py), each rank also reads the bytes its end of the pair sent during the decode steps
-from the kernel's counters: what crossed the wire, headers and all, beside the modelled payload.
+Across a link (--link: two network namespaces joined by a veth pair, app/netns.py; by default
+where they can be made, root on Linux), tp at 2 ranks also runs with one rank in each namespace,
+and each rank reads the bytes its end of the pair sent during the decode steps from the kernel's
+counters: what crossed the wire, headers and all, beside the modelled payload.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
+import sys
+import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
+
+from app.measure.protocol import BENCH_DIR, alternating, header, median, run_child
 
 TOP = 5                       # logits kept per step: enough to show how near a tie was
 LATENCY_REPS = 200            # collectives timed alone, after a barrier
@@ -173,11 +185,6 @@ def run_worker(stage: str, model, threads: int, prompt_tokens: int, n_predict: i
 
 # ---- the page and the chart, from the record alone --------------------------------------------------
 
-def _median(xs):
-    xs = [x for x in xs if x == x]
-    return statistics.median(xs) if xs else float("nan")
-
-
 def label(run: dict) -> str:
     if run["stage"] == "tp":
         link = f" over a {run['link']} link" if run.get("link") else ""
@@ -196,7 +203,7 @@ def conditions(record: dict) -> dict:
 def rank_figures(runs: list, r: int) -> dict:
     """Medians over rounds of one rank's per-step medians (ms per decode token)."""
     def med(key):
-        return _median([_median([s[key] for s in run["ranks"][r]["steps"]]) for run in runs])
+        return median([median([s[key] for s in run["ranks"][r]["steps"]]) for run in runs])
     return {k: med(k) for k in ("ms", "compute_ms", "allreduce_ms", "gather_ms")}
 
 
@@ -205,24 +212,24 @@ def summary(record: dict) -> dict:
     out = {}
     conds = conditions(record)
     whole = next((runs for name, runs in conds.items() if runs[0]["stage"] != "tp" and runs[0]["threads"] == 1), None)
-    whole_mem = _median([r["ranks"][0]["memory"]["weights_and_kv_bytes"] for r in whole]) if whole else float("nan")
+    whole_mem = median([r["ranks"][0]["memory"]["weights_and_kv_bytes"] for r in whole]) if whole else float("nan")
     for name, runs in conds.items():
         first = runs[0]
         ranks = []
         for r in range(first["n_ranks"]):
             fig = rank_figures(runs, r)
-            mem = {k: _median([run["ranks"][r]["memory"][k] for run in runs]) for k in first["ranks"][r]["memory"]}
+            mem = {k: median([run["ranks"][r]["memory"][k] for run in runs]) for k in first["ranks"][r]["memory"]}
             wire = [run["ranks"][r].get("link_tx_bytes_per_token") for run in runs]
             ranks.append({**fig, "memory": mem, "memory_vs_one_process": mem["weights_and_kv_bytes"] / whole_mem,
                           "allreduce_share": fig["allreduce_ms"] / fig["ms"] if fig["ms"] else float("nan"),
                           "per_token": first["ranks"][r]["per_token"],
-                          "wire_bytes_per_token": _median(wire) if None not in wire else None,
+                          "wire_bytes_per_token": median(wire) if None not in wire else None,
                           "latency_us": first["ranks"][r].get("latency_us"),
                           "share": first["ranks"][r].get("share")})
         out[name] = {"stage": first["stage"], "n_ranks": first["n_ranks"], "threads": first["threads"],
                      "link": first.get("link"),
-                     "decode_ms": _median([run["decode_ms"] for run in runs]),
-                     "ttft_ms": _median([run["ttft_ms"] for run in runs]), "ranks": ranks, "tokens": first["tokens"],
+                     "decode_ms": median([run["decode_ms"] for run in runs]),
+                     "ttft_ms": median([run["ttft_ms"] for run in runs]), "ranks": ranks, "tokens": first["tokens"],
                      "top": first["top"]}
     return out
 
@@ -232,7 +239,7 @@ def ratio_in_rounds(record: dict, a: str, b: str) -> float:
     by_round = {}
     for run in record["runs"]:
         by_round.setdefault(run["round"], {})[label(run)] = run["decode_ms"]
-    return _median([r[a] / r[b] for r in by_round.values() if a in r and b in r])
+    return median([r[a] / r[b] for r in by_round.values() if a in r and b in r])
 
 
 def divergence(base: dict, other: dict) -> dict | None:
@@ -433,7 +440,7 @@ def chart(record: dict, path):
     bars = [(f"{name}\nrank {r}" if c["stage"] == "tp" else name, rk)
             for name, c in s.items() for r, rk in enumerate(c["ranks"])]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5))
-    names = [b[0] for b in bars]
+    names = [b[0].replace(", ", "\n").replace(" over a ", "\nover a ") for b in bars]     # labels that fit a bar
     bottom = np.zeros(len(bars))
     for key, color, what in (("compute_ms", "#2f6db3", "compute"), ("allreduce_ms", "#d9822b", "all-reduces"),
                              ("gather_ms", "#8f5fbf", "gather of the logits")):
@@ -451,7 +458,129 @@ def chart(record: dict, path):
     a2.set_title("Memory per rank, against one process")
     for ax in (a1, a2):
         ax.tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"{record['runs'][0]['model_info']['file']}: tp against {record['base_stage']}")
+    from app.report.charts import machine_label
+    fig.suptitle(f"{record['runs'][0]['model_info']['file']}: tp against {record['base_stage']}, on "
+                 f"{machine_label(record.get('machine'))}", fontsize=10.5)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ---- the benchmark: `python -m app bench tp` -------------------------------------------------------
+
+MARK = "TP_RESULT "           # the line of rank 0's result among what the ranks print
+RUN_TIMEOUT_S = 1800
+LINK = "veth"                 # the link between the two namespaces, as the page names it
+LINK_HOW = ("in two network namespaces joined by a veth pair, one rank in each (app/netns.py): MPICH's UCX over "
+            "TCP through the kernel's network stack, a link whose latency is the stack's, with no wire")
+
+
+def run_condition(stage: str, n: int, model: Path, prompt_tokens: int, n_predict: int, ctx_size: int | None = None,
+                  hosts=None) -> dict:
+    """One condition in fresh processes: tp as n ranks of one thread (`mpiexec -n n`), or another
+    stage as one process of n threads; the worker's result (rank 0's line on stdout). hosts:
+    app.netns.TwoHosts, to run tp's ranks across its link."""
+    threads = 1 if stage == "tp" else n
+    cmd = [sys.executable, "-m", "app", "bench", "tp", "--worker", stage, "--threads", threads, "--model", model,
+           "--prompt-tokens", prompt_tokens, "-n", n_predict]
+    if ctx_size:
+        cmd += ["--ctx-size", ctx_size]
+    if stage == "tp":
+        launch = [*hosts.mpiexec(), "-f", hosts.hosts] if hosts else [Path(sys.executable).parent / "mpiexec"]
+        cmd = [*launch, "-n", n] + cmd
+    run = run_child(cmd, f"{stage} at {n}", mark=MARK, timeout=RUN_TIMEOUT_S)
+    if hosts:
+        run["link"] = LINK
+    return run
+
+
+def linked(args) -> bool:
+    """Whether tp at 2 ranks also runs across the namespaces' link (--link; auto: where they can be made)."""
+    from app import netns
+    if args.link == "no" or 2 not in args.ranks:
+        return False
+    why = netns.missing()
+    if why and args.link == "yes":
+        raise SystemExit(f"--link yes: {why}")
+    if why:
+        print(f"tp across a link left out: {why}", file=sys.stderr)
+    return why is None
+
+
+def measure(model: str, args) -> dict:
+    """Every condition in fresh processes, in alternating rounds: the record."""
+    from tqdm import tqdm
+
+    from app import netns
+    from app.models import resolve
+    from stages import info
+    path = resolve(model)
+    base = info("tp").builds_on
+    conds = [(base, n, False) for n in args.ranks] + [("tp", n, False) for n in args.ranks]
+    conds += [("tp", 2, True)] if linked(args) else []
+    runs = []
+    bar = tqdm(total=len(conds) * args.rounds, desc=f"tp bench {path.name}", unit="run")
+    with tempfile.TemporaryDirectory() as folder, \
+            (netns.TwoHosts(folder, f"llm-tp-bench-{os.getpid()}") if any(c[2] for c in conds) else nullcontext()) \
+            as hosts:
+        def one(cond, rnd):
+            stage, n, link = cond
+            bar.set_postfix_str(f"round {rnd + 1}: {stage} {n}{' ' + LINK if link else ''}")
+            run = run_condition(stage, n, path, args.prompt_tokens, args.n_predict, args.ctx_size,
+                                hosts if link else None)
+            run["round"] = rnd
+            runs.append(run)                        # in the order measured
+            bar.update(1)
+        alternating(conds, args.rounds, one)
+    bar.close()
+    return {"kind": "tp", "model": path.name, "base_stage": base, "runs": runs,
+            "settings": {"prompt_tokens": args.prompt_tokens, "n_predict": args.n_predict, "rounds": args.rounds,
+                         "ranks": args.ranks, "ctx_size": args.ctx_size},
+            "link": {"name": LINK, "how": LINK_HOW} if any(c[2] for c in conds) else None,
+            "network": {"latency_us_assumed": args.latency_us, "links_gbit": list(LINKS_GBIT)},
+            **header(command=args.command_line)}
+
+
+def record_path(model: str) -> Path:
+    from app.models import MODELS
+    return BENCH_DIR / f"tp_{model if model in MODELS else Path(model).stem}.json"
+
+
+def add_arguments(p):
+    p.add_argument("--model", action="append", help="model name or path (repeatable; default: smollm2, "
+                                                    "tinyllama-synthetic)")
+    p.add_argument("--ranks", default="1,2", help="rank counts N, comma-separated (default: %(default)s): tp with N "
+                                                  "ranks, the base stage with N threads")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, in alternating order (default: %(default)s)")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (default: %(default)s)")
+    p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens generated (default: %(default)s)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context (default: the model's, at most 2048)")
+    p.add_argument("--latency-us", type=float, default=50.0,
+                   help="a network round trip the page assumes for the projection across machines (default: "
+                        "%(default)s us; an assumption, recorded as one)")
+    p.add_argument("--link", choices=("auto", "yes", "no"), default="auto",
+                   help="tp at 2 ranks also across two network namespaces joined by a veth pair (root; default: "
+                        "%(default)s, where they can be made)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)          # one condition's process (every rank)
+    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+
+
+def records(args):
+    from app.models import resolve
+    from common.generate import ParameterError
+    if args.worker:
+        if len(args.model or []) != 1:
+            raise ParameterError("--worker takes one --model")
+        result = run_worker(args.worker, resolve(args.model[0]), args.threads, args.prompt_tokens, args.n_predict,
+                            args.ctx_size)
+        if result is not None:                      # rank 0
+            print(MARK + json.dumps(result), flush=True)
+        return
+    try:
+        args.ranks = sorted({int(x) for x in args.ranks.split(",")})
+    except ValueError:
+        raise ParameterError(f"--ranks {args.ranks!r}: give rank counts such as 1,2") from None
+    if min(args.ranks) < 1 or args.rounds < 1 or args.n_predict < 2 or args.prompt_tokens < 1:
+        raise ParameterError("--ranks >= 1, --rounds >= 1, -n >= 2 and --prompt-tokens >= 1")
+    for model in args.model or ["smollm2", "tinyllama-synthetic"]:
+        yield record_path(model), measure(model, args)

@@ -1,13 +1,18 @@
 """Time to first token against the prompt's length, and decode at that context: stages beside
-llama.cpp with flash attention off and on, on the same file, in one run of alternating rounds
-(`python scripts/bench_vs_llama.py --ttft-lengths 128,512,1024,2048`).
+llama.cpp with flash attention off and on, on the same file, in one run of alternating rounds.
+
+    python -m app bench ttft --lengths 128,512,1024,2048           # SmolLM2 and TinyLlama's geometry
+    python -m app bench ttft --llama-quantize Q4_K_M --lengths 128,512,1024,2048 --threads 2
 
     sweep(engine, lengths, n_predict)   in one process: for each length a prompt of that many ids
         by the protocol (TTFT; then the median decode step at that context), and where the stage
         keeps them (the compiled layer stack: layer_stack.PHASES), the prompt's time per phase
-    python -m app.measure.ttft ENGINE MODEL --lengths 128,512 ...   one engine in a fresh process
+    sweep_in_child(engine, model, lengths, ...)     one engine's sweep in a fresh process
     compare(model, engines, lengths, threads, rounds)    every engine in alternating rounds -> record
     summary(record), page(record, source)                the medians and ratios, the markdown page
+
+Writes profiles/bench/ttft_<model>.json (one process per engine and round, every length in it;
+the integer peak measured in the same run) and the page drawn from it beside it.
 
 Each engine process also says what its memory did: its resident set after loading and its peak
 after each length (the peak of a sweep is its longest prompt's), and for a stage the bytes that
@@ -25,19 +30,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
+from app.measure.phases import PHASE_NAMES
+from app.measure.protocol import alternating, header, median, run_child
+
 BASELINES = {"llama.cpp": False, "llama.cpp+fa": True}        # engine -> flash attention
 DEFAULT_ENGINES = ("repack", "prefill", *BASELINES)
-PHASE_NAMES = ("norm_attn", "qkv", "attend", "merge", "wo", "norm_ffn", "gate_up", "round_f", "down")
 ATTENTION_PHASES = ("attend", "merge")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _prompt(tokenizer, n):
@@ -143,21 +146,17 @@ def measure_engine(engine: str, model, lengths, n_predict: int, threads: int, n_
     return sweep(load(engine, model, n_ctx=n_ctx, threads=threads), lengths, n_predict)
 
 
-def measure_in_child(engine: str, model, lengths, n_predict: int, threads: int, n_ctx: int) -> dict:
-    cmd = [sys.executable, "-m", "app.measure.ttft", engine, str(model), "--lengths", ",".join(map(str, lengths)),
-           "-n", str(n_predict), "--threads", str(threads), "--ctx-size", str(n_ctx)]
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{engine} failed (exit {proc.returncode}):\n" +
-                           "\n".join(proc.stderr.strip().splitlines()[-6:]))
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def sweep_in_child(engine: str, model, lengths, n_predict: int, threads: int, n_ctx: int) -> dict:
+    """One engine's sweep in a fresh process (`python -m app bench ttft --worker ENGINE`)."""
+    return run_child([sys.executable, "-m", "app", "bench", "ttft", "--worker", engine, "--model", model,
+                      "--lengths", ",".join(map(str, lengths)), "-n", n_predict, "--threads", threads,
+                      "--ctx-size", n_ctx], engine)
 
 
-def compare(model, engines, lengths, threads: int, rounds: int, n_predict: int = 8, log=print) -> dict:
+def compare(model, engines, lengths, threads: int, rounds: int, n_predict: int = 8, log=print,
+            command: str | None = None) -> dict:
     """Every engine's sweep in `rounds` alternating rounds (forward, backward, ...); the record."""
     from app.measure import roofline
-    from app.measure.machine import machine_info
-    from app.measure.provenance import provenance
     from app.models import resolve
     from common.gguf import GGUFFile
     from common.model import LlamaConfig, prompt_matmul_ops
@@ -168,27 +167,25 @@ def compare(model, engines, lengths, threads: int, rounds: int, n_predict: int =
     log(f"warming numba's cache (not measured): {', '.join(e for e in engines if e not in BASELINES)}")
     for e in engines:
         if e not in BASELINES:
-            measure_in_child(e, path, [8], 2, threads, n_ctx)
+            sweep_in_child(e, path, [8], 2, threads, n_ctx)
     log("measuring the integer peak (app/measure/roofline.py) ...")
     peak = {"instruction": roofline.int_instruction(), "gops": {}}
     if peak["instruction"]:
         peak["gops"] = {str(t): roofline.int_peak_gops(t)[0] for t in sorted({1, threads})}
-    runs = {e: [] for e in engines}
-    for k in range(rounds):
-        for e in engines if k % 2 == 0 else engines[::-1]:
-            log(f"  round {k + 1}/{rounds}: {e} at {', '.join(map(str, lengths))} tokens")
-            rec = measure_in_child(e, path, lengths, n_predict, threads, n_ctx)
-            runs[e].append(rec)
-            log("    TTFT " + ", ".join(f"{n}: {r['ttft_ms']:.0f} ms" for n, r in rec.items()))
+
+    def one(e: str, k: int) -> dict:
+        log(f"  round {k + 1}/{rounds}: {e} at {', '.join(map(str, lengths))} tokens")
+        rec = sweep_in_child(e, path, lengths, n_predict, threads, n_ctx)
+        log("    TTFT " + ", ".join(f"{n}: {r['ttft_ms']:.0f} ms" for n, r in rec.items()))
+        return rec
+    runs = alternating(engines, rounds, one)
     return {"kind": "ttft_sweep", "model": path.name, "synthetic": "synthetic" in path.name.lower(),
             "settings": {"lengths": list(lengths), "threads": threads, "rounds": rounds, "n_predict": n_predict,
                          "n_ctx": n_ctx, "order": "alternating (forward, backward, ...)",
                          "sampling": "greedy, EOS ignored"},
             "engines": list(engines), "runs": runs, "int_peak": peak, "builds": builds(engines),
             "prompt_matmul_ops": {str(n): prompt_matmul_ops(cfg, n) for n in lengths},
-            "machine": machine_info(), "provenance": provenance(),
-            "command": "python scripts/bench_vs_llama.py " + " ".join(sys.argv[1:]),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            **header(command=command)}
 
 
 def builds(engines) -> dict:
@@ -200,11 +197,6 @@ def builds(engines) -> dict:
         import llama_cpp
         out["llama_cpp_system"] = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
     return out
-
-
-def _median(xs) -> float:
-    xs = [x for x in xs if isinstance(x, (int, float)) and np.isfinite(x)]
-    return statistics.median(xs) if xs else float("nan")
 
 
 def summary(record: dict) -> dict:
@@ -219,14 +211,14 @@ def summary(record: dict) -> dict:
     for e, recs in runs.items():
         rows = {}
         for n in lengths:
-            r = {key: _median(x[n][key] for x in recs) for key in ("ttft_ms", "decode_ms")}
+            r = {key: median(x[n][key] for x in recs) for key in ("ttft_ms", "decode_ms")}
             if llama and e not in BASELINES:
                 for key in ("ttft_ms", "decode_ms"):
                     best = [min(runs[b][k][n][key] for b in llama) for k in range(len(recs))]
-                    r[f"{key}_over_llama"] = _median(x[n][key] / b for x, b in zip(recs, best))
+                    r[f"{key}_over_llama"] = median(x[n][key] / b for x, b in zip(recs, best))
             phases = [x[n]["phases_ms"] for x in recs if "phases_ms" in x[n]]
             if phases:
-                r["attention_share"] = _median(sum(p[a] for a in ATTENTION_PHASES) / sum(p.values()) for p in phases)
+                r["attention_share"] = median(sum(p[a] for a in ATTENTION_PHASES) / sum(p.values()) for p in phases)
             if peak and e not in BASELINES:
                 ops = record["prompt_matmul_ops"][n]
                 r["int_gops"] = ops / (r["ttft_ms"] / 1e3) / 1e9
@@ -314,20 +306,31 @@ def memory_lines(record: dict) -> list[str]:
     return lines
 
 
-def main(argv=None):
-    import app
-    app.configure_numba()
-    p = argparse.ArgumentParser(description="One engine's TTFT sweep, as JSON on the last line (compare() runs it).")
-    p.add_argument("engine")
-    p.add_argument("model")
-    p.add_argument("--lengths", required=True)
-    p.add_argument("-n", type=int, default=8)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--ctx-size", type=int, default=2048)
-    a = p.parse_args(argv)
-    lengths = [int(x) for x in a.lengths.split(",")]
-    print(json.dumps(measure_engine(a.engine, a.model, lengths, a.n, a.threads, a.ctx_size), default=float))
+# ---- the benchmark: `python -m app bench ttft` ---------------------------------------------------------
+
+def add_arguments(p):
+    from app.measure.compare import add_model_arguments
+    add_model_arguments(p)
+    p.add_argument("--lengths", required=True, metavar="N,N,...", help="the prompt lengths, in tokens")
+    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                   help=f"comma-separated stages, {', '.join(BASELINES)} (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None, help="threads, every engine (default: the physical cores)")
+    p.add_argument("-n", type=int, default=8, help="tokens generated after each prompt (default: %(default)s)")
+    p.add_argument("--worker", metavar="ENGINE", help=argparse.SUPPRESS)     # one engine's sweep, in a child
+    p.add_argument("--ctx-size", type=int, default=2048, help=argparse.SUPPRESS)
 
 
-if __name__ == "__main__":
-    main()
+def records(args):
+    from app.measure.compare import engines_to_measure, log, models_to_measure, record_path, without_llama
+    from common.cpu import physical_cores
+    from stages import REGISTRY
+    lengths = [int(n) for n in args.lengths.split(",")]
+    if args.worker:                                  # the child: its sweep as JSON on the last line
+        print(json.dumps(measure_engine(args.worker, args.model[0], lengths, args.n, args.threads or 1,
+                                        args.ctx_size), default=float))
+        return
+    engines = without_llama(engines_to_measure(args.engines, REGISTRY, tuple(BASELINES)), tuple(BASELINES), args)
+    threads = args.threads or physical_cores()
+    for model in models_to_measure(args):
+        record = compare(model, engines, lengths, threads, args.rounds, args.n, log=log, command=args.command_line)
+        yield record_path("ttft", model, record, args.out_dir), record

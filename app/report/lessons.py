@@ -4,10 +4,13 @@ from the committed records, and a verdict.
     python -m app lessons [--json]        the ledger, from the records `make report` wrote
     make report                              also writes it to profiles/lessons.md (+ lessons.png)
 
-A verdict is `reproduced` when this machine's figure lies within the claim's band (stated in
-every row: a factor around the article's figure, or a threshold for a qualitative claim),
-`refuted` when it lies outside, and `not measured here` when the records cannot give the figure
-(then `why` says what is missing: a GPU, a PMU, a record). Every measured figure names the
+A verdict says what happened (verdict()): `reproduced` when this machine's figure lies within the
+claim's band (stated in every row: a factor around the article's figure, or a threshold for a
+qualitative claim); outside it, `same direction, larger` or `same direction, smaller` when the
+effect went the article's way by more or by less (a KV cache that beat the article's 10.6x), and
+`reversed` when it went the other way (a speed-up that slowed down; a claim that something stays
+the same, where it moved); `not measured here` when the records cannot give the figure (then
+`why` says what is missing: a GPU, a PMU, a record). Every measured figure names the
 records it was computed from; a stage ratio also names its metric and its two stages, so that
 it can be recomputed from them (tests/test_lessons.py does).
 
@@ -22,17 +25,35 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from app import ROOT
 from app.measure.machine import machine_id
 from app.measure.provenance import describe
 from app.models import DEFAULT_MODEL, MODELS
 from app.report.charts import Results, load_results
 
-ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "profiles" / "results"
-VERDICTS = ("reproduced", "refuted", "not measured here")
+LARGER, SMALLER = "same direction, larger", "same direction, smaller"
+VERDICTS = ("reproduced", LARGER, SMALLER, "reversed", "not measured here")
+# What each row is, in a few words (the chart's labels; a row's id is for code).
+LABELS = {
+    "ram_balloon": "float32 at load: memory ÷ file size",
+    "page_faults": "page faults of a naive cold start",
+    "ipc_naive": "naive: instructions per cycle",
+    "tiling_speedup": "tiling: decode speed-up over naive",
+    "simd_speedup": "SIMD: decode speed-up over tiling",
+    "kv_decode_speedup": "KV cache: decode speed-up over simd",
+    "kv_ttft_unchanged": "KV cache: first token, simd ÷ kv_cache",
+    "quantized_ttft_speedup": "quantized: first-token speed-up",
+    "cuda_decode_speedup": "GPU: decode speed-up over the CPU",
+    "cuda_ttft_slower": "GPU: first token, CPU ÷ GPU",
+    "end_to_end": "end to end: naive ÷ the fastest stage",
+    "ttft_decode_different": "prompt's gain ÷ decode's gain",
+    "precision_loss_small": "4-bit weights: perplexity cost",
+}
 
 # The article's setting, which `make report --article` measures.
 ARTICLE_PROMPT_TOKENS = 512
@@ -80,8 +101,23 @@ def _band(article: float, factor: float) -> list:
     return [article / factor, article * factor]
 
 
-def _verdict(measured: float, band) -> str:
-    return "reproduced" if band[0] <= measured <= band[1] else "refuted"
+def verdict(measured: float, band, article: float | None = None, unit: str = "x") -> str:
+    """What happened to a claim: `reproduced` inside its band; outside, for a ratio ("x"), whether
+    it went the article's way (both on the same side of 1) by more or by less than the article's
+    figure (the band's middle where the article gave none), else `reversed` (and a claim of no
+    change, 1x, that moved is reversed too); for a count, a rate or a share, larger or smaller than
+    the band, reversed where a figure the band holds above zero fell below it."""
+    if band[0] <= measured <= band[1]:
+        return "reproduced"
+    if unit == "x":
+        ref = math.log(article if article else math.sqrt(band[0] * band[1]))
+        got = math.log(measured) if measured > 0 else -math.inf
+        if abs(ref) < 1e-12 or ref * got <= 0:
+            return "reversed"
+        return LARGER if abs(got) > abs(ref) else SMALLER
+    if measured < 0 <= band[0]:
+        return "reversed"
+    return LARGER if measured > band[1] else SMALLER
 
 
 def _x(v: float) -> str:
@@ -181,12 +217,12 @@ def stage_ratio(sources: Sources, rid: str, claim: str, article: float, article_
                    [], band, metric, from_stage, to_stage)
     a, b = _record(res, from_stage), _record(res, to_stage)
     measured = a[metric] / b[metric]
-    verdict = _verdict(measured, band)
-    template = why_reproduced if verdict == "reproduced" else why_refuted
+    said = verdict(measured, band, article)
+    template = why_reproduced if said == "reproduced" else why_refuted
     cmp = "more than" if measured > article else "less than"
     why = template.format(measured=_x(measured), cmp=cmp, to=to_stage, article=article_text) + \
         f" [{_workload(res, sources)}{_extrapolated(a, b)}]"
-    return Row(rid, claim, article, article_text, measured, "x", verdict, why,
+    return Row(rid, claim, article, article_text, measured, "x", said, why,
                [_record_path(res, from_stage), _record_path(res, to_stage)], band, metric, from_stage, to_stage)
 
 
@@ -205,14 +241,14 @@ def ram_balloon(sources: Sources) -> Row:
     weights = r["weights_mb"] * 2**20
     file_bytes = r["model_info"]["file_size"]
     measured = weights / file_bytes
-    verdict = _verdict(measured, band)
+    said = verdict(measured, band, article)
     per_weight = 8 * file_bytes / r["model_info"]["n_params"]
     why = (f"float32 costs 32 bits per weight against the file's {per_weight:.1f} on average, so the "
            f"{file_bytes / 2**20:,.0f} MiB file becomes {r['weights_mb']:,.0f} MiB of weights "
            f"(peak RSS {r['peak_rss_mb']:,.0f} MiB); the article's 2.8 GB is less than its own model's "
            f"4.4 GB of float32, so it cannot have held every weight in float32 "
            f"[{_workload(res, sources)}]")
-    return Row("ram_balloon", claim, article, text, measured, "x", verdict, why, [_record_path(res, "naive")], band)
+    return Row("ram_balloon", claim, article, text, measured, "x", said, why, [_record_path(res, "naive")], band)
 
 
 def page_faults(sources: Sources) -> Row:
@@ -234,7 +270,7 @@ def page_faults(sources: Sources) -> Row:
     # The article's count scaled to this model's float32 weights: one fault per 4 KiB page touched.
     scale = weights / ARTICLE_FLOAT32_BYTES
     band = _band(1e6 * scale, 2.0)
-    verdict = _verdict(faults, band)
+    said = verdict(faults, band, unit="page faults")
     resident = cold["eviction"].get("resident_after")
     why = (f"{faults:,} faults ({major:,} of them major, from the disk) in loading and one forward pass after "
            f"evicting the file ({faults / seconds:,.0f} a second); one 4 KiB page of float32 weights is "
@@ -244,7 +280,7 @@ def page_faults(sources: Sources) -> Row:
               "pages on large arrays (madvise), and one fault then maps 2 MiB" if faults < weights / 4096 / 2 else "")
            + (f"; {resident:.0%} of the file stayed cached (mapped by another process)" if resident and resident > 0.01
               else "") + f" [{_workload(res, sources)}]")
-    return Row("page_faults", claim, 1e6, text, float(faults), "page faults", verdict, why,
+    return Row("page_faults", claim, 1e6, text, float(faults), "page faults", said, why,
                [_record_path(res, "naive")], band)
 
 
@@ -261,13 +297,13 @@ def ipc_naive(sources: Sources) -> Row:
         return Row("ipc_naive", claim, 0.98, "IPC 0.98", None, "instructions/cycle", "not measured here", why,
                    [_record_path(res, "naive")] if r else [], band)
     ipc = pmu["ipc"]
-    verdict = _verdict(ipc, band)
+    said = verdict(ipc, band, unit="instructions/cycle")
     why = (f"{pmu['instructions']:,} instructions in {pmu['cycles']:,} cycles; cache misses "
            f"{pmu['cache_miss_rate']:.1%} of references: " +
            ("the naive loop waits on memory as in the article" if ipc < 1.5 else
             "the core keeps its pipelines busier than the article's, the loads hitting in cache") +
            f" [{_workload(res, sources)}{_extrapolated(r)}]")
-    return Row("ipc_naive", claim, 0.98, "IPC 0.98", ipc, "instructions/cycle", verdict, why,
+    return Row("ipc_naive", claim, 0.98, "IPC 0.98", ipc, "instructions/cycle", said, why,
                [_record_path(res, "naive")], band)
 
 
@@ -288,7 +324,7 @@ def precision_loss(sources: Sources) -> Row:
                    f"{_shown(sources.perplexity_path)} has no reference row or no 4-bit requantized row", [], band)
     worst = max(four, key=lambda r: r["ppl"])
     loss = (worst["ppl"] / ref["ppl"] - 1) * 100
-    verdict = "reproduced" if loss <= band[1] else "refuted"
+    said = verdict(loss, band, unit="% perplexity")
     int8 = next((r for r in rec["rows"] if r["row"] in rec.get("rounds_activations", [])), None)
     each = ", ".join(f"{r['weights'].split()[-1]} {(r['ppl'] / ref['ppl'] - 1) * 100:+.2f}%" for r in four)
     why = (f"perplexity {ref['ppl']:.3f} with the file's own (Q4_1) weights, {worst['ppl']:.3f} with them rounded "
@@ -296,7 +332,7 @@ def precision_loss(sources: Sources) -> Row:
            + (f"; int8 activations {(int8['ppl'] / ref['ppl'] - 1) * 100:+.2f}%" if int8 else "")
            + f"; the reference is the Q4_1 file, not the original weights; 'little' read as at most "
            f"+{PRECISION_THRESHOLD:.0%} [{rec['model']}, {rec['text']}, chunks of {rec['ctx']} tokens]")
-    return Row("precision_loss_small", claim, None, "matters little", loss, "% perplexity", verdict, why,
+    return Row("precision_loss_small", claim, None, "matters little", loss, "% perplexity", said, why,
                [_shown(sources.perplexity_path)], band)
 
 
@@ -321,14 +357,14 @@ def ttft_decode_different(sources: Sources) -> Row:
     a, b = _record(res, "repack"), _record(res, "prefill")
     ttft, decode = a["ttft_ms"] / b["ttft_ms"], a["decode_ms"] / b["decode_ms"]
     measured = max(ttft / decode, decode / ttft)
-    verdict = _verdict(measured, band)
+    said = verdict(measured, band, article)
     why = (f"the prefill stage, which changes the prompt's kernels (attention in tiles, two rows per register) and "
            f"keeps decode's, took the time to first token {_x(ttft)} faster than repack and decode {_x(decode)}: "
            f"the gains differ by {_x(measured)}"
-           + (", so here too the two phases are different problems" if verdict == "reproduced" else
+           + (", so here too the two phases are different problems" if said == "reproduced" else
               f", less than {_x(band[0])}: the prompt's changes moved decode about as much")
            + f" (the article's: its GPU's decode gain over its TTFT gain, {_x(article)}) [{_workload(res, sources)}]")
-    return Row("ttft_decode_different", claim, article, text, measured, "x", verdict, why,
+    return Row("ttft_decode_different", claim, article, text, measured, "x", said, why,
                [_record_path(res, "repack"), _record_path(res, "prefill")], band)
 
 
@@ -411,9 +447,10 @@ def markdown(rows: list[Row], sources: Sources) -> str:
         "# The article beside this machine",
         "",
         f"Drawn by `python -m app lessons` from the records of machine `{sources.machine}` "
-        f"({describe(recs) if recs else 'no records'}). A verdict is `reproduced` when this machine's figure "
-        f"lies inside the row's band, `refuted` outside it, `not measured here` when the records cannot give it "
-        f"(the row says why). Ratios are the first stage's time over the second's.",
+        f"({describe(recs) if recs else 'no records'}). A verdict says what happened: `reproduced` when this "
+        f"machine's figure lies inside the row's band; outside it, `{LARGER}` or `{SMALLER}` when the effect went "
+        f"the article's way by more or by less, `reversed` when it went the other way; `not measured here` when "
+        f"the records cannot give it (the row says why). Ratios are the first stage's time over the second's.",
         "",
         "| claim (id) | the article | this machine | band | verdict | why | records |",
         "|---|---:|---:|---|---|---|---|",
@@ -426,32 +463,46 @@ def markdown(rows: list[Row], sources: Sources) -> str:
     return "\n".join(lines) + "\n"
 
 
-def chart(rows: list[Row], path):
-    """The ratio rows as bars: the article's figure beside this machine's, log scale."""
+VERDICT_COLORS = {"reproduced": "#2e7d32", LARGER: "#b35900", SMALLER: "#b35900", "reversed": "#c00000",
+                  "not measured here": "#6d6d6d"}
+
+
+def chart(rows: list[Row], path, machine: str = "this machine"):
+    """The ratio rows as bars: the article's figure beside this machine's, log scale, each row's
+    verdict at its end in its colour."""
     from app.report.charts import _pyplot
     plt = _pyplot()
     ratios = [r for r in rows if r.unit == "x" and r.article]
-    fig, ax = plt.subplots(figsize=(10, 0.55 * len(ratios) + 1.6))
+    fig, ax = plt.subplots(figsize=(11, 0.55 * len(ratios) + 1.9))
     ys = range(len(ratios))
     ax.barh([y + 0.2 for y in ys], [r.article for r in ratios], height=0.4, color="#9aa5b1", label="the article")
     measured = [(y, r) for y, r in zip(ys, ratios) if r.measured]
     ax.barh([y - 0.2 for y, _ in measured], [r.measured for _, r in measured], height=0.4, color="#2f6db3",
             label="this machine")
     for y, r in zip(ys, ratios):
-        ax.annotate(r.verdict, (max(r.article, r.measured or 0), y), xytext=(4, -3), textcoords="offset points",
-                    fontsize=7.5)
+        ax.annotate(r.verdict, (max(r.article, r.measured or 0), y), xytext=(4, 0), textcoords="offset points",
+                    fontsize=8, va="center", color=VERDICT_COLORS[r.verdict], fontweight="bold")
     ax.axvline(1, color="black", lw=0.8)
     ax.set_xscale("log")
     top = max([r.article for r in ratios] + [r.measured for _, r in measured])
-    ax.set_xlim(right=top * 6)                               # room for the verdicts
-    ax.set_yticks(list(ys), [r.id for r in ratios], fontsize=8)
+    ax.set_xlim(right=top * 40)                              # room for the verdicts
+    ax.set_yticks(list(ys), [LABELS.get(r.id, r.id) for r in ratios], fontsize=8.5)
     ax.invert_yaxis()
-    ax.set_xlabel("time of the first stage / time of the second (ram_balloon: memory held / file), log scale")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
-    ax.set_title("The article's ratios beside this machine's (profiles/lessons.md says why)", fontsize=10)
+    ax.set_xlabel("the first time ÷ the second (the float32 row: memory held ÷ file size), log scale; "
+                  "right of 1: faster", fontsize=8.5)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
+    ax.set_title(f"The article's ratios beside {machine}\n(profiles/lessons.md gives each row's figures and why)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def sources_machine(sources: Sources) -> str:
+    """The machine a ledger's records were measured on, as the charts name it."""
+    from app.report.charts import _machine_of, machine_label
+    res = next((r for r in (sources.default, sources.article) if r is not None and (r.stages or r.baselines)), None)
+    return machine_label(_machine_of(res)) if res else sources.machine
 
 
 def write(out_dir, results_dir=None) -> list[Path]:
@@ -462,7 +513,7 @@ def write(out_dir, results_dir=None) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     md, png = out_dir / "lessons.md", out_dir / "lessons.png"
     md.write_text(markdown(rows, sources))
-    chart(rows, png)
+    chart(rows, png, sources_machine(sources))
     return [md, png]
 
 

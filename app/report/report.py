@@ -2,6 +2,9 @@
 table, the generated pages and the lessons ledger from the JSON records.
 
     python -m app report [-m MODEL] [--stages naive,simd] [--draw-only] [--no-baseline]
+    python -m app report --draw-only        redraw the charts, tables, pages and the README's answer and
+                                            table from the committed records; measures nothing and
+                                            needs no model file (-m names whose records, --article too)
     python -m app report --article          the article's workload, every stage (see below)
     python -m app report --perplexity       also the perplexity comparison (perplexity.json)
 
@@ -51,22 +54,21 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from app import ROOT
 from app.compile import compile_all, in_compile_order
 from app.measure import perplexity, roofline
 from app.measure.baseline import llama_cpp_version
-from app.measure.bench import BASELINE, measure_in_child, results_dir
-from app.measure.machine import machine_info
+from app.measure.bench import BASELINE, results_dir, stage_in_child
+from app.measure.protocol import header, write_record
 from app.measure.provenance import provenance, stale
 from app.models import DEFAULT_MODEL, MODELS, FetchError, resolve
-from app.report import charts, lessons
-from app.report.pages import redraw_pages
+from app.report import charts, lessons, pages
 from common.cpu import physical_cores
 from common.gguf import GGUFFile
 from common.model import LlamaConfig, n_params
 from stages import STAGES, info, runnable_stages, unavailable_reason
 from stages.registry import REPORT_PROMPT_TOKENS, Tokens
 
-ROOT = Path(__file__).resolve().parents[2]
 PROFILES = ROOT / "profiles"
 
 
@@ -99,13 +101,13 @@ ARTICLE = Workload(lessons.ARTICLE_PROMPT_TOKENS, article=True)
 
 
 def measure_stage(stage: str, model: Path, out_dir: Path, threads=None, workload: Workload = REPORT) -> dict:
-    return measure_in_child(stage, model, workload.prompt_tokens, workload.n_predict(stage), threads=threads,
+    return stage_in_child(stage, model, workload.prompt_tokens, workload.n_predict(stage), threads=threads,
                             out_dir=out_dir, profile_n=workload.profile_n(stage))
 
 
 def measure_baseline(model: Path, out_dir: Path, threads: int = 1, workload: Workload = REPORT) -> dict:
     """llama.cpp's row, same prompt ids as the stages, as many tokens as the KV-cache stages."""
-    return measure_in_child(BASELINE, model, workload.prompt_tokens, workload.baseline_tokens, threads=threads,
+    return stage_in_child(BASELINE, model, workload.prompt_tokens, workload.baseline_tokens, threads=threads,
                             out_dir=out_dir)
 
 
@@ -132,10 +134,8 @@ def measure_machine(folder: Path, force: bool = False) -> dict:
     path = folder / "machine.json"
     if path.exists() and not force:
         return json.loads(path.read_text())
-    rec = {"kind": "machine", "machine": machine_info(), **roofline.measure(), "provenance": provenance(),
-           "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rec, indent=1))
+    rec = {"kind": "machine", **roofline.measure(), **header()}
+    write_record(rec, path)
     return rec
 
 
@@ -149,7 +149,8 @@ def draw(folder: Path, charts_dir: Path, update_readme_table: bool, why_missing=
     written = charts.draw_all(res, charts_dir)
     caption = charts.caption(res, _shown(folder))
     if update_readme_table:
-        if charts.update_readme(ROOT / "README.md", charts.results_table(res), caption):
+        if charts.update_readme(ROOT / "README.md", charts.results_table(res), caption,
+                                charts.answer(res, _shown(folder))):
             written.append(ROOT / "README.md")
     elif res.stages:                       # another model: its table beside its charts
         path = charts_dir / "results.md"
@@ -184,17 +185,44 @@ def warm_the_cache(todo: list, model: Path) -> None:
         compile_all(jobs, str(model), physical_cores())
 
 
+def model_to_draw(model, article: bool) -> Path:
+    """The model whose records --draw-only redraws: its file need not be here (drawing reads the
+    records only); for the article's workload, the first of its models that has records."""
+    if article:
+        for name in lessons.ARTICLE_MODELS:
+            path = MODELS[name].path if name in MODELS else None
+            if path and any((results_dir(path.name).parent / lessons.article_folder_name(path.stem)).glob("*.json")):
+                return path
+        return article_model()
+    model = model or DEFAULT_MODEL.name
+    return MODELS[str(model)].path if str(model) in MODELS else Path(model)
+
+
+def recorded_params(folder: Path, model: Path) -> int:
+    """The model's parameter count as its records say it (model_info), else read from its file."""
+    for path in sorted(folder.glob("*.json")):
+        n = (json.loads(path.read_text()).get("model_info") or {}).get("n_params")
+        if n:
+            return n
+    return model_params(model)
+
+
 def run(model=None, stages=None, draw_only=False, baseline=True, remeasure_machine=False, article=False,
         with_perplexity=False):
     workload = ARTICLE if article else REPORT
-    model = article_model() if article else resolve(model)
+    if draw_only:
+        model = model_to_draw(model, article)
+    else:
+        model = article_model() if article else resolve(model)
     folder = results_dir(model.name)
     is_default = model.resolve() == DEFAULT_MODEL.path.resolve() and not article
     charts_dir = PROFILES if is_default else PROFILES / model.stem
     if article:
         folder = folder.parent / lessons.article_folder_name(model.stem)
         charts_dir = PROFILES / folder.name
-    params = model_params(model)
+    if draw_only and not any(folder.glob("*.json")):
+        raise SystemExit(nothing_to_draw(folder))
+    params = recorded_params(folder, model) if draw_only else model_params(model)
     left_out = [] if article else too_large(params)      # the article's workload extrapolates them
     if not draw_only:
         todo = stages or runnable_stages()
@@ -234,12 +262,11 @@ def run(model=None, stages=None, draw_only=False, baseline=True, remeasure_machi
             rec = perplexity.compare(DEFAULT_MODEL.path, progress=lambda line: print(line, file=sys.stderr))
             written_ppl = perplexity.write(rec, results_dir(DEFAULT_MODEL.filename))
             print(f"wrote {os.path.relpath(written_ppl, ROOT)}", file=sys.stderr)
-    if draw_only and not any(folder.glob("*.json")):
-        raise SystemExit(nothing_to_draw(folder))
     why_missing = {s: "too slow on a model this size; --stages names it to measure it" for s in left_out}
     written = draw(folder, charts_dir, update_readme_table=is_default, why_missing=why_missing)
-    written += redraw_pages(PROFILES / "bench")
+    written += pages.redraw(PROFILES / "bench")
     written += lessons.write(PROFILES)
+    written.append(charts.write_ops_page(PROFILES))
     for path in written:
         print(f"wrote {os.path.relpath(path, ROOT)}", file=sys.stderr)
 

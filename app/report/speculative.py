@@ -1,4 +1,4 @@
-"""The speculative decoding record (profiles/bench/speculative.json, scripts/bench_speculative.py)
+"""The speculative decoding record (profiles/bench/speculative.json, `python -m app bench speculative`)
 drawn: its page (profiles/bench/speculative.md), its chart (profiles/speculative.png) and the
 ledger-style row for the claim "k guesses cost about one step", every figure computed from the
 record. Ratios are medians over rounds of ratios taken within a round; tokens/s are medians over
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from app.measure.speculative import ENGINES, LLAMA_LOOKUP, OURS, OURS_LOOKUP, medians
-from app.report.lessons import Row
+from app.report.lessons import Row, verdict
 
 CLAIM_K = 4                 # "k guesses": the k the claim is read at
 CLAIM_BAND = [1 / 1.5, 1.5]  # "about one step": within 1.5x of it
@@ -65,14 +65,14 @@ def claim_rows(rec: dict, shown: str) -> list[Row]:
         k = min(CLAIM_K, len(v["k"]) - 1)
         measured = medians(v["ours_ms"])[k]
         roof = v["roofline"]
-        verdict = "reproduced" if CLAIM_BAND[0] <= measured <= CLAIM_BAND[1] else "refuted"
+        said = verdict(measured, CLAIM_BAND)
         llama = f"; llama.cpp's own pass {medians(v['llama_ms'])[k]:.2f}x" if v.get("llama_ms") else ""
         why = (f"{rec['stage']} at {threads} thread(s): a pass of {k + 1} rows costs {measured:.2f}x one decode step; "
                f"the roofline predicts {roof['ratio'][k]:.2f}x (the ridge at {roof['ridge_rows']:.1f} rows: "
                f"{roof['bytes'] / 1e6:.0f} MB read at {roof['bandwidth_gbs']:.0f} GB/s against "
                f"{roof['flops_per_token'] / 1e6:.0f} MFLOP per row at {roof['peak_gflops']:.0f} GFLOP/s){llama}")
         rows.append(Row(f"spec_verify_cost_{threads}t", f"Verifying k = {k} guesses in one pass costs about one "
-                        f"decode step", None, "beyond the article", measured, "x", verdict, why, [shown], CLAIM_BAND))
+                        f"decode step", None, "beyond the article", measured, "x", said, why, [shown], CLAIM_BAND))
     return rows
 
 
@@ -86,7 +86,7 @@ def page(rec: dict, shown: str) -> str:
     lines = [
         "# Speculative decoding: k guesses, one verify pass",
         "",
-        f"Drawn from `{shown}` by `python scripts/bench_speculative.py --chart-only` (chart: "
+        f"Drawn from `{shown}` by `python -m app bench speculative --draw-only` (chart: "
         f"`profiles/speculative.png`). {rec['model']}, stage `{rec['stage']}`, on {rec['machine']['cpu']} "
         f"({rec['machine']['physical_cores']} cores); code {rec['provenance']['code_hash']}, commit "
         f"{rec['provenance']['commit'][:10]}{' (dirty)' if rec['provenance']['dirty'] else ''}; "
@@ -180,8 +180,9 @@ def chart(rec: dict, path):
     right.set_title("Plain decoding and prompt lookup", fontsize=10)
     right.margins(y=0.3)
     right.legend(fontsize=7, ncol=2)
-    fig.suptitle(f"Speculative decoding on {rec['model']} ({rec['machine']['cpu']}; medians of "
-                 f"{rec['settings']['rounds']} rounds; profiles/bench/speculative.md)", fontsize=10)
+    from app.report.charts import machine_label
+    fig.suptitle(f"Speculative decoding: {rec['model']} on {machine_label(rec['machine'])}\nmedians of "
+                 f"{rec['settings']['rounds']} rounds; profiles/bench/speculative.md gives the figures", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -8,11 +8,13 @@
 `schedule()` plans one step: a row for every decoding sequence and, within `prefill_chunk`
 rows, the next chunk of the prompts being prefilled, so a long prompt never stalls the
 sequences already decoding. With speculative decoding (`speculation`, app/serve/speculation.py)
-a decoding sequence may add rows of guesses, as many as the measured step times say pay;
-guesses never take a page another sequence needs (without their pages they are dropped, never
-a reason to preempt). It runs nothing: the engine loop (app/serve/engine_loop.py) runs
-the plan, hands out the tokens, and calls `release` for the sequences that end. Nothing here
-knows of threads, locks or HTTP; the engine loop holds its lock while it calls in.
+a decoding sequence may add rows of guesses, as many as the measured step times say pay, decided
+once every other row of the step is known (the chunks of the prompts admitted in it too);
+guesses never take a page another sequence needs (planned after admission, from the pages left;
+without them they are dropped, never a reason to preempt). It runs nothing: the engine loop
+(app/serve/engine_loop.py) runs the plan, hands out the tokens, and calls `release` for the
+sequences that end. Nothing here knows of threads, locks or HTTP; the engine loop holds its
+lock while it calls in.
 
 Pages follow need. A sequence is admitted when the pool can promise the pages its context
 needs now plus HEADROOM_PAGES to grow into (less the prefix pages it finds cached), and before
@@ -131,34 +133,51 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> Plan:
         """Reserve the running sequences' rows (preempting if it must), then admit what fits
-        and give the newcomers what is left of the prefill budget. A pool that just preempted
-        admits nobody."""
+        and give the newcomers what is left of the prefill budget; then the guesses (_guess). A
+        pool that just preempted admits nobody."""
         rows, budget = self._rows(self.running, self.prefill_chunk)
         planned, preempted = self._reserve(rows, may_preempt=True)
         if not preempted:
             admitted = self._admit()
             # admission promised their first chunk's pages: nothing to preempt for
             planned += self._reserve(self._rows(admitted, budget)[0], may_preempt=False)[0]
-        return Plan(planned, preempted)
+        return Plan(self._guess(planned), preempted)
 
     def _rows(self, seqs, budget: int) -> tuple[list[tuple[Sequence, int]], int]:
-        """[(sequence, how many rows it feeds this step)]: every decoding sequence its
-        decode_rows(), then prompt (or recomputed context) chunks within budget; and what is
-        left of the budget."""
+        """[(sequence, how many rows it feeds this step)]: every decoding sequence one, then
+        prompt (or recomputed context) chunks within budget; and what is left of the budget."""
         decoding, chunks = [], []
         for seq in seqs:
             if seq.table is None:                        # a choice waiting for its leader's prompt
                 continue
             pending = len(seq.context) - len(seq.table)
-            if pending == 1 and not seq.scoring:
-                decoding.append(seq)
+            if self._decoding(seq):
+                decoding.append((seq, 1))
             elif pending > 0 and budget > 0:
                 n = min(pending, budget)
                 budget -= n
                 chunks.append((seq, n))
-        if self.speculation is not None and decoding:
-            self.speculation.plan(decoding, len(decoding) + sum(n for _, n in chunks))
-        return [(seq, seq.decode_rows()) for seq in decoding] + chunks, budget
+        return decoding + chunks, budget
+
+    @staticmethod
+    def _decoding(seq: Sequence) -> bool:
+        """Its context is in its pages but its newest token: it feeds that one."""
+        return len(seq.context) - len(seq.table) == 1 and not seq.scoring
+
+    def _guess(self, planned: list) -> list[tuple[Sequence, int]]:
+        """The step's guesses (speculative decoding): the planner told of every row of the step,
+        then each decoding sequence's guess rows reserved, or its guesses dropped where the pool
+        cannot promise their pages (never a reason to preempt)."""
+        decoding = [seq for seq, _ in planned if self._decoding(seq)]
+        if self.speculation is None or not decoding:
+            return planned
+        self.speculation.plan(decoding, sum(n for _, n in planned))
+        out = []
+        for seq, n in planned:
+            if seq.guesses and not seq.table.reserve_for(seq.decode_rows()):
+                seq.guesses = []                         # guesses never cost another sequence its pages
+            out.append((seq, seq.decode_rows() if self._decoding(seq) else n))
+        return out
 
     def _reserve(self, rows, may_preempt: bool) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
         """Each sequence's pages for its rows, oldest first; where the pool cannot promise
@@ -166,8 +185,6 @@ class Scheduler:
         preempted for it) and try again. The rows that got their pages, and the preempted."""
         out, preempted = [], []
         for seq, n in sorted(rows, key=lambda rn: rn[0].id):
-            if seq.guesses and seq.table is not None and not seq.table.reserve_for(n):
-                seq.guesses, n = [], 1                   # guesses never cost another sequence its pages
             while seq.table is not None and not seq.table.reserve_for(n) and may_preempt:
                 newest = max((s for s in self.running if s.table is not None), key=lambda s: s.id)
                 self._preempt(newest)

@@ -48,6 +48,7 @@ import time
 
 import numpy as np
 
+from app.measure.protocol import order
 from common import speculative as sp
 from common.batch import Batch, Segment, padded
 from common.generate import Sampler, SamplingParams
@@ -110,7 +111,7 @@ class StepTime:
             return
         ms = dict.fromkeys(sizes, float("inf"))
         for r in range(rounds):
-            for m in sizes if r % 2 == 0 else sizes[::-1]:
+            for m in order(sizes, r):
                 table.truncate(0)
                 table.reserve_for(m)
                 batch = Batch(pool, [Segment(table, [0] * m, all_logits=True)], self.row_block)

@@ -6,6 +6,7 @@ only its own story; a helper that two chapters need lives here, never in a noteb
     measure.py    load, measure, profile (the harness of app/measure/bench.py), memory, records
     asm.py        the assembly of a kernel and the FMAs in it
     plots.py      live runs beside recorded ones, op shares, roofline, lines and bars
+    journey.py    the running total that closes every stage's chapter: every stage against the floor
     article.py    the article's claims beside the live figures and the recorded verdicts
 
 Measurements reuse the application's own tools, so a chapter's live figure and a recorded one
@@ -16,14 +17,15 @@ import app
 
 app.configure_numba()                  # a notebook is an entry point: numba's cache and threading layers
 
+from common.cpu import cache_sizes  # this machine's caches, in bytes
 from notebooks.nb import article  # noqa: E402
 from notebooks.nb.asm import fma_counts, hot_loop, int8_row_kernels, integer_kernel_asm, kernel_asm
+from notebooks.nb.journey import journey
 from notebooks.nb.measure import (
     KeepLogits,
     MatmulWork,
     Recorded,
     best_seconds,
-    cache_sizes,
     ceilings,
     decode_ratios,
     faults_between,
@@ -77,7 +79,8 @@ __all__ = [
     "Findings", "KeepLogits", "MODEL_ENV", "MatmulWork", "QUICK_ENV", "ROOT", "Recorded", "Settings", "bar_chart",
     "best_seconds",
     "cache_sizes", "ceilings", "class_source_from_file", "faults_between", "find_kernels", "find_records",
-    "fma_counts", "hot_loop", "int8_row_kernels", "integer_kernel_asm", "human_bytes", "is_quick", "kernel_asm",
+    "fma_counts", "hot_loop", "int8_row_kernels", "integer_kernel_asm", "human_bytes", "is_quick", "journey",
+    "kernel_asm",
     "line_chart", "load", "matmul_share",
     "matmul_work", "md", "md_table", "measure", "measure_in_subprocess", "measure_live", "measure_pair", "memory_now",
     "missing_stage", "model_path",

@@ -31,7 +31,7 @@ def verdict_of(rid: str, value: float) -> str:
     r = row(rid)
     if value is None or r.band is None:
         return "not measured here"
-    return "reproduced" if r.band[0] <= value <= r.band[1] else "refuted"
+    return lessons.verdict(value, r.band, r.article, r.unit)
 
 
 def beside(rid: str, live: float | None, live_note: str = "", explain: str = "") -> str:

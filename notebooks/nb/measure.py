@@ -1,12 +1,11 @@
 """Measuring in a chapter: loading a stage, running it by the report's protocol (the same record
-`python -m app bench` writes, so live results and recorded ones draw with the same code),
+`python -m app bench stage` writes, so live results and recorded ones draw with the same code),
 profiling it per op, memory and page faults, and the records `make report` keeps."""
 
 from __future__ import annotations
 
 import gc
 import json
-import re
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import numpy as np
 
 from app.measure import bench, roofline
 from app.measure.bench import RESULTS_DIR
-from app.measure.machine import machine_id, machine_info, rusage
+from app.measure.machine import machine_id, rusage
 from app.report.charts import load_results
 from common.generate import Sampler, generate
 from common.profile import format_table
@@ -38,17 +37,6 @@ def memory_now() -> dict:
     except OSError:
         pass                                 # not Linux: the peak is the best figure there is
     return {"rss_mb": rss, **r}
-
-
-def cache_sizes() -> dict:
-    """This machine's caches in bytes, per core: {'L1d': 49152, 'L2': ..., 'L3': ...}."""
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    out = {}
-    for name, size in machine_info()["caches"].items():
-        m = re.fullmatch(r"(\d+)\s*([KMG]?)B?", size.strip())
-        if m and name != "L1i":
-            out[name] = int(m.group(1)) * units.get(m.group(2), 1)
-    return out
 
 
 def faults_between(before: dict, after: dict) -> int:
@@ -94,7 +82,7 @@ class KeepLogits(Sampler):
 
 
 def measure(engine, cfg: Settings, n_predict: int | None = None) -> dict:
-    """One run by the measurement protocol; the same record `python -m app bench` writes."""
+    """One run by the measurement protocol; the same record `python -m app bench stage` writes."""
     n = n_predict or cfg.n_for(engine.stage)
     rec = bench.measure(engine, engine.stage, cfg.prompt_tokens, n)
     rec["source"] = "live"
@@ -226,7 +214,9 @@ def recorded(results_root=None) -> Recorded:
     root = Path(results_root or RESULTS_DIR)
     stem = model_path().stem
     mine = root / machine_id() / stem
-    candidates = [mine] + sorted(p for p in root.glob(f"*/{stem}") if p != mine)
+    # another machine's: the one that recorded the most (an older folder may hold a few stages only)
+    others = sorted((p for p in root.glob(f"*/{stem}") if p != mine), key=lambda p: (-len(list(p.glob("*.json"))), p))
+    candidates = [mine] + others
     for folder in candidates:
         if folder.is_dir() and any(folder.glob("*.json")):
             res = load_results(folder)
@@ -288,7 +278,7 @@ def _bench_records(pattern: str, kind: str):
 
 def recorded_vs_llama(engines) -> list[tuple[str, str, str, str]]:
     """(model, row, decode / llama.cpp, TTFT / llama.cpp) for the rows of `engines` in every
-    committed comparison record (profiles/bench/vs_llama_*.json, scripts/bench_vs_llama.py)."""
+    committed comparison record (profiles/bench/vs_llama_*.json, `python -m app bench vs-llama`)."""
     from app.measure import compare
     rows = []
     for record in _bench_records("**/vs_llama_*.json", "comparison"):
@@ -317,7 +307,7 @@ def decode_ratios(rows) -> str:
 
 def recorded_ttft() -> list[tuple]:
     """(model, engine, prompt, TTFT / llama.cpp's better, decode / llama.cpp's better) of every
-    committed prompt-length sweep (profiles/bench/ttft_*.json, scripts/bench_vs_llama.py --ttft-lengths)."""
+    committed prompt-length sweep (profiles/bench/ttft_*.json, `python -m app bench ttft`)."""
     from app.measure import ttft
     rows = []
     for record in _bench_records("ttft_*.json", "ttft_sweep"):

@@ -199,5 +199,61 @@ findings["roofline"] = (f"at best {best:.2f} GFLOP/s, {best / ceil['peak_gflops'
 nb.md(rec.note)
 nb.stage_chart([live], rec, ["naive"], "naive: live run and record")
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). naive is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("naive")
+
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: the textbook matmul, the triple loop this stage runs for every weight.** The
+# starting file, [`exercises/01_naive/matmul.py`](../exercises/01_naive/matmul.py), holds the
+# function's signature and a docstring with the shapes, what to write and why, and the edges that
+# catch a first attempt. Edit it, then check it:
+#
+# ```
+# make exercise ch=01
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 01`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 01`). The check runs your code and the stage's own,
+# [`stages/naive.py`](../stages/naive.py) (`matmul_textbook`), on 8 seeded cases of awkward shapes,
+# holding yours to the stage's: within the bound two float32 sums of K products may honestly differ
+# by (K and the products' magnitudes set it). It stops at the first case that differs and says
+# which, where and by how much; once all pass, it times yours beside the stage's and beside numpy's
+# matmul (a tuned BLAS: the horizon). `--solution reference` runs the check on the stage's own code.
+# Every chapter's exercise: [`exercises/README.md`](../exercises/README.md).
+#
+# **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
+# chapter's model gives the one below. Each command prints the prediction, then the measurement, and
+# keeps both in `build/try_it/01_naive.json` (your machine's figures, not committed). All of them:
+# `make try-it ch=01`.
+#
+# 1. **The order of the loops in matmul_textbook (stages/naive.py): i-j-k against i-k-j.**
+#    - *Predict:* i-k-j reads B along its rows (every byte of a 64-byte line used), and its
+#      inner loop's adds go to different C[i, j], so none waits for another and LLVM can do 8
+#      or 16 at once in a vector register: tens of times faster, with no other change (chapters
+#      02 and 03 get there by other roads).
+#    - *Measure:* `make try-it ch=01 exp=loop_order`
+#
+# 2. **The text's length L, with no KV cache (a step's matmul has L rows).**
+#    - *Predict:* a step multiplies L rows by every weight: 2 L flops per weight, so the time
+#      grows in proportion to L (64 tokens: about 64 times one).
+#    - *Measure:* `make try-it ch=01 exp=text_length`
+#
+# 3. **The bits per weight the stage holds: float32 against the file's blocks.**
+#    - *Predict:* SmolLM2's Q4_1 blocks hold 5 bits per weight (20 bytes per 32) and its
+#      embedding Q8_0 8.5: as float32 (32 bits) the weights take about 4 to 6 times the file,
+#      plus the output matrix the stage holds twice (once per layout).
+#    - *Measure:* `make try-it ch=01 exp=balloon` (runs the default model)
+

@@ -137,7 +137,7 @@ nb.show_source(stages.tiling.make_tiled_matmul, stages.tiling.TilingBackend,
 # %% [markdown]
 # ## Choosing the tile: a sweep
 #
-# Tile sizes are measured, not derived: `scripts/tune_tiling.py` times every combination on the
+# Tile sizes are measured, not derived: `python -m app bench tiling` times every combination on the
 # model's own matmul shapes and records the sweep in `profiles/bench/tiling_sweep.json`. Here is
 # a small live sweep on the two feed-forward shapes (the largest matmuls of a layer), each tile
 # size compiled fresh. `1 x 1 x 4096` is the untiled loop written the tiled way.
@@ -145,7 +145,7 @@ nb.show_source(stages.tiling.make_tiled_matmul, stages.tiling.TilingBackend,
 # %%
 from stages.tiling import make_tiled_matmul
 
-rows_m = 16                                             # prompt rows, as scripts/tune_tiling.py uses
+rows_m = 16                                             # prompt rows, as `bench tiling` uses
 ffn = [(mcfg.n_embd, mcfg.n_ff), (mcfg.n_ff, mcfg.n_embd)]
 data = [(rng.standard_normal((rows_m, K), dtype=np.float32), rng.standard_normal((K, N), dtype=np.float32))
         for K, N in ffn]
@@ -179,7 +179,7 @@ if sweep_file.exists():
                   [(f"{r['tile_i']} x {r['tile_j']} x {r['tile_k']}", f"{r['seconds'] * 1e3:.0f}",
                     f"{r['speedup_vs_naive']:.2f}x") for r in recorded_sweep["sweep"][:8]])
 else:
-    nb.md(f"No recorded sweep yet (`{nb.rel(sweep_file)}`): `python scripts/tune_tiling.py` writes it.")
+    nb.md(f"No recorded sweep yet (`{nb.rel(sweep_file)}`): `python -m app bench tiling` writes it.")
 
 # %% [markdown]
 # ## The stage, end to end
@@ -206,7 +206,7 @@ from app.measure import roofline
 from app.report import lessons
 
 decode_rows = live[0]["n_prompt"] + 1                 # no KV cache: the whole text again
-mine = roofline.cache_bytes()
+mine = nb.cache_sizes()
 traffic = {(stage, where): roofline.traffic(stage, mcfg, decode_rows, decode_rows, caches)["decode_bytes"]
            for stage in ("naive", "tiling") for where, caches in (("here", mine), ("i3", lessons.ARTICLE_CACHES))}
 nb.show_table(["loop order", f"this machine (L3 {nb.human_bytes(mine.get('L3', 0))})",
@@ -236,5 +236,65 @@ nb.stage_chart(live, rec, ["naive", "tiling"], "naive -> tiling")
 # What tiling cannot fix: inside a tile, the `k` loop is still one chain of dependent additions
 # (`acc += a * b`), each waiting for the one before. The next chapter breaks that chain.
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). tiling is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("tiling")
+
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: the blocked loop nest, partial tiles included.** The starting file,
+# [`exercises/02_tiling/tiled_matmul.py`](../exercises/02_tiling/tiled_matmul.py), holds the
+# function's signature and a docstring with the shapes, what to write and why, and the edges that
+# catch a first attempt. Edit it, then check it:
+#
+# ```
+# make exercise ch=02
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 02`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 02`). The check runs your code and the stage's own,
+# [`stages/tiling.py`](../stages/tiling.py) (`make_tiled_matmul`), on 8 seeded cases of awkward
+# shapes, holding yours to the stage's: within the bound two float32 sums of K products may honestly
+# differ by. It stops at the first case that differs and says which, where and by how much; once all
+# pass, it times yours beside the stage's and beside the naive stage's loop. `--solution reference`
+# runs the check on the stage's own code. Every chapter's exercise:
+# [`exercises/README.md`](../exercises/README.md).
+#
+# **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
+# chapter's model gives the one below. Each command prints the prediction, then the measurement, and
+# keeps both in `build/try_it/02_tiling.json` (your machine's figures, not committed). All of them:
+# `make try-it ch=02`.
+#
+# 1. **TILE_K, the tile's depth along the sum (stages/tiling.py; make_tiled_matmul(8, 64,
+# TILE_K)).**
+#    - *Predict:* inside a tile each column walk touches TILE_K cache lines of B (64 bytes
+#      each), which the next column reuses if they are still in L1: 1 KiB at 16, 4 KiB at 64,
+#      16 KiB at 256, and at 1024 (capped by K = 576) 36 KiB. The time barely moves while that
+#      fits L1d (32-48 KiB) and jumps once it does not: every column walk then misses L1 again.
+#    - *Measure:* `make try-it ch=02 exp=tile_k`
+#
+# 2. **B's width N, K fixed at 256: naive against tiled.**
+#    - *Predict:* the naive loop stays fast while B (K x N x 4 bytes) fits in L2 (1-2 MiB)
+#      and slows once it does not (it reads B again for each of the 8 rows). If the tiled loop
+#      holds its speed there, L2 was the whole story; if it slows as much, something else grows
+#      with N: a column walk steps N x 4 bytes at a time, a new 4 KiB page every step once N
+#      passes 1024, and 256 pages a walk outrun the TLB that translates their addresses.
+#    - *Measure:* `make try-it ch=02 exp=b_width`
+#
+# 3. **B's row length: 4000, 4096 and 4160 bytes (the naive loop).**
+#    - *Predict:* a column walk with rows of exactly 4 KiB puts every line in the same L1 set
+#      (8-12 ways): it misses even when small; 4000 and 4160 bytes spread the lines over all
+#      sets and run faster.
+#    - *Measure:* `make try-it ch=02 exp=aliasing`
+

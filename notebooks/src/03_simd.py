@@ -119,17 +119,18 @@ ax.set_title(f"[rows x {K}] @ [{K} x {N}] (weights hot in cache)", fontsize=10)
 ax.grid(axis="y", which="both", alpha=0.25)
 fig.tight_layout()
 nb.show(fig)
+named = {k.replace("\n", ", "): v for k, v in results.items()}          # "simd, 16 rows": the table's names
 nb.show_table(["kernel, rows", "GFLOP/s", "share of the measured peak"],
-              [(k.replace(chr(10), ", "), f"{v:.1f}", f"{v / ceil['peak_gflops']:.0%}") for k, v in results.items()])
+              [(k, f"{v:.1f}", f"{v / ceil['peak_gflops']:.0%}") for k, v in named.items()])
 simd16 = results["simd\n16 rows"]
 if simd16 > ceil["peak_gflops"]:
     print(f"simd beats the recorded 'peak' of {ceil['peak_gflops']:.0f} GFLOP/s: app/measure/roofline.py measures it "
           "with a small matmul (8 x 512 operands) called many times, which this larger shape outruns. "
           "Read that peak as a floor, not a ceiling.")
-findings["kernel GFLOP/s"] = (f"16 rows: simd {simd16:.1f}, tiling {results['tiling' + chr(10) + '16 rows']:.1f}, "
-                              f"naive {results['naive' + chr(10) + '16 rows']:.1f} GFLOP/s "
-                              f"({simd16 / results['naive' + chr(10) + '16 rows']:.0f}x naive); 1 row: simd "
-                              f"{results['simd' + chr(10) + '1 row']:.1f} GFLOP/s")
+findings["kernel GFLOP/s"] = (f"16 rows: simd {simd16:.1f}, tiling {named['tiling, 16 rows']:.1f}, "
+                              f"naive {named['naive, 16 rows']:.1f} GFLOP/s "
+                              f"({simd16 / named['naive, 16 rows']:.0f}x naive); 1 row: simd "
+                              f"{named['simd, 1 row']:.1f} GFLOP/s")
 
 # %% [markdown]
 # With one row, the 4 x 4 block degenerates to 1 x 4: each weight loaded is used once, and the
@@ -173,7 +174,7 @@ rows_per_step = t["n_prompt"] + 1                        # no KV cache: every st
 tiny = SimpleNamespace(n_layer=TINYLLAMA.n_layer, n_embd=TINYLLAMA.n_embd, n_ff=TINYLLAMA.n_ff,
                        n_head=TINYLLAMA.n_head, head_dim=TINYLLAMA.head_dim,
                        kv_dim=TINYLLAMA.n_head_kv * TINYLLAMA.head_dim, n_vocab=TINYLLAMA.n_vocab)
-mine = roofline.cache_bytes()
+mine = nb.cache_sizes()
 table, floors = [], {}
 for model_name, conf in ((nb.model_path().stem, mcfg), ("TinyLlama 1.1B (the article's)", tiny)):
     for where, caches in (("this machine", mine), (lessons.ARTICLE_CPU, lessons.ARTICLE_CACHES)):
@@ -210,5 +211,57 @@ nb.stage_chart(live, rec, ["naive", "tiling", "simd"], "naive -> tiling -> simd"
 # simd still has no KV cache: every decode step pushes the whole text through the model again.
 # That waste is the next chapter.
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). simd is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("simd")
+
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: the packed inner loop: a 4 x 4 block of independent sums over the panels.**
+# The starting file, [`exercises/03_simd/panels.py`](../exercises/03_simd/panels.py), holds the
+# function's signature and a docstring with the shapes, what to write and why, and the edges that
+# catch a first attempt. Edit it, then check it:
+#
+# ```
+# make exercise ch=03
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 03`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 03`). The check runs your code and the stage's own,
+# [`stages/simd.py`](../stages/simd.py) (`matmul_panels`), on 8 seeded cases of awkward shapes,
+# holding yours to the stage's: within the bound two float32 sums of K products may honestly differ
+# by. It stops at the first case that differs and says which, where and by how much; once all pass,
+# it times yours beside the stage's and beside the tiling stage's loop. `--solution reference` runs
+# the check on the stage's own code. Every chapter's exercise:
+# [`exercises/README.md`](../exercises/README.md).
+#
+# **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
+# chapter's model gives the one below. Each command prints the prediction, then the measurement, and
+# keeps both in `build/try_it/03_simd.json` (your machine's figures, not committed). All of them:
+# `make try-it ch=03`.
+#
+# 1. **Fastmath on matmul_panels (stages/simd.py; the flags in stages/kernels/toolkit.py).**
+#    - *Predict:* without 'reassoc' LLVM may not split a sum across vector lanes: the 16 sums
+#      stay scalar, one lane of 8 or 16, so several times slower (up to the vector width: 8
+#      with AVX2, 16 with AVX-512), though the 16 independent chains still keep the FMA units
+#      busier than tiling's one.
+#    - *Measure:* `make try-it ch=03 exp=fastmath_off`
+#
+# 2. **The rows of A: 1 (a decode step), 4, 16 (a prompt).**
+#    - *Predict:* each weight loaded serves as many FMAs as there are rows in the block (up
+#      to 4): 1 row does a quarter of the work per load, so well under half the GFLOP/s of 4
+#      rows (not a full quarter: x's loads and the stores are fewer too); 16 rows about as fast
+#      as 4.
+#    - *Measure:* `make try-it ch=03 exp=one_row`
+

@@ -132,5 +132,59 @@ nb.stage_chart(live, rec, ["naive", "tiling", "simd", "kv_cache"], "naive -> ...
 # back at 0.5 FLOP per byte, deep under the memory ceiling. From here on the way forward is
 # fewer bytes per weight: the next chapter.
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). kv_cache is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("kv_cache")
+
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: the KV cache's store and the attention that reads the arena.** The starting
+# file, [`exercises/04_kv_cache/kv_attention.py`](../exercises/04_kv_cache/kv_attention.py), holds
+# the function's signature and a docstring with the shapes, what to write and why, and the edges
+# that catch a first attempt. Edit it, then check it:
+#
+# ```
+# make exercise ch=04
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 04`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 04`). The check runs your code and the stage's own,
+# [`stages/kv_cache.py`](../stages/kv_cache.py) (`KVCache.store`) and
+# [`common/backend.py`](../common/backend.py) (`Backend.attention`), on 4 seeded cases of awkward
+# shapes, holding yours to the stage's: the arena equal value for value after every piece of a
+# sequence, the output within the bound two float32 attentions may differ by. It stops at the first
+# case that differs and says which, where and by how much; once all pass, it times yours beside the
+# stage's and beside the simd stage, which recomputes the whole text each step. `--solution
+# reference` runs the check on the stage's own code. Every chapter's exercise:
+# [`exercises/README.md`](../exercises/README.md).
+#
+# **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
+# chapter's model gives the one below. Each command prints the prediction, then the measurement, and
+# keeps both in `build/try_it/04_kv_cache.json` (your machine's figures, not committed). All of
+# them: `make try-it ch=04`.
+#
+# 1. **The KV cache: the kv_cache stage against simd, which has none (the same matmul).**
+#    - *Predict:* at 512 tokens a step without the cache pushes 512 rows through every matmul
+#      where the cache pushes 1: the matmul work falls 512 times. The step time falls less,
+#      since the simd kernel does a row 2 to 3 times faster in a block of 4 than alone (chapter
+#      03's one_row): some 150 to 250 times (quick, 16 tokens: a few times).
+#    - *Measure:* `make try-it ch=04 exp=cache_off` (runs the default model)
+#
+# 2. **The context length with the cache: 8 to 1024 positions.**
+#    - *Predict:* a step's matmuls cost the same at every length; attention adds one 64-wide
+#      dot product and one weighted row per stored position, per head and layer (30 x 9 x 1024
+#      x 2 x 64 x 2 = 70 MFLOP at 1024, against 270 MFLOP of matmuls): the step grows by a
+#      fraction, not a multiple.
+#    - *Measure:* `make try-it ch=04 exp=context_growth` (runs the default model)
+

@@ -129,10 +129,11 @@ else:
     floors = {f"{r['stage']}\nmemory floor": r["weights_stream_bytes"] / (ceil["bandwidth_gbs"] * 1e9) * 1e3
               for r in live}
     nb.bar_chart({**measured, **floors}, "ms per token", "Decode: measured, and the time to read the weights once")
+    quantized_floor = floors["quantized\nmemory floor"]
     findings["quantized, live"] = (f"decode {live[1]['decode_ms']:.1f} ms/token vs kv_cache's "
                                    f"{live[0]['decode_ms']:.1f} "
                                    f"({live[0]['decode_ms'] / live[1]['decode_ms']:.1f}x); its memory floor is "
-                                   f"{floors[chr(10).join(['quantized', 'memory floor'])]:.1f} ms")
+                                   f"{quantized_floor:.1f} ms")
 
 # %%
 if not missing:
@@ -214,5 +215,56 @@ if rec.get("quantized") is None:
 nb.stage_chart([] if missing else live, rec, ["naive", "tiling", "simd", "kv_cache", "quantized"],
                "naive -> ... -> quantized")
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). quantized is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("quantized")
+
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: a Q4_1 matrix-vector product straight from the blocks' bytes.** The starting
+# file, [`exercises/05_quantized/q4_dot.py`](../exercises/05_quantized/q4_dot.py), holds the
+# function's signature and a docstring with the shapes, what to write and why, and the edges that
+# catch a first attempt. Edit it, then check it:
+#
+# ```
+# make exercise ch=05
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 05`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 05`). The check runs your code and the stage's own,
+# [`stages/kernels/dequant_dot.py`](../stages/kernels/dequant_dot.py) (`matvec_q4_1`), on 7 seeded
+# cases of awkward shapes, holding yours to the stage's: within the bound two float32 sums of the
+# decoded products may differ by. It stops at the first case that differs and says which, where and
+# by how much; once all pass, it times yours beside the stage's and beside the simd stage's float32
+# product of the same weights. `--solution reference` runs the check on the stage's own code. Every
+# chapter's exercise: [`exercises/README.md`](../exercises/README.md).
+#
+# **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
+# chapter's model gives the one below. Each command prints the prediction, then the measurement, and
+# keeps both in `build/try_it/05_quantized.json` (your machine's figures, not committed). All of
+# them: `make try-it ch=05`.
+#
+# 1. **The bytes per weight the decode kernel streams: float32, Q8_0, Q4_1.**
+#    - *Predict:* a memory-bound product takes bytes / bandwidth: Q4_1 (0.625 bytes a weight)
+#      about a sixth of float32's time and Q8_0 (1.0625) about a quarter, if one core decodes
+#      as fast as memory delivers; where the decoding is slower, the ratios shrink and the GB/s
+#      of blocks fall below the machine's bandwidth (its roofline chart).
+#    - *Measure:* `make try-it ch=05 exp=bytes_per_weight`
+#
+# 2. **The rows multiplied per decoded panel: 1 (decode), 16, 64 (a prompt).**
+#    - *Predict:* decode decodes every weight for one row; prefill decodes a panel of 64
+#      weight rows once and runs all M rows over it with the simd kernel: the time per row
+#      falls several times from 1 row to 64.
+#    - *Measure:* `make try-it ch=05 exp=prefill_rows`
+

@@ -213,5 +213,16 @@ findings["vs the article"] = (f"decode {quantized_rec['decode_ms'] / cuda_live['
 nb.md(rec.note)
 nb.stage_chart(live, rec, ["kv_cache", "quantized", "cuda"], "the CPU's best against the GPU")
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). cuda is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("cuda")
+
 # %%
 findings.show()

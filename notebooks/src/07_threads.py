@@ -6,9 +6,9 @@
 # The stage after `quantized` changes one thing: the quantized kernels' rows (and prompt panels,
 # and attention heads) split over every core, and attention fused into one kernel per layer.
 #
-# Decode streams every weight once per token. The roofline chapter said that makes it
-# **bandwidth-bound**, so the question is: what does a second core buy, when the memory is
-# shared? Measure it.
+# Decode streams every weight once per token. Chapter 05 set it against that floor (the weights'
+# bytes over the memory bandwidth): it is **bandwidth-bound**, so the question is: what does a
+# second core buy, when the memory is shared? Measure it.
 
 # %%
 import numpy as np
@@ -157,14 +157,66 @@ if not missing["threads"]:
 # %% [markdown]
 # ## Against llama.cpp, recorded
 #
-# `scripts/bench_vs_llama.py` measures the stages and llama.cpp side by side, at 1 thread and at
+# `python -m app bench vs-llama` measures the stages and llama.cpp side by side, at 1 thread and at
 # all cores, in alternating rounds, and writes `profiles/bench/vs_llama_<model>.json` with the
 # page drawn from it (`vs_llama_<model>.md`). Its ratios for this stage, if it has run:
 
 # %%
-recorded = nb.show_vs_llama(["threads"], "_No recorded comparison yet: `python scripts/bench_vs_llama.py` writes it._")
+recorded = nb.show_vs_llama(["threads"], "_No recorded comparison yet: `python -m app bench vs-llama` writes it._")
 if recorded:
     findings["recorded ratios"] = nb.decode_ratios(recorded)
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). threads is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("threads")
+
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: the split of a matrix's rows across the cores.** The starting file,
+# [`exercises/07_threads/split_rows.py`](../exercises/07_threads/split_rows.py), holds the
+# function's signature and a docstring with the shapes, what to write and why, and the edges that
+# catch a first attempt. Edit it, then check it:
+#
+# ```
+# make exercise ch=07
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 07`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 07`). The check runs your code and the stage's own,
+# [`stages/kernels/threaded.py`](../stages/kernels/threaded.py) (`matvec_parallel`), on 6 seeded
+# cases of awkward shapes, holding yours to the stage's: bit for bit (a split never reorders the
+# additions inside one output). It stops at the first case that differs and says which, where and by
+# how much; once all pass, it times yours beside the stage's and beside the quantized stage's kernel
+# on one thread. `--solution reference` runs the check on the stage's own code. Every chapter's
+# exercise: [`exercises/README.md`](../exercises/README.md).
+#
+# **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
+# chapter's model gives the one below. Each command prints the prediction, then the measurement, and
+# keeps both in `build/try_it/07_threads.json` (your machine's figures, not committed). All of them:
+# `make try-it ch=07`.
+#
+# 1. **Threads: the decode product's rows split over 1 or all physical cores.**
+#    - *Predict:* two answers, and the measurement says which holds here: if one core already
+#      streams the blocks as fast as memory delivers them, a second core adds little; if one
+#      core's unpacking is slower than memory (the chapter's roofline: compare the GB/s of
+#      blocks with the machine's bandwidth), each core adds its unpacking, up to the bandwidth
+#      floor.
+#    - *Measure:* `make try-it ch=07 exp=kernel_threads`
+#
+# 2. **--threads N for the whole decode step (the threads stage, SmolLM2).**
+#    - *Predict:* less than the kernel's gain: SmolLM2's matrices are small (under a MiB
+#      each), so every matmul's fork and join, and Python between the ops, are a visible share
+#      of a step that threads do not shorten.
+#    - *Measure:* `make try-it ch=07 exp=model_threads` (runs the default model)
+

@@ -161,17 +161,70 @@ if not missing["int8"]:
 # %% [markdown]
 # ## Against llama.cpp, recorded
 #
-# `scripts/bench_vs_llama.py` measures these stages and llama.cpp side by side, at 1 thread and
+# `python -m app bench vs-llama` measures these stages and llama.cpp side by side, at 1 thread and
 # at all cores, in alternating rounds, and writes `profiles/bench/vs_llama_<model>.json` with the
 # page drawn from it (`vs_llama_<model>.md`). Its ratios, if it has run:
 
 # %%
-recorded_rows = nb.show_vs_llama(["int8"], "_No recorded comparison yet: `python scripts/bench_vs_llama.py` "
+recorded_rows = nb.show_vs_llama(["int8"], "_No recorded comparison yet: `python -m app bench vs-llama` "
                                            "writes it._")
 if recorded_rows:
     behind = sum(float(r[2]) > 1 for r in recorded_rows)
     findings["recorded ratios"] = (f"decode slower than llama.cpp in {behind} of {len(recorded_rows)} rows "
                                    f"(profiles/bench/vs_llama_*.md)")
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). int8 is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("int8")
+
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: llama.cpp's rounding of an activation row to Q8_1 blocks.** The starting
+# file, [`exercises/08_int8/round_q8.py`](../exercises/08_int8/round_q8.py), holds the function's
+# signature and a docstring with the shapes, what to write and why, and the edges that catch a first
+# attempt. Edit it, then check it:
+#
+# ```
+# make exercise ch=08
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 08`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 08`). The check runs your code and the stage's own,
+# [`stages/kernels/q8.py`](../stages/kernels/q8.py) (`quantize_row_32`), on 8 seeded cases of
+# awkward shapes, holding yours to the stage's: bit for bit, every integer and every scale. It stops
+# at the first case that differs and says which, where and by how much; once all pass, it times
+# yours beside the stage's and beside the quantized stage's float product (the int8 stage's integer
+# product is timed fed your blocks). `--solution reference` runs the check on the stage's own code.
+# Every chapter's exercise: [`exercises/README.md`](../exercises/README.md).
+#
+# **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
+# chapter's model gives the one below. Each command prints the prediction, then the measurement, and
+# keeps both in `build/try_it/08_int8.json` (your machine's figures, not committed). All of them:
+# `make try-it ch=08`.
+#
+# 1. **The int8 decode kernel: plain integer loops against the instructions named (vpdpbusd /
+# vpmaddubsw; the int8-loops variant of the stage).**
+#    - *Predict:* LLVM turns the loops into vpmaddwd, 8 products an instruction after
+#      widening the bytes; vpdpbusd multiplies 32 bytes by 32 and adds them in one: several
+#      times fewer instructions per block, faster until memory sets the pace.
+#    - *Measure:* `make try-it ch=08 exp=named_vs_loops`
+#
+# 2. **Int8 rounding of an activation row: how far d q lands from x.**
+#    - *Predict:* roundf moves each value by at most half a step of its block, amax / 254
+#      (plus float16's rounding of d, 1 part in 2048): at most 0.5 steps and a bit. An outlier
+#      20 times an ordinary value makes its own block's step several times coarser (20 |x|
+#      against the largest of 32 ordinary values, about 2.5 of them) and leaves the other
+#      blocks alone.
+#    - *Measure:* `make try-it ch=08 exp=rounding_error`
+

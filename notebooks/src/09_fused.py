@@ -154,7 +154,7 @@ if not missing["fused"]:
 # The int8 stage's named-instruction kernels add the 8 lanes of each block's integer sum
 # horizontally, block after block. The fused tiles scale each block's 8 lanes into a float
 # vector accumulator and add horizontally once per row. Both decode kernels on one thread, on
-# every matrix of this model, grouped by type (`python scripts/bench_kernels.py` records the
+# every matrix of this model, grouped by type (`python -m app bench kernels` records the
 # same for every type of every model):
 
 # %%
@@ -241,15 +241,69 @@ if not (missing["fused"] or missing["int8"]):
 # %% [markdown]
 # ## Against llama.cpp, recorded
 #
-# `python scripts/bench_vs_llama.py --engines int8,fused,llama.cpp` measures these side by side
+# `python -m app bench vs-llama --engines int8,fused,llama.cpp` measures these side by side
 # with llama.cpp in alternating rounds (profiles/bench/vs_llama_<model>.md). Its ratios, if it
 # has measured the fused stage:
 
 # %%
-recorded = nb.show_vs_llama(["fused"], "_No recorded comparison of the fused stage yet: `python scripts/bench_vs_llama.py "
+recorded = nb.show_vs_llama(["fused"], "_No recorded comparison of the fused stage yet: `python -m app bench vs-llama "
                                  "--engines int8,fused,llama.cpp` writes it._")
 if recorded:
     findings["recorded ratios"] = nb.decode_ratios(recorded)
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). fused is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("fused")
+
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: the barrier that replaces fork/join.** The starting file,
+# [`exercises/09_fused/barrier.py`](../exercises/09_fused/barrier.py), holds the function's
+# signature and a docstring with the shapes, what to write and why, and the edges that catch a first
+# attempt. Edit it, then check it:
+#
+# ```
+# make exercise ch=09
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 09`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 09`). The check runs your code and the stage's own,
+# [`stages/kernels/sync.py`](../stages/kernels/sync.py) (`barrier`), on 4 seeded cases of awkward
+# shapes, holding yours to the stage's: no thread may pass it before all have arrived, over
+# thousands of rounds of a parallel region (run in a process of its own with a time limit: a barrier
+# that never opens cannot hang the check). It stops at the first case that differs and says which,
+# where and by how much; once all pass, it times yours beside the stage's and beside a fork/join,
+# the int8 stage's way between ops. `--solution reference` runs the check on the stage's own code.
+# Every chapter's exercise: [`exercises/README.md`](../exercises/README.md).
+#
+# **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
+# chapter's model gives the one below. Each command prints the prediction, then the measurement, and
+# keeps both in `build/try_it/09_fused.json` (your machine's figures, not committed). All of them:
+# `make try-it ch=09`.
+#
+# 1. **How threads meet between two ops: a fork/join (a new parallel region) or a barrier.**
+#    - *Predict:* a fork/join wakes the pool and waits for the last thread: tens of
+#      microseconds; a barrier is an atomic add and a short spin while the threads are already
+#      running: well under a microsecond on an idle machine, so tens of times cheaper (on a
+#      machine other programs load, a barrier waits for a thread that lost its core, and the
+#      gap closes).
+#    - *Measure:* `make try-it ch=09 exp=dispatch`
+#
+# 2. **One compiled call per token (fused) against a parallel region per op (int8).**
+#    - *Predict:* SmolLM2's int8 step opens 8 regions per layer x 30 layers + the head: 241
+#      fork/joins at tens of microseconds is several milliseconds of a step of tens, plus
+#      Python's calls between them; fused opens 2 and keeps the same integer kernels' work, so
+#      it should be faster by about that (its integer tiles save some more).
+#    - *Measure:* `make try-it ch=09 exp=int8_vs_fused` (runs the default model)
+

@@ -190,15 +190,69 @@ if not missing["repack"]:
 # %% [markdown]
 # ## Against llama.cpp, recorded
 #
-# `python scripts/bench_vs_llama.py --engines fused,repack,llama.cpp` measures these side by side
+# `python -m app bench vs-llama --engines fused,repack,llama.cpp` measures these side by side
 # with llama.cpp in alternating rounds (profiles/bench/vs_llama_<model>.md). Its ratios, if it
 # has measured the repack stage:
 
 # %%
-recorded = nb.show_vs_llama(["repack"], "_No recorded comparison of the repack stage yet: `python scripts/bench_vs_llama.py "
+recorded = nb.show_vs_llama(["repack"], "_No recorded comparison of the repack stage yet: `python -m app bench vs-llama "
                                  "--engines fused,repack,llama.cpp` writes it._")
 if recorded:
     findings["recorded ratios"] = nb.decode_ratios(recorded)
 
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). repack is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("repack")
+
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: repack's 8-row interleave of a Q4_1 matrix.** The starting file,
+# [`exercises/10_repack/interleave.py`](../exercises/10_repack/interleave.py), holds the function's
+# signature and a docstring with the shapes, what to write and why, and the edges that catch a first
+# attempt. Edit it, then check it:
+#
+# ```
+# make exercise ch=10
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 10`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 10`). The check runs your code and the stage's own,
+# [`stages/kernels/repacked.py`](../stages/kernels/repacked.py) (`repack`), on 6 seeded cases of
+# awkward shapes, holding yours to the stage's: byte for byte (a wrong byte is named by its group,
+# block, field and row). It stops at the first case that differs and says which, where and by how
+# much; once all pass, it times yours beside the stage's and beside the fused stage's row-at-a-time
+# kernel on the file's rows (the repack stage's kernel is timed reading your bytes). `--solution
+# reference` runs the check on the stage's own code. Every chapter's exercise:
+# [`exercises/README.md`](../exercises/README.md).
+#
+# **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
+# chapter's model gives the one below. Each command prints the prediction, then the measurement, and
+# keeps both in `build/try_it/10_repack.json` (your machine's figures, not committed). All of them:
+# `make try-it ch=10`.
+#
+# 1. **LLM_KV_TYPE: K and V stored as float16 (the stage's default, llama.cpp's) or float32.**
+#    - *Predict:* a decode step reads K and V of every position: at 1024 positions 2 x 30 x
+#      1024 x 192 values, 24 MB as float16 and 47 MB as float32, beside 94 MB of weights:
+#      float32 should cost about a quarter more at 1024 positions and nothing visible at 64.
+#    - *Measure:* `make try-it ch=10 exp=kv_type` (runs the default model)
+#
+# 2. **The software prefetch distance of repack's kernel (repacked.GROUP_PREFETCH: which cache, how
+# far ahead).**
+#    - *Predict:* a prefetch far enough ahead hides the memory's latency when one thread
+#      streams a matrix larger than the caches: a few tens of percent over none, more where the
+#      hardware prefetchers fall behind; too near and the line is not there in time, into L1
+#      too early and it is evicted before use (on a Zen 4 the K-quants measured slower into L1
+#      than with none at all).
+#    - *Measure:* `make try-it ch=10 exp=prefetch`
+

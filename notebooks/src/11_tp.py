@@ -22,13 +22,10 @@
 # added, so the all-reduce belongs to the matmul (nano-vllm's `RowParallelLinear` ends in one).
 # Two all-reduces per layer and one gather per token: that is the price. This chapter measures
 # it (per token: compute, all-reduces, gather; bytes; memory per rank), live and from the records
-# of `python scripts/bench_tp.py`, through shared memory and across a network link.
+# of `python -m app bench tp`, through shared memory and across a network link.
 
 # %%
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 from app.measure import tp_bench
 from common.gguf import GGUFFile
@@ -40,7 +37,6 @@ findings = nb.Findings()
 why = nb.missing_stage("tp")
 print(f"tp: {why or 'runs on this machine'}")
 base = info("tp").builds_on
-MPIEXEC = Path(sys.executable).parent / "mpiexec"        # the MPI's launcher, installed beside Python
 
 # %% [markdown]
 # ## Who owns what
@@ -96,22 +92,13 @@ if not why:
 # %% [markdown]
 # ## Live: 2 ranks of one thread against one process of 2 threads
 #
-# Each condition in fresh processes, the way `scripts/bench_tp.py` runs them (the report's
+# Each condition in fresh processes, the way `python -m app bench tp` runs them (the report's
 # prompt, greedy): per decode token and per rank, the time in the all-reduces and the gather
 # (waiting for the slower rank included) and the rest, compute.
 
 # %%
 def live(stage, n):
-    threads = 1 if stage == "tp" else n
-    cmd = [sys.executable, "scripts/bench_tp.py", "--worker", stage, "--threads", str(threads), "--model",
-           str(nb.model_path()), "--prompt-tokens", str(cfg.prompt_tokens), "-n", str(max(4, cfg.n_for("tp")))]
-    if stage == "tp":
-        cmd = [str(MPIEXEC), "-n", str(n)] + cmd
-    p = subprocess.run(cmd, cwd=nb.ROOT, capture_output=True, text=True, timeout=900)
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("TP_RESULT ")]
-    if p.returncode or not line:
-        raise RuntimeError(p.stderr[-2000:])
-    run = json.loads(line[-1].removeprefix("TP_RESULT "))
+    run = tp_bench.run_condition(stage, n, nb.model_path(), cfg.prompt_tokens, max(4, cfg.n_for("tp")))
     run["round"] = 0
     return run
 
@@ -151,7 +138,7 @@ if runs:
 # %% [markdown]
 # ## Recorded: SmolLM2 and the TinyLlama geometry
 #
-# `python scripts/bench_tp.py` measures every condition in alternating rounds and draws the page
+# `python -m app bench tp` measures every condition in alternating rounds and draws the page
 # and the chart from its record; the lead figures of each record:
 
 # %%
@@ -175,7 +162,7 @@ for path in records:
 if recorded:
     findings["recorded at 2 ranks"] = "; ".join(recorded)
 if not records:
-    nb.md("_No record yet: `python scripts/bench_tp.py` writes profiles/bench/tp_<model>.json._")
+    nb.md("_No record yet: `python -m app bench tp` writes profiles/bench/tp_<model>.json._")
 
 # %% [markdown]
 # ## Across machines
@@ -221,7 +208,7 @@ if across:
 # ssh, and why MPICH must be told to use TCP: two processes of one machine would otherwise talk
 # through shared memory). The link has the network stack's latency and no wire's, so it measures
 # the round trips' software cost; a real network adds its own latency to each of them.
-# `scripts/bench_tp.py` adds this condition where namespaces can be made; each rank reads what its
+# `python -m app bench tp` adds this condition where namespaces can be made; each rank reads what its
 # end of the link sent from the kernel's counters.
 
 # %%
@@ -231,7 +218,7 @@ for path in records:
     s = tp_bench.summary(rec)
     linked = [name for name, c in s.items() if c["link"]]
     if not linked:
-        nb.md(f"_{path.name}: no run across a link in this record (`python scripts/bench_tp.py` as root adds it)._")
+        nb.md(f"_{path.name}: no run across a link in this record (`python -m app bench tp` as root adds it)._")
         continue
     shared = tp_bench.label({"stage": "tp", "n_ranks": 2})
     rows = []
@@ -273,6 +260,17 @@ if not why:
 # (a fork and join and a Python call per piece, two per layer); and the part of every process
 # that does not split (the interpreter, numba, the header and vocabulary), which the memory
 # table shows beside the weights and the KV cache.
+
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). tp is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("tp")
 
 # %%
 findings.show()

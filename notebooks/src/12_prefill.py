@@ -155,7 +155,7 @@ findings["a 4096-token prompt"] = f"KV cache {nb.human_bytes(kv)} + one piece's 
 # %% [markdown]
 # ## Against llama.cpp, recorded
 #
-# `python scripts/bench_vs_llama.py --ttft-lengths 128,512,1024,2048` measures repack, prefill and
+# `python -m app bench ttft --lengths 128,512,1024,2048` measures repack, prefill and
 # llama.cpp with flash attention off and on, in alternating rounds (profiles/bench/ttft_<model>.md).
 
 # %%
@@ -164,7 +164,61 @@ if recorded:
     nb.show_table(["model", "engine", "prompt", "TTFT / llama.cpp's better", "decode / llama.cpp's better"], recorded)
     findings["recorded"] = "; ".join(f"{m} {e} {n}: TTFT {t}x" for m, e, n, t, _ in recorded if e == "prefill")
 else:
-    nb.md("_No recorded sweep yet: `python scripts/bench_vs_llama.py --ttft-lengths 128,512,1024,2048` writes it._")
+    nb.md("_No recorded sweep yet: `python -m app bench ttft --lengths 128,512,1024,2048` writes it._")
+
+# %% [markdown]
+# ## The running total
+#
+# Every stage, from the records `make report` wrote, against this machine's floor (the dashed
+# lines: decode can go no faster than reading every weight once, the prompt no faster than its
+# multiply-adds at the core's peak). prefill is highlighted; beside each bar, how many times the
+# floor it takes.
+
+# %%
+findings["running total"] = nb.journey("prefill")
 
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: a prompt tile of attention, keys in blocks, the online softmax.** The
+# starting file,
+# [`exercises/12_prefill/attention_tile.py`](../exercises/12_prefill/attention_tile.py), holds the
+# function's signature and a docstring with the shapes, what to write and why, and the edges that
+# catch a first attempt. Edit it, then check it:
+#
+# ```
+# make exercise ch=12
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 12`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 12`). The check runs your code and the stage's own,
+# [`stages/kernels/tiled_attention.py`](../stages/kernels/tiled_attention.py) (`attend_rows,
+# finish_rows`), on 7 seeded cases of awkward shapes, holding yours to the stage's: within the bound
+# two float32 attentions may differ by. It stops at the first case that differs and says which,
+# where and by how much; once all pass, it times yours beside the stage's and beside the repack
+# stage's attention, one row and one head at a time. `--solution reference` runs the check on the
+# stage's own code. Every chapter's exercise: [`exercises/README.md`](../exercises/README.md).
+#
+# **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
+# chapter's model gives the one below. Each command prints the prediction, then the measurement, and
+# keeps both in `build/try_it/12_prefill.json` (your machine's figures, not committed). All of them:
+# `make try-it ch=12`.
+#
+# 1. **The rows of a tile of the prefill stage's attention: 1 (decode's way) to 64.**
+#    - *Predict:* a tile reads each block of K and V once for R x G queries: from 1 row to 16
+#      the reads per query fall 16 times and the time falls with them, until the arithmetic
+#      (scores and weighted sums, the same for any R) is what is left: a few times faster, then
+#      flat.
+#    - *Measure:* `make try-it ch=12 exp=tile_rows`
+#
+# 2. **The stage for a prompt: repack (a row at a time through attention, its decode kernel for
+# every matmul) against prefill.**
+#    - *Predict:* a prompt is compute-bound: each loaded weight block serves every prompt
+#      row. prefill's pair kernel puts two rows in a register and its attention reads K and V
+#      once per tile: a 256-token prompt should come out several times faster (quick: 32
+#      tokens, less).
+#    - *Measure:* `make try-it ch=12 exp=ttft` (runs the default model)
+

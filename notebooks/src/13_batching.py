@@ -310,7 +310,7 @@ findings["a parallel region from a second thread"] = (
 # ## The server, and the load test
 #
 # `make serve` (`python -m app serve`) puts this behind OpenAI's HTTP API; `make loadtest`
-# (`scripts/loadtest.py`) runs 1 to 32 clients of the official `openai` package against it and
+# (`python -m app bench loadtest`) runs 1 to 32 clients of the official `openai` package against it and
 # against llama.cpp's own server, and draws `profiles/batching.png` from its record
 # (`profiles/bench/batching.json`, table `profiles/bench/batching.md`):
 
@@ -328,3 +328,45 @@ else:
 
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: the scheduler's admit-or-preempt decision.** The starting file,
+# [`exercises/13_batching/admit_or_preempt.py`](../exercises/13_batching/admit_or_preempt.py), holds
+# the function's signature and a docstring with the shapes, what to write and why, and the edges
+# that catch a first attempt. Edit it, then check it:
+#
+# ```
+# make exercise ch=13
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 13`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 13`). The check runs your code and the stage's own,
+# [`app/serve/scheduler.py`](../app/serve/scheduler.py) (`Scheduler._reserve, Scheduler._admit`), on
+# 6 seeded cases of awkward shapes, holding yours to the stage's: the same rows, preemptions and
+# queue, step for step, as the server's scheduler on the same traffic. It stops at the first case
+# that differs and says which, where and by how much; once all pass, it times yours beside the
+# stage's and beside a server that runs one sequence at a time (counted in steps). `--solution
+# reference` runs the check on the stage's own code. Every chapter's exercise:
+# [`exercises/README.md`](../exercises/README.md).
+#
+# **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
+# chapter's model gives the one below. Each command prints the prediction, then the measurement, and
+# keeps both in `build/try_it/13_batching.json` (your machine's figures, not committed). All of
+# them: `make try-it ch=13`.
+#
+# 1. **The rows of one forward pass: 1 to 32 (the batch of a server's step).**
+#    - *Predict:* a decode step reads every weight once whatever the rows; while the rows
+#      stay under the ridge point (peak FLOP/s over bandwidth, in multiply-adds per byte) a
+#      pass of 8 rows costs about one of 1, so 8 users are served for the price of one; past
+#      it, each row adds its own time.
+#    - *Measure:* `make try-it ch=13 exp=batch_rows` (runs the default model)
+#
+# 2. **The page pool's size (the server's --kv-pages) against the requests' worst case.**
+#    - *Predict:* pages are held only by the sequences running at once (8 here), so a pool
+#      with room for 8 worst cases serves as fast as one with room for all; below that fewer
+#      run at once, sequences outgrow their pages and the newest is preempted (its context
+#      computed again), and the steps climb towards serving one request at a time.
+#    - *Measure:* `make try-it ch=13 exp=pool_pages`
+

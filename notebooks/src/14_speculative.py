@@ -172,7 +172,7 @@ findings["lookup, live"] = (f"{live['copy']:.2f}x plain decoding on text that co
 # %% [markdown]
 # ## The benchmark and its record
 #
-# `python scripts/bench_speculative.py` measures the curve above at 1 thread and at all cores,
+# `python -m app bench speculative` measures the curve above at 1 thread and at all cores,
 # beside llama.cpp's own verify pass, and the tokens/s of plain decoding and prompt lookup,
 # ours and llama-cpp-python's `LlamaPromptLookupDecoding`, on every committed prompt
 # (`app/measure/speculative_prompts.json`), in alternating rounds. It writes
@@ -192,7 +192,7 @@ if nb.show_image(nb.ROOT / "profiles" / "speculative.png") and record.exists():
     findings["recorded"] = "; ".join(f"{r.id}: {r.measured:.2f}x, {r.verdict}" for r in claim) + \
         (" (quick settings)" if rec["settings"].get("quick") else "")
 else:
-    nb.md("_No benchmark recorded yet: `python scripts/bench_speculative.py` writes it._")
+    nb.md("_No benchmark recorded yet: `python -m app bench speculative` writes it._")
 
 # %% [markdown]
 # What decides it, then, is the machine and the kernel, not the idea: speculative decoding turns
@@ -202,3 +202,44 @@ else:
 
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: the acceptance rule of speculative sampling.** The starting file,
+# [`exercises/14_speculative/acceptance.py`](../exercises/14_speculative/acceptance.py), holds the
+# function's signature and a docstring with the shapes, what to write and why, and the edges that
+# catch a first attempt. Edit it, then check it:
+#
+# ```
+# make exercise ch=14
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 14`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 14`). The check runs your code and the stage's own,
+# [`common/speculative.py`](../common/speculative.py) (`accept`), on 8 seeded cases of awkward
+# shapes, holding yours to the stage's: greedy choices token for token, sampled ones by their
+# distribution over thousands of seeded draws (the stage's rule beside yours). It stops at the first
+# case that differs and says which, where and by how much; once all pass, it times yours beside the
+# stage's and beside plain decoding (the default model generates with prompt lookup and your rule).
+# `--solution reference` runs the check on the stage's own code. Every chapter's exercise:
+# [`exercises/README.md`](../exercises/README.md).
+#
+# **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
+# chapter's model gives the one below. Each command prints the prediction, then the measurement, and
+# keeps both in `build/try_it/14_speculative.json` (your machine's figures, not committed). All of
+# them: `make try-it ch=14`.
+#
+# 1. **--draft-max K: how many guesses a verify pass may check.**
+#    - *Predict:* on text that copies its prompt, prompt lookup's guesses are mostly right:
+#      each pass of K + 1 rows, costing about one step, yields up to K + 1 tokens. Tokens/s
+#      should rise from K = 0 and flatten once the guesses run past what the text repeats or
+#      the pass's rows pass the ridge.
+#    - *Measure:* `make try-it ch=14 exp=draft_max` (runs the default model)
+#
+# 2. **The rows of a verify pass: 1 to 17.**
+#    - *Predict:* under the ridge point a pass of m rows reads the same weights as one row:
+#      about 1 step for m up to a handful, then rising by a step per few rows as the
+#      multiply-adds take over.
+#    - *Measure:* `make try-it ch=14 exp=verify_cost` (runs the default model)
+

@@ -134,10 +134,21 @@ verdicts = {v: sum(r.verdict == v for r in ledger_rows) for v in lessons.VERDICT
 findings["the article's claims"] = ", ".join(f"{n} {v}" for v, n in verdicts.items())
 
 # %% [markdown]
-# Every step that mattered removed something: cache lines fetched and wasted (tiling), dependent
-# scalar operations (simd), whole tokens of recomputation (kv_cache), bytes per weight
-# (quantized), trips across the bus (cuda), idle cores (threads), float conversions per weight
-# (int8). Measure first, then remove the biggest waste.
+# ## The running total, and what each stage removed
+#
+# The three costs of the first page, stage by stage. Every step that mattered removed something:
+# cache lines fetched and wasted (tiling), dependent scalar operations (simd), whole tokens of
+# recomputation (kv_cache), bytes per weight (quantized), trips across the bus (cuda), idle cores
+# (threads), float conversions per weight (int8), Python and a fork and join between the ops
+# (fused: the layer stack in one compiled call), horizontal adds and scattered loads (repack: the
+# weights laid out the way the vector unit reads them), a whole model's memory in one process (tp:
+# the layers split over processes, for two all-reduces per layer), and the prompt's idle
+# multiply-adds (prefill: attention in tiles, two prompt rows to a register). What is left is the
+# distance to the floor, beside every bar below (the stage that decoded fastest live is
+# highlighted). Measure first, then remove the biggest waste.
+
+# %%
+findings["running total"] = nb.journey(fastest["stage"] if rec.get(fastest["stage"]) else cpu[-1])
 
 # %%
 findings.show()

@@ -1,0 +1,123 @@
+"""The book: the README as its front page, the chapters' overview (notebooks/README.md), one page per
+chapter, the exercises (exercises/README.md) and the pages of the records the README links
+(profiles/). Sphinx with myst-nb (the stack Jupyter Book 1 is built on) and the Jupyter Book theme.
+
+    make book        # build/book/html/index.html; reads what is committed, executes nothing
+
+A chapter's page shows its notebook as committed (notebooks/NN_*.ipynb): the outputs of one
+execution for the book, whose first output names the machine, the commit, the date and the
+settings (notebooks/nb/provenance.py). myst-nb renders those stored outputs and never runs a
+chapter here (nb_execution_mode "off"); `make book-execute` runs them. A chapter whose notebook
+is stale, not executed or executed other than for the book (notebooks/build.py's problems) gets
+a box at its top saying so, and the build prints a warning for it.
+
+Sphinx reads from the repository's root (the pages link each other and profiles/'s charts by
+their paths in the repository, as GitHub shows them), only the files include_patterns names.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+CONF = Path(__file__).resolve().parent
+ROOT = CONF.parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sphinx.util import logging  # noqa: E402
+
+from notebooks import build as chapters  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+project = "Why is an LLM slow?"
+html_title = project
+extensions = ["myst_nb"]
+root_doc = "README"
+include_patterns = ["README.md", "notebooks/README.md", "notebooks/[0-9][0-9]_*.ipynb", "exercises/README.md",
+                    "profiles/*.md", "profiles/**/*.md"]
+exclude_patterns = [".venv", ".git", ".numba_cache*", "models", "build", "**/.ipynb_checkpoints", "tests",
+                    "notebooks/src", "notebooks/nb", "notebooks/book"]
+suppress_warnings = ["toc.not_included",      # profiles/'s pages are reached by the README's links, not the menu
+                    "mystnb.unknown_mime_type"]  # the JSON beside a caption or findings is for the tests
+
+nb_execution_mode = "off"                    # render the committed outputs; `make book-execute` executes
+nb_render_markdown_format = "gfm"            # the chapters' Markdown outputs hold tables
+nb_merge_streams = True
+myst_heading_anchors = 3
+
+html_theme = "sphinx_book_theme"
+html_theme_options = {
+    "home_page_in_toc": True,
+    "show_navbar_depth": 1,
+    "show_toc_level": 2,
+    "use_download_button": True,
+}
+html_static_path = [str(CONF / "static")]
+html_css_files = ["book.css"]
+templates_path = [str(CONF / "templates")]
+html_additional_pages = {"index": "redirect.html"}      # index.html opens the front page
+html_context = {"front_page": f"{root_doc}.html"}
+html_show_sourcelink = False
+html_sourcelink_suffix = ""            # the theme's "download source" gives the chapter's .ipynb, as committed
+
+CHAPTERS = [f"notebooks/{p.stem}" for p in chapters.sources()]
+OVERVIEW = "notebooks/README"
+EXERCISES = "exercises/README"
+
+# A Markdown link [label](target) to a folder of the repository: the book has no page for a folder.
+LINK = re.compile(r"(?<!!)\[([^\]]+)\]\(([^)\s]+)\)")
+
+def folder_links_as_text(docname: str, text: str) -> str:
+    """Links to a folder of the repository become its name in code: the book has no page for a folder."""
+    here = (ROOT / docname).parent
+
+    def one(m):
+        label, target = m.group(1), m.group(2)
+        if "://" in target or target.startswith(("#", "mailto:")):
+            return m.group(0)
+        path = (here / target.split("#")[0]).resolve()
+        if path.is_dir():
+            return label if "`" in label else f"`{label}`"
+        return m.group(0)
+    return LINK.sub(one, text)
+
+
+def front_page(text: str) -> str:
+    """The README with the book's menu: the chapters' overview, every chapter, the exercises."""
+    toc = "\n".join([OVERVIEW, *CHAPTERS, *([EXERCISES] if (ROOT / f"{EXERCISES}.md").exists() else [])])
+    return text + f"\n\n```{{toctree}}\n:hidden:\n:caption: The course\n\n{toc}\n```\n"
+
+
+def chapter_with_state(app, docname: str, text: str) -> str:
+    """A chapter's notebook, with a box at its top where it is not the book's execution of its
+    source now (notebooks/build.py problems); the page is read again when its source changes."""
+    name = docname.split("/")[-1]
+    path, source = ROOT / f"{docname}.ipynb", ROOT / "notebooks" / "src" / f"{name}.py"
+    app.env.note_dependency(str(source))
+    found = chapters.problems(path, source)
+    if not found:
+        return text
+    for problem in found:
+        logger.warning(f"{docname}: {problem}", location=docname)
+    nb = json.loads(text)
+    items = "\n".join(f"- {p}" for p in found)
+    box = {"cell_type": "markdown", "id": f"{name}-book-state", "metadata": {},
+           "source": f"```{{admonition}} This page is not the book's execution of this chapter\n:class: warning\n\n"
+                     f"{items}\n```"}
+    nb["cells"].insert(1, box)
+    return json.dumps(nb)
+
+
+def on_source_read(app, docname, source):
+    if docname in CHAPTERS:
+        source[0] = chapter_with_state(app, docname, source[0])
+        return
+    text = folder_links_as_text(docname, source[0])
+    source[0] = front_page(text) if docname == root_doc else text
+
+
+def setup(app):
+    app.connect("source-read", on_source_read)

@@ -1,0 +1,252 @@
+"""The course's exercises (exercises/): every chapter's check, run as a learner runs it.
+
+    the stage's own code       passes its chapter's check, timing table included (quick shapes)
+    the starting file          fails, at the first case, with the message a learner sees (the
+                               committed file: a learner's edits in the working tree are theirs)
+    other solutions            tests/exercise_solutions/: correct ones written differently from
+                               the stage (another loop order, block shape, algebra, layout code)
+                               pass; ones with a bug planted at an edge (a partial tile dropped, a
+                               row range's tail lost, ties rounded to even, a diagonal off by one)
+                               fail at the case the table names, with its message
+    the harness                a difference just over the derived bound fails, one within passes;
+                               a missing function, a wrong shape, a chapter with no exercise are
+                               each one clear sentence
+
+The checks compile the learner's kernels (numba): a cold cache costs a few seconds per kernel.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from exercises import check, harness
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLUTIONS = ROOT / "tests" / "exercise_solutions"
+CHAPTERS = list(check.folders())
+# every chapter a stage or a lesson of its own teaches, but the GPU's (06) and tp's MPI ranks (11)
+REQUIRED = ["01", "02", "03", "04", "05", "07", "08", "09", "10", "12", "13", "14"]
+
+
+def run(chapter, solution, time_it=False, quick=True) -> tuple[bool, str]:
+    lines = []
+    ok = check.run(chapter, solution, time_it=time_it, quick=quick, out=lines.append)
+    return ok, "\n".join(lines)
+
+
+def test_every_required_chapter_has_an_exercise():
+    assert [c for c in REQUIRED if c not in CHAPTERS] == []
+    for ch in CHAPTERS:
+        ex = check.exercise(ch)
+        assert ex.starting_file.exists(), ex.starting_file
+        assert ex.chapter == ch and ex.names
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_the_stages_own_code_passes_its_check(chapter, default_model_path):
+    """The reference is the stage's code, imported: it must pass, and the timing table print
+    (quick shapes) with the three rows the lesson compares."""
+    ok, text = run(chapter, "reference", time_it=True)
+    assert ok, text
+    assert "cases match the stage's own code" in text
+    assert ("Timing (" in text or "Counted (" in text) and f"x {check.exercise(chapter).baseline}" in text, text
+
+
+def committed(path: Path, tmp_path: Path) -> Path:
+    """The starting file as committed: the working file when it is unchanged (or not yet
+    committed), else HEAD's version written beside the test."""
+    rel = path.relative_to(ROOT).as_posix()
+    shown = subprocess.run(["git", "show", f"HEAD:{rel}"], cwd=ROOT, capture_output=True)
+    if shown.returncode != 0 or shown.stdout == path.read_bytes():
+        return path
+    out = tmp_path / path.parent.name / path.name
+    out.parent.mkdir(parents=True)
+    out.write_bytes(shown.stdout)
+    return out
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_the_starting_file_fails_with_the_learners_message(chapter, tmp_path):
+    ex = check.exercise(chapter)
+    ok, text = run(chapter, committed(ex.starting_file, tmp_path))
+    assert not ok, text
+    first = ex.cases(quick=True)[0].name
+    assert f"FAIL  {first}" in text, text
+    assert "NotImplementedError" in text and "the function is not written yet" in text
+    assert f"make exercise ch={chapter}" in text
+
+
+def test_the_learners_pytest_line_reports_the_check(tmp_path):
+    """exercises/test_yours.py, the pytest form of `make exercise`, on an unwritten file: it fails
+    with the check's report as its message."""
+    from exercises import test_yours
+    ex = check.exercise("02")
+    if committed(ex.starting_file, tmp_path) != ex.starting_file:
+        pytest.skip("exercises/02_tiling/tiled_matmul.py holds your solution (it differs from the committed file)")
+    with pytest.raises(pytest.fail.Exception, match="it raised NotImplementedError"):
+        test_yours.test_your_solution("02")
+
+
+# (file in tests/exercise_solutions, passes?, the case it fails at and a word of its message)
+OTHER_SOLUTIONS = [
+    ("01_transposed_read.py", False, ("exactly one 8 x 64 x 64 tile", "> bound")),
+    ("02_j_outer_tiles_16.py", True, None),
+    ("02_partial_k_tile_dropped.py", False, ("the smallest", "> bound")),
+    ("03_one_by_eight.py", True, None),
+    ("03_leftover_rows_dropped.py", False, ("the smallest", "> bound")),
+    ("04_numpy_per_head.py", True, None),
+    ("04_mask_ignores_start_pos.py", False, ("a 7-token prompt, then 5 decode steps", "piece 2")),
+    ("05_factored_block_sums.py", True, None),
+    ("05_nibbles_interleaved.py", False, ("one row of one block", "> bound")),
+    ("07_tail_rows_dropped.py", False, ("37 rows in 2 ranges", "y (against one thread's kernel on all rows)[36]")),
+    ("08_vectorized_numpy.py", True, None),
+    ("08_ties_to_even.py", False, ("ties: x * id exactly on .5", "q[1]: got")),
+    ("08_scale_from_float16.py", False, ("x * (1 / dd) and x / dd round to different sides", "q[1]: got")),
+    ("09_last_one_counts.py", True, None),
+    ("09_opens_early.py", False, ("200 rounds, nobody late", "had not arrived yet")),
+    ("10_loop_per_byte.py", True, None),
+    ("10_pieces_row_major.py", False, ("one group of 8 rows", "qs piece 0 of row 1")),
+    ("10_rows_not_padded.py", False, ("the second group has 5 rows", "ceil(13 / 8) groups")),
+    ("12_tile_blocks_of_48.py", True, None),
+    ("12_partial_block_dropped.py", False, ("one query, one key", "> bound")),
+    ("12_diagonal_off_by_one.py", False, ("the first 5 rows of a prompt", "> bound")),
+    ("13_small_ones_overtake.py", False, ("no overtaking", "step 1: rows")),
+    ("13_preempts_the_oldest.py", False, ("the newest is preempted", "without pages?")),
+    ("14_history_not_extended.py", False, ("a kept guess joins the history", "the stage's (2, 5)")),
+    ("14_plain_softmax.py", False, ("top-k 3: p is the sampler's distribution", "came first")),
+    ("14_refuses_too_often.py", False, ("a draft model's q", "the guess was kept")),
+]
+
+
+@pytest.mark.parametrize("name,passes,where", OTHER_SOLUTIONS, ids=[s[0][:-3] for s in OTHER_SOLUTIONS])
+def test_other_solutions(name, passes, where):
+    ok, text = run(name[:2], SOLUTIONS / name)
+    assert ok == passes, text
+    if not passes:
+        case, words = where
+        failed = next(line for line in text.splitlines() if line.startswith("  FAIL"))
+        assert case in failed, text
+        assert words in text, text
+
+
+def test_every_solution_file_is_in_the_table():
+    assert sorted(p.name for p in SOLUTIONS.glob("*.py")) == sorted(s[0] for s in OTHER_SOLUTIONS)
+    assert {s[0][:2] for s in OTHER_SOLUTIONS if s[1]} >= {"02", "03", "05", "12"}
+
+
+# ---- the harness ---------------------------------------------------------------------------------------
+
+def test_the_sum_bound_follows_k_and_the_magnitudes():
+    """Two float32 sums of K products, in opposite orders, stay within sum_bound; a difference of
+    the bound and a hair more is reported with its index, and one of the bound itself is not."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(4000).astype(np.float32)
+    b = rng.standard_normal(4000).astype(np.float32)
+    forward = np.float32(0.0)
+    for x, y in zip(a, b):
+        forward = np.float32(forward + x * y)
+    backward = np.float32(0.0)
+    for x, y in zip(a[::-1], b[::-1]):
+        backward = np.float32(backward + x * y)
+    bound = harness.sum_bound(np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64)), 4000)
+    assert forward != backward and abs(float(forward) - float(backward)) <= bound
+    want = np.array([1.0, 2.0])
+    assert harness.close("y", want + [0.0, 0.5], want, 0.5) is None
+    over = harness.close("y", want + [0, 0.5000001], want, 0.5)
+    assert "y[1]: got 2.5, want 2, |diff| 0.5 > bound 0.5 (1 of 2" in over
+    assert "shape (3,), want (2,)" in harness.close("y", np.zeros(3), want, 1.0)
+    assert "NaN or infinite" in harness.close("y", np.array([1.0, np.nan]), want, 1.0)
+
+
+def test_exact_names_the_first_difference():
+    assert harness.exact("q", np.array([1, 2, 3], np.int8), np.array([1, 2, 3], np.int8)) is None
+    assert harness.exact("q", np.array([1, 5, 4], np.int8), np.array([1, 2, 3], np.int8)).startswith("q[1]: got")
+
+
+def test_a_file_without_the_function_is_one_sentence(tmp_path):
+    f = tmp_path / "empty.py"
+    f.write_text("x = 1\n")
+    ok, text = run("02", f)
+    assert not ok and "has no matmul_tiled: the exercise asks for matmul_tiled" in text
+
+
+def test_a_chapter_without_an_exercise_says_which_have_one(capsys):
+    assert check.main(["06"]) == 2
+    assert "chapter '06' has no exercise; these do: 01, 02" in capsys.readouterr().err
+
+
+def test_the_model_missing_is_named_with_its_make_target(monkeypatch, tmp_path):
+    """A check or experiment that runs the default model, where it is missing: the error names
+    `make model`, never a skip."""
+    from app import models
+    monkeypatch.setattr(models, "MODELS_DIR", tmp_path)
+    harness.engine.cache_clear()
+    try:
+        with pytest.raises(FileNotFoundError, match="`make model` fetches it"):
+            harness.engine("kv_cache")
+    finally:
+        harness.engine.cache_clear()
+
+
+# ---- the chapters and the README point to them ----------------------------------------------------------
+
+def chapter_source(chapter: str) -> Path:
+    return next((ROOT / "notebooks" / "src").glob(f"{chapter}_*.py"))
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def your_turn_problems(chapter: str, source: str) -> list[str]:
+    """What the chapter's closing "Your turn" lacks: it is the source's last section (no code cell
+    after it), names the starting file and the check's command, links the stage's code, and gives
+    every experiment's command with the prediction the experiment prints."""
+    from exercises import try_it
+    if "# ## Your turn" not in source:
+        return ["no '## Your turn' section"]
+    tail = source[source.index("# ## Your turn"):]
+    found = []
+    if any(line.startswith("# %%") and "[markdown]" not in line for line in tail.splitlines()):
+        found.append("a code cell after 'Your turn': it must close the chapter")
+    text = flat("\n".join(line[2:] if line.startswith("# ") else line.lstrip("#") for line in tail.splitlines()))
+    ex = check.exercise(chapter)
+    for want in (f"make exercise ch={chapter}", f"pytest exercises/test_yours.py -k {chapter}",
+                 f"](../{ex.folder}/{ex.file})",
+                 f"](../{ex.reference_code.split(':')[0]})", "](../exercises/README.md)"):
+        if want not in text:
+            found.append(f"missing {want!r}")
+    for e in try_it.experiments(chapter)[1]:
+        if f"make try-it ch={chapter} exp={e.name}" not in text:
+            found.append(f"no command for the experiment {e.name}")
+        if flat(e.predict) not in text:
+            found.append(f"the experiment {e.name}'s prediction differs from what it prints")
+    return found
+
+
+@pytest.mark.parametrize("chapter", REQUIRED)
+def test_every_chapter_ends_with_its_exercise_and_experiments(chapter):
+    assert your_turn_problems(chapter, chapter_source(chapter).read_text()) == []
+
+
+def test_a_your_turn_section_missing_a_piece_is_caught():
+    source = chapter_source("02").read_text()
+    assert "no command for the experiment tile_k" in your_turn_problems("02", source.replace("exp=tile_k", "exp=x"))
+    assert "the experiment aliasing's prediction differs" in " ".join(
+        your_turn_problems("02", source.replace("puts every line in the same L1 set", "puts lines somewhere")))
+    assert any("code cell after" in p for p in your_turn_problems("02", source + "\n# %%\nx = 1\n"))
+    assert your_turn_problems("02", source.replace("# ## Your turn", "# ## Later")) == ["no '## Your turn' section"]
+
+
+def test_the_readme_lists_every_exercise():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Learn by doing"):]
+    section = section[:section.index("\n## ", 3)]
+    for ch in CHAPTERS:
+        ex = check.exercise(ch)
+        assert f"({ex.folder}/{ex.file})" in section, ch
+    assert "make exercise ch=NN" in section and "make try-it ch=NN" in section
