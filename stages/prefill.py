@@ -90,7 +90,7 @@ def tile_rows_for(n_head: int, n_head_kv: int, head_dim: int, l2: int) -> int:
 
 def scratch_bytes(cfg, rows: int, threads: int, n_ctx: int, tile_rows: int, alone: int = 1) -> int:
     """Bytes one call of the layer stack allocates for `rows` rows, `alone` of them attended alone
-    (decode rows; a prompt's rows are in tiles): layer_stack.run_layers' scratch and 8-bit packs,
+    (decode rows; a prompt's rows are in tiles): the layer stack's scratch and 8-bit packs,
     and this stage's Prefill arrays. What a prompt needs besides the weights and the KV cache, per
     piece."""
     D, q, kv, ff = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.kv_dim, cfg.n_ff
