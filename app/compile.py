@@ -26,11 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from app.models import resolve
 
 PROMPTS = ("The quick brown fox jumps over the lazy dog. Then it", "Once upon a time")
-# Started first, in this order: repack (its two layer stacks, one per K/V type, and the output
-# head), then threads before int8, whose kernels build on threads' (run side by side, both would
-# compile them), then prefill and fused: their heads and fused's stack are repack's (the same types:
-# layer_stack.read_only), which, started after it, they find in the cache instead of compiling.
-SLOWEST = ("repack", "threads", "int8", "prefill", "fused")
+# Started first, in this order: the three layer stacks (repack's two, one per K/V type, then prefill's
+# and fused's: each stage's stack is its own compile, stages/kernels/layer_stack.py's with_steps),
+# then threads before int8, whose kernels build on threads' (run side by side, both would compile
+# them).
+SLOWEST = ("repack", "prefill", "fused", "threads", "int8")
 STEPS = 3             # decode steps: one is enough to compile; a few go through the same code again
 
 

@@ -7,6 +7,7 @@ import json
 import math
 import sys
 
+from app import stage_files
 from app.chat import chat_loop
 from app.measure import bench
 from app.measure.counters import Counters
@@ -354,16 +355,22 @@ def cmd_stages(args):
             from app.report.charts import ops_table
             print(ops_table(), end="")
         return
+    counts = {s: (stage_files.lines(stage_files.own_files(s)), stage_files.lines(stage_files.reads(s)))
+              for s in REGISTRY}
     if args.json:
-        print(json.dumps([vars(s) | {"tokens": vars(s.tokens)} for s in REGISTRY.values()]))
+        print(json.dumps([vars(s) | {"tokens": vars(s.tokens), "own_lines": counts[s.name][0],
+                                     "lines_read": counts[s.name][1]} for s in REGISTRY.values()]))
         return
     for s in REGISTRY.values():
         after = f"a variant of {s.variant_of}" if s.variant_of else \
             f"builds on {s.builds_on}" if s.builds_on else "the start"
         kind = "KV cache" if s.kv_cache else "recomputes the text"
         gpu = ", GPU" if s.gpu else ""
+        own, read = counts[s.name]
         print(f"{s.number}  {s.name:<10} {s.lesson}\n   {'':<10} ({after}; {kind}{gpu}; "
-              f"{s.path}; notebooks/{s.chapter}.ipynb)")
+              f"{s.path}; notebooks/{s.chapter}.ipynb)\n   {'':<10} {own:,} lines of its own "
+              f"({', '.join(f.removeprefix('stages/') for f in stage_files.own_files(s.name))}), "
+              f"{read:,} with what it builds on")
 
 
 def add_commands(sub):

@@ -37,27 +37,15 @@ Python's share of a step is measured by `kernel_seconds` (the notebook chapter 0
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections import deque
 
 import numba
 import numpy as np
 
 from stages.int8 import LOGIT_TOLERANCE, Int8Backend
-from stages.kernels.layer_stack import (
-    OPS_PER_LAYER,
-    ROWS,
-    Cache,
-    Dims,
-    Rows,
-    Weights,
-    matmul_rows,
-    matrix_table,
-    read_only,
-    run_layers,
-)
-from stages.kernels.sync import ABORT, ARRIVALS, CLOCK, new_sync
+from stages.kernels import layer_stack
+from stages.kernels.layer_stack import OPS_PER_LAYER, ROWS, Cache, Dims, Rows, Weights, matrix_table, read_only
+from stages.kernels.sync import ABORT, ARRIVALS, CLOCK, CoreShare, new_sync
 from stages.quantized import QuantMatrix
 
 __all__ = ["FusedBackend", "LOGIT_TOLERANCE", "OPS_PER_LAYER", "BARRIER_LAYERS"]
@@ -70,83 +58,6 @@ def threading_layer() -> str:
     """The layer numba's pool runs on (starting the pool, which fixes it for the process)."""
     numba.set_num_threads(numba.get_num_threads())
     return numba.threading_layer()
-
-
-class CoreShare:
-    """How many threads the next compiled call runs on: all of them, unless the cores are shared.
-
-    A barrier waits for the slowest thread. When another process takes one of the cores, one of
-    our threads is off its core for a scheduler's time slice (milliseconds) now and then, and each
-    barrier it owes waits that long: a step of hundreds of barriers slows down many times over,
-    far more than the share of the core it lost (one thread alone on the core that is left pays
-    only for the work the other thread did). So the stage tries one thread now and then and
-    keeps what is faster:
-
-    * when the load changes: two calls in a row on all threads SLOW times slower than the median
-      of the last calls of as many rows (once is noise: a page fault, a timer);
-    * when it was there from the start, which no change shows: the first call after the median
-      has three calls, then every EXPLORE-th call, of EXPLORE_ROWS rows at most (on an idle
-      machine, one decode step in EXPLORE runs on one thread and loses: a fraction of a percent).
-
-    A try on one thread that beats the calls on all threads starts a spell of `hold` calls on one
-    thread (HOLD, doubled each time a retry on all threads loses again, up to MAX_HOLD); a try
-    after slow calls that loses says the work grew (a longer context), and the median starts
-    over. 1 thread and N give the same bits (work items and attention chunks do not depend on the
-    thread count), so the choice changes the time, never the numbers."""
-
-    SLOW = 2.0          # a call this many times the median of its kind: the cores look shared
-    HISTORY = 8         # calls on all threads the median is taken over (per row count)
-    EXPLORE = 256       # calls on all threads between two tries of one thread
-    EXPLORE_ROWS = 64   # tried on calls of at most this many rows: decode steps and batches repeat,
-                        # a prompt's pieces are few and a try would cost one of them twice over
-    HOLD, MAX_HOLD = 16, 256
-
-    def __init__(self):
-        self.history = {}           # rows -> recent seconds on all threads
-        self.single = 0             # calls left to run on one thread
-        self.hold = self.HOLD
-        self.slow = 0               # slow calls on all threads in a row
-        self.calls = 0              # calls on all threads with a median to judge them by
-        self.trial = None           # (rows, seconds to beat, threads to try, after slow calls)
-        self.switches = 0           # spells on one thread begun
-
-    def threads(self, nt: int) -> int:
-        return 1 if self.single > 0 or (self.trial is not None and self.trial[2] == 1) else nt
-
-    def ran(self, used: int, nt: int, rows: int, seconds: float):
-        """After a call of `rows` rows on `used` of nt threads that took `seconds`."""
-        if nt == 1:
-            return
-        trial, self.trial = self.trial, None
-        if used == 1:
-            if trial is not None:                       # a try of one thread
-                if trial[0] == rows and seconds < trial[1]:
-                    self.single, self.switches = self.hold, self.switches + 1
-                elif trial[3]:                          # slow calls, not the cores: the work grew
-                    self.history[rows] = deque([trial[1]], maxlen=self.HISTORY)
-            else:
-                self.single -= 1
-                if self.single == 0:                    # next: all threads again, against this
-                    self.trial = (rows, seconds, nt, False)
-            return
-        if trial is not None:                           # all threads again after a spell on one
-            if trial[0] == rows and seconds > trial[1]:
-                self.hold = min(self.MAX_HOLD, 2 * self.hold)
-                self.single = self.hold
-                return
-            self.hold = self.HOLD
-        past = self.history.setdefault(rows, deque(maxlen=self.HISTORY))
-        if len(past) >= 3 and seconds > self.SLOW * statistics.median(past):
-            self.slow += 1
-            if self.slow >= 2:                          # not a one-off: try one thread next
-                self.slow, self.trial = 0, (rows, seconds, 1, True)
-            return
-        self.slow = 0
-        past.append(seconds)
-        if len(past) >= 3 and rows <= self.EXPLORE_ROWS:
-            if self.calls % self.EXPLORE == 0:          # the first judged call, then every EXPLORE-th
-                self.trial = (rows, statistics.median(past), 1, False)
-            self.calls += 1
 
 
 def _root(a: np.ndarray) -> np.ndarray:
@@ -189,7 +100,7 @@ def kv_view(a: np.ndarray) -> np.ndarray:
 class FusedBackend(Int8Backend):
     name = "fused"
     fuses_layers = True
-    head_pairs = False              # the output head's rows two to a 512-bit register (the prefill stage)
+    stack = layer_stack.STACK       # the compiled layer stack (a later stage's has some steps changed)
 
     @staticmethod
     def unavailable_reason() -> str | None:
@@ -235,7 +146,7 @@ class FusedBackend(Int8Backend):
         weights, dims, nt = self._compiled(model)
         sync = new_sync(phases=OPS_PER_LAYER)
         t0 = time.perf_counter()
-        run_layers(h, weights, cache, rows, dims, sync, nt, self._prefill(model, rows, cache))
+        self.stack.run_layers(h, weights, cache, rows, dims, sync, nt, self._ops(model, rows, cache))
         self._ran(sync, nt, t0)
         self.cores.ran(nt, numba.get_num_threads(), len(tokens), time.perf_counter() - t0)
         return h
@@ -260,9 +171,13 @@ class FusedBackend(Int8Backend):
             raise RuntimeError(f"the {self.name} stage's {nt} threads did not all run (a barrier gave up): "
                                "numba's threading layer must give each parallel iteration its own thread")
 
-    def _prefill(self, model, rows: Rows, cache: Cache):
-        """The prefill stage's choices and arrays for a call (layer_stack.Prefill); None: this
-        stage's kernels."""
+    def _ops(self, model, rows: Rows, cache: Cache):
+        """The ops record of a call of the layer stack: which stage's steps run and the arrays they
+        need (layer_stack.py's hooks); None: this stage's."""
+        return None
+
+    def _head_ops(self, M: int, K: int):
+        """The same for the output head's call, of M rows of K values."""
         return None
 
     def forward_layers(self, model, tokens, start_pos: int):
@@ -300,6 +215,6 @@ class FusedBackend(Int8Backend):
         x = np.ascontiguousarray(x, dtype=np.float32)
         nt = self._threads()
         t0 = time.perf_counter()
-        y = matmul_rows(x, blob, mat, nt, self.head_pairs)
+        y = self.stack.matmul_rows(x, blob, mat, nt, self._head_ops(*x.shape))
         self.kernel_seconds += time.perf_counter() - t0
         return y

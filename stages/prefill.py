@@ -44,10 +44,10 @@ from __future__ import annotations
 import numpy as np
 
 from common.cpu import cache_sizes
-from stages.kernels import tiled_attention
+from stages.kernels import prefill_steps, tiled_attention
 from stages.kernels.layer_ops import chunks_of
-from stages.kernels.layer_stack import Prefill
 from stages.kernels.pair_gemm import new_pairs
+from stages.kernels.prefill_steps import HeadPairs, Prefill
 from stages.kernels.tiled_attention import LANES
 from stages.repack import LOGIT_TOLERANCE, RepackBackend
 
@@ -90,7 +90,7 @@ def tile_rows_for(n_head: int, n_head_kv: int, head_dim: int, l2: int) -> int:
 
 def scratch_bytes(cfg, rows: int, threads: int, n_ctx: int, tile_rows: int, alone: int = 1) -> int:
     """Bytes one call of the layer stack allocates for `rows` rows, `alone` of them attended alone
-    (decode rows; a prompt's rows are in tiles): layer_stack.run_layers' scratch and 8-bit packs,
+    (decode rows; a prompt's rows are in tiles): the layer stack's scratch and 8-bit packs,
     and this stage's Prefill arrays. What a prompt needs besides the weights and the KV cache, per
     piece."""
     D, q, kv, ff = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.kv_dim, cfg.n_ff
@@ -109,12 +109,13 @@ def scratch_bytes(cfg, rows: int, threads: int, n_ctx: int, tile_rows: int, alon
 class PrefillBackend(RepackBackend):
     name = "prefill"
     max_batch = PIECE_ROWS
-    head_pairs = True
+    stack = prefill_steps.STACK          # repack's, with this stage's matmuls and attention
 
     def __init__(self, threads: int | None = None, kv_type: str | None = None):
         super().__init__(threads, kv_type)
         self.caches = cache_sizes()
         self._work = None               # (threads, tile rows) -> the attention's per-thread arrays
+        self._head_pairs = {}           # (rows, K) -> the output head's pair packs
 
     def _workspace(self, nt: int, model, tile_rows: int):
         cfg = model.config
@@ -123,8 +124,9 @@ class PrefillBackend(RepackBackend):
             self._work = ((nt, tile_rows), tiled_attention.workspace(nt, groups, cfg.head_dim))
         return self._work[1]
 
-    def _prefill(self, model, rows, cache):
-        """The tiles of this call's rows, the row blocks of its matmuls, and their arrays."""
+    def _ops(self, model, rows, cache):
+        """This stage's steps in the layer stack (stages/kernels/prefill_steps.py): the tiles of this
+        call's rows, the row blocks of its matmuls, and their arrays."""
         cfg = model.config
         tile_rows = tile_rows_for(cfg.n_head, cfg.n_head_kv, cfg.head_dim, self.caches["L2"])
         tiles, alone = query_tiles(rows.positions, rows.slots, rows.seq, tile_rows)
@@ -139,3 +141,11 @@ class PrefillBackend(RepackBackend):
                        *self._workspace(self._threads(), model, tile_rows),
                        np.empty(part, np.float32), np.empty(part, np.float32),
                        np.empty((*part, cfg.head_dim), np.float32), *x32, *xk)
+
+    def _head_ops(self, M, K):
+        """The output head's pair packs for M rows (two rows or more go two to a register)."""
+        ops = self._head_pairs.get((M, K))
+        if ops is None:
+            x32, xk = new_pairs(M, K)
+            ops = self._head_pairs[(M, K)] = HeadPairs(*x32, *xk)
+        return ops

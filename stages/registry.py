@@ -10,6 +10,10 @@ inherits from: the stage it is compared with ("vs previous" in the report). A va
 swapped (e.g. int8 with its plain loops instead of the named instructions), loadable by name
 for side-by-side measurements but not a stage of its own.
 
+`kernels` says which files under stages/ each stage brings: a stage's files import only its own
+and those of the stages it builds on (`python -m app stages` counts the lines of each; a test holds
+the rule).
+
 Token counts are what each stage generates by default: the stages without a KV cache
 recompute the whole text for every token, so they generate fewer, to finish in about a
 minute on 2 cores.
@@ -52,6 +56,8 @@ class Stage:
     max_params: float | None = None  # left out of `make report` above this size unless named
     variant_of: str | None = None    # a registered variant: not in STAGES, loadable by name
     ranks: bool = False              # runs as N processes (mpiexec -n N): never picked as `fastest`
+    kernels: tuple = ()              # the files under stages/ besides its module that the stage brings
+                                     # (its lesson's code); a stage imports its own, and earlier stages'
 
     @property
     def label(self) -> str:
@@ -74,38 +80,44 @@ REGISTRY = {s.name: s for s in (
           kv_cache=False, chapter="02_tiling", tokens=_RECOMPUTING, max_params=LARGE_MODEL_PARAMS),
     Stage("simd", 3, "stages.simd", "SimdBackend", "tiling",
           "pack the weights so the inner loop is contiguous; let LLVM vectorize it",
-          kv_cache=False, chapter="03_simd", tokens=Tokens(run=32, report=16, profile=8)),
+          kv_cache=False, chapter="03_simd", tokens=Tokens(run=32, report=16, profile=8),
+          kernels=("kernels/toolkit.py",)),
     Stage("kv_cache", 4, "stages.kv_cache", "KVCacheBackend", "simd",
           "keep K and V: each new token costs one token's work",
           kv_cache=True, chapter="04_kv_cache"),
     Stage("quantized", 5, "stages.quantized", "QuantizedBackend", "kv_cache",
           "compute straight from the 4-bit blocks: far fewer bytes per weight",
-          kv_cache=True, chapter="05_quantized"),
+          kv_cache=True, chapter="05_quantized", kernels=("kernels/dequant_dot.py",)),
     Stage("cuda", 6, "stages.cuda", "CudaBackend", "quantized",
           "the whole forward pass on the GPU, nothing allocated per token",
-          kv_cache=True, chapter="06_cuda", gpu=True),
+          kv_cache=True, chapter="06_cuda", gpu=True, kernels=("kernels/cuda_runtime.py", "kernels/cuda.cu")),
     Stage("threads", 7, "stages.threads", "ThreadsBackend", "quantized",
           "all cores: what a second core buys a memory-bound loop",
-          kv_cache=True, chapter="07_threads", parallel=True),
+          kv_cache=True, chapter="07_threads", parallel=True, kernels=("kernels/threaded.py",)),
     Stage("int8", 8, "stages.int8", "Int8Backend", "threads",
           "round activations to int8, as llama.cpp does, for integer dot products",
-          kv_cache=True, chapter="08_int8", parallel=True),
+          kv_cache=True, chapter="08_int8", parallel=True,
+          kernels=("kernels/vector_ir.py", "kernels/q8.py", "kernels/int_dot.py")),
     Stage("int8-loops", 8, "stages.int8", "Int8LoopsBackend", "threads",
           "int8 with plain integer loops for LLVM's auto-vectorizer instead of the named instructions",
           kv_cache=True, chapter="08_int8", parallel=True, variant_of="int8"),
     Stage("fused", 9, "stages.fused", "FusedBackend", "int8",
           "one compiled call per token: no Python or fork/join between the ops",
-          kv_cache=True, chapter="09_fused", parallel=True),
+          kv_cache=True, chapter="09_fused", parallel=True,
+          kernels=("kernels/sync.py", "kernels/layer_ops.py", "kernels/int_tiles.py", "kernels/layer_stack.py")),
     Stage("repack", 10, "stages.repack", "RepackBackend", "fused",
           "lay the weights out as the vector unit reads them: 8 rows interleaved, one lane each",
-          kv_cache=True, chapter="10_repack", parallel=True),
+          kv_cache=True, chapter="10_repack", parallel=True,
+          kernels=("kernels/repacked.py", "kernels/repack_steps.py")),
     Stage("tp", 11, "stages.tp", "TensorParallelBackend", "repack",
           "split every layer across N processes (MPI ranks): two all-reduces per layer",
-          kv_cache=True, chapter="11_tp", parallel=True, ranks=True),
+          kv_cache=True, chapter="11_tp", parallel=True, ranks=True,
+          kernels=("parallel/ranks.py", "parallel/shards.py", "parallel/split.py", "parallel/steps.py")),
     Stage("prefill", 12, "stages.prefill", "PrefillBackend", "repack",
           "the prompt is compute-bound: more multiply-adds per loaded byte (attention in tiles, two rows "
           "per register)",
-          kv_cache=True, chapter="12_prefill", parallel=True),
+          kv_cache=True, chapter="12_prefill", parallel=True,
+          kernels=("kernels/pair_gemm.py", "kernels/tiled_attention.py", "kernels/prefill_steps.py")),
 )}
 
 STAGES = [s.name for s in sorted(REGISTRY.values(), key=lambda s: s.number) if s.variant_of is None]

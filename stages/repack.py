@@ -3,7 +3,8 @@
 The lesson: the fused stage's decode tile reads one weight row at a time, so every row pays on
 its own for what it shares with its neighbours: the activation loads, the unpacking of its
 block scales, the float conversions, and a horizontal add at its end. This stage rearranges
-every layer matrix once, when the model loads (stages/kernels/repacked.py draws the layout):
+every layer matrix once, when the model loads (stages/kernels/repacked.py draws the layout),
+and plugs its kernel into the fused stage's layer stack (stages/kernels/repack_steps.py):
 
 * Rows go in groups of 8 (GROUP). A group's block holds the 8 rows' scales side by side, then
   their packed values in 4-byte pieces taken from the 8 rows in turn. One 32-byte load is the
@@ -41,7 +42,9 @@ import numpy as np
 
 from common.quants import UnsupportedTypeError
 from stages.fused import LOGIT_TOLERANCE, FusedBackend
-from stages.kernels.layer_stack import REPACKED, ROWS
+from stages.kernels import repack_steps
+from stages.kernels.layer_stack import ROWS
+from stages.kernels.repack_steps import REPACKED, Repacked
 from stages.kernels.repacked import REPACK_TYPES, repack, repacked_bytes, unpack
 from stages.quantized import QuantMatrix
 
@@ -69,6 +72,7 @@ class RepackedMatrix:
 class RepackBackend(FusedBackend):
     name = "repack"
     row_block = 1                        # the kernels give a row the same bits in any batch
+    stack = repack_steps.STACK           # fused's, with this stage's kernel for repacked matrices
     kv_dtype = np.float16                # K and V as llama.cpp keeps them (LLM_KV_TYPE=f32: float32)
 
     def __init__(self, threads: int | None = None, kv_type: str | None = None):
@@ -82,6 +86,13 @@ class RepackBackend(FusedBackend):
 
     def layout_of(self, w) -> int:
         return REPACKED if isinstance(w, RepackedMatrix) else ROWS
+
+    def _ops(self, model, rows, cache):
+        """This stage's ops record (stages/kernels/repack_steps.py): no arrays."""
+        return Repacked()
+
+    def _head_ops(self, M, K):
+        return Repacked()
 
     # ---- weights: rearranged once, at load ------------------------------------------------------
     def prepare_matrix(self, tensor):

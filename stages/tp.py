@@ -17,7 +17,7 @@ by `mpiexec -n N`, on one machine's cores or on several machines listed in a hos
 
 The layers are the repack stage's compiled stack (the graph as every fused stage writes it once),
 on the rank's slices. The stack runs in one parallel region, which has no place for an MPI call;
-so here it runs in pieces (layer_stack.run_phases), each ending at a row-parallel matmul that adds
+so here it runs in pieces (the stack's run_phases), each ending at a row-parallel matmul that adds
 its products into a buffer of partial sums instead of into h; Python all-reduces the buffer and
 adds it to h between two pieces. A step of many sequences (the server's) is built on rank 0 and
 reaches the others in one broadcast of its arrays (stages/parallel/steps.py; `follow`).
@@ -44,8 +44,8 @@ import numpy as np
 from common.cpu import physical_cores
 from common.paged_kv import PagePool
 from stages import StageError
-from stages.kernels.layer_stack import DOWN_OP, OPS_PER_LAYER, PHASES, WO_OP, Span, run_phases, scratch_for
-from stages.kernels.sync import ARRIVALS, new_sync
+from stages.kernels.layer_stack import DOWN_OP, OPS_PER_LAYER, PHASES, WO_OP, Span
+from stages.kernels.sync import ARRIVALS, CLOCK, new_sync
 from stages.parallel import steps
 from stages.parallel.ranks import mpi_missing, world
 from stages.parallel.shards import copy_columns, map_rows
@@ -166,16 +166,18 @@ class TensorParallelBackend(RepackBackend):
         so every object a call touches is a miss.)"""
         h = self.embed(model.token_embd, tokens)
         weights, dims, nt = self._compiled(model)
-        pre = self._prefill(model, rows, cache)                      # None: repack's kernels
-        work = scratch_for(h, weights, cache, rows, dims, nt, pre)
-        part, sync = np.empty_like(h), new_sync()                    # part [M, D]: this rank's partial sums
+        ops = self._ops(model, rows, cache)                          # repack's steps
+        work = self.stack.scratch_for(h, weights, cache, rows, dims, nt, ops)
+        part = np.empty_like(h)                                      # [M, D]: this rank's partial sums
+        sync = new_sync(phases=OPS_PER_LAYER)                        # with a clock per phase (fused's _ran)
         for il in range(model.config.n_layer):
             for first, last, where in PIECES:
                 part[:] = 0
                 sync[ARRIVALS] = 0
+                sync[CLOCK:] = 0
                 t0 = time.perf_counter()
-                run_phases(h, weights, cache, rows, dims, sync, nt,
-                           Span(il * OPS_PER_LAYER + first, il * OPS_PER_LAYER + last, part), pre, *work)
+                self.stack.run_phases(h, weights, cache, rows, dims, sync, nt,
+                           Span(il * OPS_PER_LAYER + first, il * OPS_PER_LAYER + last, part), ops, *work)
                 self._ran(sync, nt, t0)
                 h += self.ranks.allreduce(part, (where, il))          # the row-parallel matmul, complete
         return h

@@ -18,11 +18,12 @@ from common.gguf import GGMLType, GGUFFile
 from stages import load
 from stages.fused import CoreShare
 from stages.int8 import LOGIT_TOLERANCE as INT8_TOLERANCE
-from stages.kernels import int_tiles, repacked, vector_ir
+from stages.kernels import int_tiles, repack_steps, repacked, vector_ir
 from stages.kernels import layer_stack as F
 from stages.kernels.int_dot import matvec_int8_auto
 from stages.kernels.layer_ops import CHUNK, attend_chunk, chunks_of, fast_exp, merge_chunks
 from stages.kernels.q8 import ACTIVATION_BLOCK, dequantize_q8, new_packs, quantize_q8, quantize_row
+from stages.kernels.repack_steps import Repacked
 from stages.kernels.sync import ABORT, ARRIVALS, SPIN, SPIN_MOST, SPIN_NS, barrier, new_sync, ticks_per_ns
 from stages.kernels.toolkit import BLOCK_BYTES, F16_TO_F32
 from tests.test_int8 import activations
@@ -85,7 +86,8 @@ def _matmul(x, raw, ggml_type, threads, layout=F.ROWS):
     mat = F.matrix_table([(0, raw.shape[0], raw.shape[1], int(ggml_type), layout)])
     numba.set_num_threads(threads)
     blob = raw.reshape(-1) if layout == F.ROWS else repacked.repack(raw, int(ggml_type))
-    return F.matmul_rows(np.ascontiguousarray(x), F.read_only(blob), mat, threads, False)
+    stack, ops = (F.STACK, None) if layout == F.ROWS else (repack_steps.STACK, Repacked())   # fused's, or repack's
+    return stack.matmul_rows(np.ascontiguousarray(x), F.read_only(blob), mat, threads, ops)
 
 
 @pytest.mark.isa_paths
@@ -296,16 +298,15 @@ def test_a_barrier_spins_for_a_time_not_a_count_of_pauses():
 def test_one_compiled_call_per_token_for_the_layers(tiny_path, monkeypatch):
     """A decode step is one call of the layer stack and one of the output head, each one parallel
     region; the layers are OPS_PER_LAYER ops with a barrier after each."""
-    import stages.fused as fused_stage
     engine = load("fused", tiny_path, threads=POOL)
     calls = {"run_layers": 0, "matmul_rows": 0}
     for name in calls:
-        real = getattr(fused_stage, name)
+        real = getattr(engine.backend.stack, name)
 
         def counted(*args, _real=real, _name=name):
             calls[_name] += 1
             return _real(*args)
-        monkeypatch.setattr(fused_stage, name, counted)
+        monkeypatch.setattr(engine.backend.stack, name, counted)
     engine.reset()
     engine.greedy_next([1, 2, 3], 0)
     calls.update(run_layers=0, matmul_rows=0)
@@ -318,18 +319,20 @@ def test_one_compiled_call_per_token_for_the_layers(tiny_path, monkeypatch):
     assert F.OPS_PER_LAYER == len(F.PHASES)
 
 
-def test_after_repacks_float32_stack_fused_compiles_nothing(default_model_path, monkeypatch):
-    """The fused stage's layer stack and output head take the types of the repack stage's with
-    float32 K and V: the weights are a read-only array in both (layer_stack.read_only; fused reads
-    the mapped file, repack its own buffer), so numba compiles them once (and `make compile`,
-    repack's job first, leaves fused's nothing to do): after repack's calls, fused's add no
-    signature to either."""
-    monkeypatch.setenv("LLM_KV_TYPE", "f32")
-    compiled = (F.run_phases, F.matmul_rows)
-    load("repack", default_model_path, n_ctx=64).greedy_next([1, 2, 3], 0)
-    after_repack = [set(f.signatures) for f in compiled]
+def test_each_stage_compiles_its_own_stack(default_model_path):
+    """The fused stage's layer stack and head are compiled for its ops record (None) alone, the
+    repack stage's copies for Repacked alone: a later stage's steps never reach the fused stage's
+    compiled code, nor the other way round (numba's cache tells the copies apart by the record's
+    type); and a stack refuses another stage's record."""
     load("fused", default_model_path, n_ctx=64).greedy_next([1, 2, 3], 0)
-    assert [set(f.signatures) for f in compiled] == after_repack
+    load("repack", default_model_path, n_ctx=64).greedy_next([1, 2, 3], 0)
+    for name, ops_at in (("run_phases", 8), ("matmul_rows", 4)):
+        fused, repack = F.STACK.functions[name], repack_steps.STACK.functions[name]
+        assert fused is not repack
+        assert {type(sig[ops_at]).__name__ for sig in fused.signatures} == {"NoneType"}, name
+        assert {str(sig[ops_at]) for sig in repack.signatures} == {"Repacked()"}, name
+    with pytest.raises(TypeError, match="takes Repacked as its ops record, not NoneType"):
+        repack_steps.STACK.matmul_rows(np.zeros((1, 32), np.float32), None, None, 1, None)
 
 
 @pytest.fixture(scope="module")

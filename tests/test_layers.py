@@ -100,3 +100,35 @@ def test_the_scheduler_only_decides_it_imports_no_threading(tmp_path):
         assert layers.imports_module(tmp_path / f"s{i}.py", "threading"), text
     (tmp_path / "ok.py").write_text("import threadingx\nfrom . import threading\n")
     assert not layers.imports_module(tmp_path / "ok.py", "threading")
+
+
+def test_no_stage_reads_a_later_stages_files():
+    """The stage tower holds inside stages/kernels/ too: a stage's files import only its own and
+    those of the stages it builds on (stages/registry.py, `kernels`), so reading stage N shows stage
+    N's lesson and what it inherits; and every file under stages/ belongs to one stage (or is a
+    package's __init__), so none escapes the rule."""
+    from app import stage_files
+    from stages.registry import REGISTRY
+    assert {s: stage_files.foreign(s) for s in REGISTRY} == {s: [] for s in REGISTRY}
+    owned = [f for s in REGISTRY for f in stage_files.own_files(s) if REGISTRY[s].variant_of is None]
+    assert len(owned) == len(set(owned)), "a file brought by two stages"
+    files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "stages").rglob("*") if p.suffix in (".py", ".cu")
+             and "__pycache__" not in p.parts and p.name != "__init__.py"} - {"stages/registry.py"}
+    assert files - set(owned) == set(), "files under stages/ that no stage brings (stages/registry.py, kernels)"
+    lines = {s: stage_files.lines(stage_files.reads(s)) for s in ("fused", "repack", "prefill")}
+    assert lines["fused"] < lines["repack"] < lines["prefill"], lines
+
+
+def test_the_tower_check_catches_a_stage_reading_a_later_stages_file(tmp_path, monkeypatch):
+    """Planted: the fused stage's layer stack importing the prefill stage's pair kernel (as it once
+    did), in a copy of stages/."""
+    import shutil
+
+    from app import stage_files
+    shutil.copytree(ROOT / "stages", tmp_path / "stages", ignore=shutil.ignore_patterns("__pycache__"))
+    stack = tmp_path / "stages" / "kernels" / "layer_stack.py"
+    stack.write_text("from stages.kernels.pair_gemm import pair_gemm\n" + stack.read_text())
+    assert stage_files.foreign("fused", tmp_path) == ["stages/kernels/pair_gemm.py", "stages/kernels/repacked.py"]
+    assert stage_files.foreign("fused") == []
+    assert "stages/kernels/pair_gemm.py" in stage_files.foreign("repack", tmp_path)
+    assert stage_files.foreign("prefill", tmp_path) == []

@@ -15,9 +15,12 @@ from common import reference
 from common.gguf import GGMLType, GGUFFile
 from stages import load
 from stages.kernels import layer_stack as L
-from stages.kernels import pair_gemm, repacked, tiled_attention
+from stages.kernels import pair_gemm, prefill_steps, repack_steps, repacked, tiled_attention
 from stages.kernels.layer_ops import CHUNK, chunks_of
+from stages.kernels.pair_gemm import new_pairs
+from stages.kernels.prefill_steps import HeadPairs, block_rows
 from stages.kernels.q8 import new_packs, quantize_row
+from stages.kernels.repack_steps import REPACKED, Repacked
 from tests.test_fused import _weights
 from tests.test_int8 import activations
 from tests.test_quantized import MIXED_TYPES, stage_logits, write_tiny_llama
@@ -169,32 +172,34 @@ def test_pairs_are_repacks_bits(ggml_type):
 @needs_zmm
 @pytest.mark.parametrize("ggml_type", [GGMLType(t) for t in pair_gemm.PAIR_TYPES], ids=lambda t: t.name)
 def test_the_head_in_pairs_is_repacks_bits(ggml_type):
-    """The output head's rows through the pair kernel (matmul_rows with `pairs`, the prefill
-    stage's head): 2, 5 and 12 rows of 19 weight rows (two work items, the last group part of
-    one) give repack's kernel's bits, and so does one row (which stays on repack's kernel)."""
+    """The output head's rows through the pair kernel (matmul_rows with the prefill stage's
+    HeadPairs): 2, 5 and 12 rows of 19 weight rows (two work items, the last group part of one)
+    give repack's kernel's bits, and so does one row (which stays on repack's kernel)."""
     raw, K, rng = _weights(ggml_type, 19, 700 + int(ggml_type))
-    mat = L.matrix_table([(0, 19, raw.shape[1], int(ggml_type), L.REPACKED)])
+    mat = L.matrix_table([(0, 19, raw.shape[1], int(ggml_type), REPACKED)])
     blob = L.read_only(repacked.repack(raw, int(ggml_type)))
     nt = numba.get_num_threads()
     for M in (1, 2, 5, 12):
         x = np.ascontiguousarray(activations(rng, M, K))
-        want = L.matmul_rows(x, blob, mat, nt, False)
-        got = L.matmul_rows(x, blob, mat, nt, True)
+        x32, xk = new_pairs(M, K)
+        want = repack_steps.STACK.matmul_rows(x, blob, mat, nt, Repacked())
+        got = prefill_steps.STACK.matmul_rows(x, blob, mat, nt, HeadPairs(*x32, *xk))
         assert np.array_equal(got, want), M
 
 
 def test_the_prefill_stage_asks_for_the_head_in_pairs(monkeypatch):
-    """The prefill stage's head passes `pairs` to matmul_rows; repack's does not (its lesson is
-    the one-row kernel)."""
+    """The prefill stage's head passes its pair packs to matmul_rows; repack's does not (its lesson
+    is the one-row kernel)."""
     import stages.fused as fused_stage
     from stages.prefill import PrefillBackend
     from stages.repack import RepackBackend
     seen = []
-    monkeypatch.setattr(fused_stage, "matmul_rows", lambda x, blob, mat, nt, pairs: seen.append(pairs) or x)
+    for stack in (prefill_steps.STACK, repack_steps.STACK):
+        monkeypatch.setattr(stack, "matmul_rows", lambda x, blob, mat, nt, ops: seen.append(type(ops)) or x)
     monkeypatch.setattr(fused_stage.FusedBackend, "_head", lambda self, w: (None, None))
     for backend in (PrefillBackend(threads=1), RepackBackend(threads=1)):
         backend.matmul_blocks(np.zeros((3, 4), np.float32), None)
-    assert seen == [True, False]
+    assert seen == [HeadPairs, Repacked]
 
 
 # ---- the stage -------------------------------------------------------------------------------------
@@ -204,11 +209,11 @@ def test_a_few_rows_are_one_block_and_blocks_start_on_pairs():
     all of them; rows past what act_bytes holds go in blocks of whole pairs, the last alone odd."""
     K, act = 2048, 2048 * 100
     for M in (2, 3, 5, 9, 100):
-        assert L.block_rows(act, K, M) == M
+        assert block_rows(act, K, M) == M
     for M in (101, 512, 513):
-        mb = L.block_rows(act, K, M)
+        mb = block_rows(act, K, M)
         assert mb == 100 and mb % 2 == 0
-    assert L.block_rows(2048 * 3, K, 513) == 2 and L.block_rows(100, K, 7) == 2
+    assert block_rows(2048 * 3, K, 513) == 2 and block_rows(100, K, 7) == 2
 
 
 @pytest.fixture(scope="module")
@@ -242,12 +247,12 @@ def test_a_prompt_in_pieces_is_the_whole(tiny_path, monkeypatch):
     e.reset()
     whole = e.forward(tokens, 0, all_logits=True)
     calls = []
-    run = L.run_layers
+    run = e.backend.stack.run_layers
 
     def spy(h, *a):
         calls.append(h.shape[0])
         return run(h, *a)
-    monkeypatch.setattr("stages.fused.run_layers", spy)
+    monkeypatch.setattr(e.backend.stack, "run_layers", spy)
     monkeypatch.setattr(e.backend, "max_batch", 8)
     e.reset()
     pieces = e.forward(tokens, 0, all_logits=True)

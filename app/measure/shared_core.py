@@ -11,7 +11,7 @@ the tokens of one run) of each engine in three conditions:
 
 and the slowdown of each condition over `alone`, for our stages and for llama.cpp on the same file
 (llama-cpp-python: beside a second llama.cpp), with how many spells on one thread our stages began
-(stages/fused.py CoreShare: a stage on shared cores goes to one thread while that is faster).
+(stages/kernels/sync.py CoreShare: a stage on shared cores goes to one thread while that is faster).
 Conditions alternate within each round (protocol.py) and the medians of the rounds are reported:
 the machine's own noise shifts every condition alike.
 
@@ -91,7 +91,7 @@ def worker(args):
         while True:
             run(args.tokens)
     ms = run(args.tokens)
-    # spells on one thread the stage began (stages/fused.py CoreShare; None: llama.cpp)
+    # spells on one thread the stage began (stages/kernels/sync.py CoreShare; None: llama.cpp)
     print(json.dumps({"ms": ms, "spells": getattr(run, "spells", lambda: None)()}), flush=True)
 
 

@@ -146,7 +146,7 @@ if not missing["fused"]:
     import stages.kernels.sync as ks
     nb.show_source(sf.FusedBackend.forward_layers)
     nb.show_source(ks.barrier)
-    nb.show_source(kf.run_layers, kf.run_phases)
+    nb.show_source(kf.Stack.run_layers, kf.run_phases)
 
 # %% [markdown]
 # ## Vector accumulators across blocks

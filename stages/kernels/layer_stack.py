@@ -1,13 +1,12 @@
-"""The layer stack in one compiled call (stages/fused.py tells the story; stages/repack.py reuses it).
+"""The layer stack in one compiled call (stages/fused.py tells the story; later stages change steps of it).
 
-    run_layers(h, weights, cache, rows, dims, sync, nt, pre)   every op of every layer, in ONE
-                                                          parallel region: nt threads (one prange
-                                                          iteration each) walk the same ops and meet at
-                                                          a barrier between two that depend on each other
-    run_phases(..., span, pre, *scratch_for(...))         the phases span.first..span.last-1 only,
-                                                          Wo and W_down adding into span.sums (the tp
-                                                          stage: it stops after each, to all-reduce)
-    matmul_rows(x, blob, mats, nt, pairs)                 one weight matrix (the output head)
+    STACK.run_layers(h, weights, cache, rows, dims, sync, nt, ops)
+            every op of every layer, in ONE parallel region: nt threads (one prange iteration
+            each) walk the same ops and meet at a barrier between two that depend on each other
+    STACK.run_phases(..., span, ops, *STACK.scratch_for(...))
+            the phases span.first..span.last-1 only, Wo and W_down adding into span.sums (the tp
+            stage: it stops after each, to all-reduce)
+    STACK.matmul_rows(x, blob, mats, nt, ops)       one weight matrix (the output head)
 
 The ops of one layer are the table PHASES (OPS_PER_LAYER of them, a barrier after each; the
 region's fork and join once per call). Each is split into work items that the threads take from
@@ -44,20 +43,23 @@ What it reads, as named records (numba compiles named tuples of arrays):
                                  layers, first a norm (the others read what the phase before left
                                  in the call's scratch); sums [M, D]: where WO and DOWN add their
                                  products (h itself, or a zeroed array that receives them)
-    Prefill(...)                 None, or the prefill stage's choices and arrays (stages/prefill.py):
-                                 then the matmuls take blocks of rows that fit L2 and run two rows to a
-                                 512-bit register where they can (pair_gemm.py), and ATTEND / MERGE are
-                                 the tiled attention's (tiled_attention.py: query tiles, decode rows'
-                                 chunks); None compiles none of it (numba prunes `pre is None` branches,
-                                 as it prunes the pair kernel's on a CPU without it: `if ZMM`)
-
 sync may carry a clock per phase (sync.new_sync(phases=OPS_PER_LAYER)): thread 0's time-stamp
 counter at each barrier, summed per phase over the layers (where a call's time went).
 
-A matrix's `layout` says how its rows are stored: ROWS as the file stores them (the fused stage:
-stages/kernels/int_tiles.py), REPACKED in interleaved groups (the repack stage:
-stages/kernels/repacked.py). Float matrices (F32/F16/BF16) are decoded a row at a time and
-multiplied in float; without AVX2 the int8 stage's loops run (ROWS only).
+Later stages change a few steps of the stack, never the stack. The steps are functions of this
+file the stack calls by name (STEPS: matmul_chunk, rows_multiple, round_row, activation_block,
+attend, merge, part_shape), and a stage that changes some writes its own in its own kernel file
+and makes its stack in one line: `STACK = with_steps(<the stack it builds on>, <its ops records>,
+matmul_chunk=..., ...)`. Its calls pass its **ops record**, a namedtuple of the arrays its steps
+need (numba types every namedtuple class apart: a record serves one stack). This stage's stack is
+STACK, its record None. The repack stage changes matmul_chunk and rows_multiple
+(stages/kernels/repack_steps.py), the prefill stage its matmuls, rounding and attention
+(stages/kernels/prefill_steps.py): this file knows neither.
+
+A matrix's `layout` says how its rows are stored: ROWS as the file stores them (this stage:
+stages/kernels/int_tiles.py); a later stage numbers its own (repack_steps.REPACKED). Float
+matrices (F32/F16/BF16) are decoded a row at a time and multiplied in float; without AVX2 the
+int8 stage's loops run.
 
 Nothing here depends on the number of threads but who computes what: every value is computed
 by the same code whichever thread takes its item, and attention's chunks are fixed, so 1 thread
@@ -66,24 +68,17 @@ and N give the same bits.
 
 from __future__ import annotations
 
+import dis
+import inspect
 from collections import namedtuple
+from pathlib import Path
+from types import FunctionType
 
 import numpy as np
-from numba import njit, prange
+from numba import jit, njit, prange
+from numba.core.dispatcher import Dispatcher
 
-from stages.kernels import (
-    dequant_dot,
-    int_dot,
-    int_tiles,
-    layer_ops,
-    pair_gemm,
-    q8,
-    repacked,
-    sync,
-    tiled_attention,
-    toolkit,
-    vector_ir,
-)
+from stages.kernels import int_tiles, toolkit, vector_ir
 from stages.kernels.dequant_dot import dequantize_rows
 from stages.kernels.int_dot import _dot_row
 from stages.kernels.layer_ops import (
@@ -96,19 +91,16 @@ from stages.kernels.layer_ops import (
     rope_rows,
     silu_mul,
 )
-from stages.kernels.pair_gemm import Pairs32, PairsK, named_pairs, pair_arrays, pair_row, pairs_take
 from stages.kernels.q8 import Q8Blocks, Q8KBlocks, pack_arrays, quantize_row
 from stages.kernels.sync import CLOCK, barrier, cycles, next_item
-from stages.kernels.tiled_attention import LANES, Workspace, attend_rows, finish_rows, merge_parts
 from stages.kernels.toolkit import BF16, F16, F32, Q4_K, Q5_K, Q6_K, block_bytes, block_values, per_phase
-from stages.kernels.vector_ir import ZMM
 
 DECODE_WEIGHTS = 65536  # weights per decode work item: a few microseconds, many items per op
 PREFILL_ITEM_ROWS = 16  # the fewest weight rows in a prefill work item (times every prompt row, or a block of them)
 f32 = np.float32
 
-# How a matrix's rows are stored in the blob.
-ROWS, REPACKED = 0, 1
+# How a matrix's rows are stored in the blob: as the file stores them (a later stage numbers its own).
+ROWS = 0
 # One matrix: where it starts in the blob, its rows (N), bytes per row, ggml type, layout.
 MATRIX = np.dtype([("offset", np.int64), ("rows", np.int64), ("row_bytes", np.int64), ("kind", np.int64),
                    ("layout", np.int64)])
@@ -120,17 +112,6 @@ Weights = namedtuple("Weights", "blob mats norms")
 Cache = namedtuple("Cache", "k v tables page_size")
 Rows = namedtuple("Rows", "positions slots seq")
 Dims = namedtuple("Dims", "n_head n_head_kv n_ff eps scale cos sin")
-# The prefill stage's choices for one call (stages/prefill.py makes it; None elsewhere, and then
-# numba compiles none of what reads it):
-#   act_bytes    bytes of activation rows one matmul work item takes (a block that stays in L2)
-#   tiles        int64 [n, 2]: (first row, rows) of each query tile: consecutive rows of one sequence
-#   decode_rows  int64 [k]: the rows attended alone (their chunks split between threads);
-#   decode_of    int64 [M]: each row's index in decode_rows, or -1
-#   qs .. oc     tiled_attention.Workspace's arrays, one per thread (leading axis)
-#   pm, pl, po   the decode rows' chunk results [k, n_head_kv, chunks, groups, 8 (, hd)]
-#   q32 .. b16k  the pair packs (pair_gemm.Pairs32, PairsK) of the rows
-Prefill = namedtuple("Prefill", "act_bytes tiles decode_rows decode_of qs pos kf vf st m l o mc lc oc pm pl po "
-                          "q32 d32 s32 sums32 qk dk b32k b16k")
 Span = namedtuple("Span", "first last sums")
 # A call's scratch arrays, and the same with the rounded activations (numba's parallel loop takes
 # no tuple inside a tuple, so the packs join inside each thread's call).
@@ -229,37 +210,57 @@ def _chunk_float(kind, w, off, rb, r0, r1, m0, m1, xf, out, col, fbuf):
             out[m, col + r0 + r] = acc
 
 
+# ---- the steps a later stage may change ----------------------------------------------------------
+#
+# The stack below calls these by name; they are this stage's. A later stage makes its own stack with
+# some of them changed (with_steps, at the end of this file).
+
 @njit(cache=True, inline="always")
-def _rows(p32, pk, m0, m1):
+def rows_of(p32, pk, m0, m1):
     """Activation rows m0..m1 of both packs."""
     return (Q8Blocks(p32.q[m0:m1], p32.d[m0:m1], p32.s[m0:m1], p32.sums[m0:m1]),
             Q8KBlocks(pk.q[m0:m1], pk.d[m0:m1], pk.b16[m0:m1], pk.b32[m0:m1]))
 
 
 @njit(cache=True, inline="always")
-def _pairs(pre):
-    return (Pairs32(pre.q32, pre.d32, pre.s32, pre.sums32), PairsK(pre.qk, pre.dk, pre.b32k, pre.b16k))
-
-
-@njit(cache=True, inline="always")
-def chunk(mat, blob, r0, r1, m0, m1, xf, s, out, col, fs, pre):
-    """Rows r0..r1 of one matrix (a MATRIX record) times activation rows m0..m1 into out[m, col..].
-    With `pre`, the types pair_gemm takes run there, two rows to a register, when there are two
-    rows or more (a decode row alone stays on repack's kernel: the same bits)."""
+def matmul_chunk(ops, mat, blob, r0, r1, m0, m1, xf, s, out, col, fs):
+    """Rows r0..r1 of one matrix (a MATRIX record, its bytes in blob) times activation rows m0..m1
+    into out[m, col + r]: xf [M, K] the rows in float32, s the call's Work (their 8-bit packs, p32
+    and pk), fs [1, K] float32 a thread's own row. Float matrices a row at a time; the others in
+    integer tiles on their rows as the file stores them (ROWS)."""
     if is_float(mat.kind):
         _chunk_float(mat.kind, blob, mat.offset, mat.row_bytes, r0, r1, m0, m1, xf, out, col, fs[:, :xf.shape[1]])
         return
-    if pre is not None:
-        if ZMM:                         # a constant: without 512-bit vpdpbusd the pair kernel is not compiled
-            if mat.layout == REPACKED and pairs_take(mat.kind) and m1 - m0 > 1:
-                x32, xk = _pairs(pre)
-                pair_gemm.pair_gemm(mat.kind, blob, mat.offset, mat.row_bytes, x32, xk, m0, m1, out, col, (r0, r1))
-                return
-    p32, pk = _rows(s.p32, s.pk, m0, m1)
-    if mat.layout == REPACKED:
-        repacked.group_gemm(mat.kind, blob, mat.offset, mat.row_bytes, p32, pk, m1 - m0, out[m0:m1], col, r0, r1)
-    else:
-        _chunk_ints(mat.kind, blob, mat.offset, mat.row_bytes, r0, r1, m1 - m0, p32, pk, out[m0:m1], col)
+    p32, pk = rows_of(s.p32, s.pk, m0, m1)
+    _chunk_ints(mat.kind, blob, mat.offset, mat.row_bytes, r0, r1, m1 - m0, p32, pk, out[m0:m1], col)
+
+
+@njit(cache=True, inline="always")
+def rows_multiple(ops, mat):
+    """A matmul work item's weight rows are a multiple of this: a decode tile's 4 (int_tiles.decode_rows)."""
+    return 4
+
+
+@njit(cache=True, inline="always")
+def round_row(ops, x, m, K, n32, nk, s):
+    """Row m of the 8-bit packs (s.p32 if n32, s.pk if nk) from x [K] float32."""
+    quantize_row(x, m, K, n32, nk, s.p32, s.pk)
+
+
+@njit(cache=True, inline="always")
+def activation_block(ops, K, M):
+    """Activation rows a matmul work item takes, of the call's M (rows of length K): all of them,
+    each weight chunk read once for every row."""
+    return M
+
+
+@njit(cache=True, inline="always")
+def part_shape(ops, rows):
+    """(rows, chunks) of s.part, where attend leaves each (row, head, chunk)'s partial result."""
+    n_chunks = 1
+    for m in range(rows.positions.shape[0]):
+        n_chunks = max(n_chunks, chunks_of(rows.positions[m]))
+    return rows.positions.shape[0], n_chunks
 
 
 @njit(cache=True, inline="always")
@@ -273,11 +274,6 @@ def rows_per_item(K, M, multiple):
     return max(multiple, DECODE_WEIGHTS // K // multiple * multiple)
 
 
-@njit(cache=True, inline="always")
-def multiple_of(mat):
-    """Work items hold whole groups of a repacked matrix (repacked.GROUP rows), 4 rows otherwise."""
-    return repacked.GROUP if mat.layout == REPACKED else 4
-
 
 # ---- the phases --------------------------------------------------------------------------------
 
@@ -285,7 +281,7 @@ def multiple_of(mat):
 # reference counts: toolkit.py says why).
 
 @njit(cache=True, inline="always")
-def _needs(mats, j0, j1):
+def packs_needed(mats, j0, j1):
     """(any integer matrix of j0..j1-1 takes Q8_0/Q8_1 blocks, any takes Q8_K)."""
     n32, nk = False, False
     for j in range(j0, j1):
@@ -298,59 +294,41 @@ def _needs(mats, j0, j1):
     return n32, nk
 
 
-@njit(cache=True, inline="always")
-def _quantize(x, m, K, n32, nk, s, pre):
-    """Row m of the packs (and of the pair packs, with `pre`) from x [K]."""
-    quantize_row(x, m, K, n32, nk, s.p32, s.pk)
-    if pre is not None:
-        if ZMM and s.xin.shape[0] > 1:  # the pair packs feed the pair kernel only: two rows or more
-            x32, xk = _pairs(pre)
-            pair_row(m, K, n32, nk, s.p32, s.pk, x32, xk)
-
-
 @per_phase
-def _norm_rows(h, il, which, eps, weights, s, ph, t, nt, pre):
+def _norm_rows(h, il, which, eps, weights, s, ph, t, nt, ops):
     """x = rms_norm(h) * norm `which` of layer il, row by row, rounded for the matrices after it."""
     M, D = h.shape
     base = il * MATS_PER_LAYER
     j0, j1 = (WQ, WO) if which == 0 else (GATE, DOWN)
-    n32, nk = _needs(weights.mats, base + j0, base + j1)
+    n32, nk = packs_needed(weights.mats, base + j0, base + j1)
     while True:
         m = next_item(s.counters, ph, t, nt, M)
         if m < 0:
             break
         rms_norm_row(h[m], weights.norms[il, which], eps, s.xin[m, :D])
-        _quantize(s.xin[m], m, D, n32, nk, s, pre)
+        round_row(ops, s.xin[m], m, D, n32, nk, s)
 
 
 @per_phase
-def _round_f(il, weights, s, ph, t, nt, pre):
+def _round_f(il, weights, s, ph, t, nt, ops):
     """f = silu(gate) * up, rounded for W_down."""
     M, n_ff = s.fbuf.shape
     j = il * MATS_PER_LAYER + DOWN
-    n32, nk = _needs(weights.mats, j, j + 1)
+    n32, nk = packs_needed(weights.mats, j, j + 1)
     while True:
         m = next_item(s.counters, ph, t, nt, M)
         if m < 0:
             break
-        _quantize(s.fbuf[m], m, n_ff, n32, nk, s, pre)
-
-
-@njit(cache=True, inline="always")
-def block_rows(act_bytes, K, M):
-    """Activation rows per matmul work item (with `pre`): all M where act_bytes of their 8-bit
-    values hold them, else as many pairs as it holds (a block starts on a pair; only the last
-    block may be odd, and a few rows are one block: the weights are read once for all of them)."""
-    n = act_bytes // K
-    return M if M <= n else max(2, n // 2 * 2)
+        round_row(ops, s.fbuf[m], m, n_ff, n32, nk, s)
 
 
 # error_model="numpy": no check for a zero divisor around silu's division, which otherwise keeps
 # LLVM from vectorizing the epilogue (one exp and one division per value, scalar).
 @per_phase(error_model="numpy")
-def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ph, t, nt, pre):
+def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ops, ph, t, nt):
     """One thread's share of a matmul phase of layer il: work items from counters[ph], each a chunk
-    of weight rows times a block of activation rows (all of them without `pre`) into s.y, then
+    of weight rows times a block of activation rows (activation_block: all of them, unless a later
+    stage's ops cut them in blocks) into s.y, then
     the phase's epilogue on those rows:
 
         QKV      Wq | Wk | Wv rows -> y[:, :nq + 2 nkv]; RoPE on q and k, k and v into the cache
@@ -370,7 +348,7 @@ def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ph, t, nt, pre):
     y = s.y
     if op == QKV:
         K = D
-        per = rows_per_item(D, M, multiple_of(mats[base + WQ]))
+        per = rows_per_item(D, M, rows_multiple(ops, mats[base + WQ]))
         nq_items, nkv_items = (nq + per - 1) // per, (nkv + per - 1) // per
         n_row_items = nq_items + 2 * nkv_items
         xf = s.xin[:, :D]
@@ -378,10 +356,10 @@ def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ph, t, nt, pre):
         j = WO if op == WO_OP else (GATE if op == GATE_UP else DOWN)
         K = nq if op == WO_OP else (D if op == GATE_UP else n_ff)
         N = n_ff if op == GATE_UP else D
-        per = rows_per_item(2 * K if op == GATE_UP else K, M, multiple_of(mats[base + j]))
+        per = rows_per_item(2 * K if op == GATE_UP else K, M, rows_multiple(ops, mats[base + j]))
         n_row_items = (N + per - 1) // per
         xf = s.xin[:, :nq] if op == WO_OP else (s.xin[:, :D] if op == GATE_UP else s.fbuf)
-    mb = M if pre is None else block_rows(pre.act_bytes, K, M)
+    mb = activation_block(ops, K, M)
     n_items = n_row_items * ((M + mb - 1) // mb)
     while True:
         item = next_item(s.counters, ph, t, nt, n_items)
@@ -400,7 +378,8 @@ def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ph, t, nt, pre):
             r0, n, col = ri * per, N, 0
         r1 = min(n, r0 + per)
         for part in range(2 if op == GATE_UP else 1):
-            chunk(mats[base + j + part], weights.blob, r0, r1, m0, m1, xf, s, y, col + part * n_ff, s.fs[t], pre)
+            matmul_chunk(ops, mats[base + j + part], weights.blob, r0, r1, m0, m1, xf, s, y, col + part * n_ff,
+                         s.fs[t])
         if op == QKV:
             if j != WV:
                 rope_rows(y, col + r0, col + r1, hd, dims.cos, dims.sin, rows.positions, m0, m1)
@@ -445,12 +424,12 @@ def _attend(il, cache, rows, dims, s, ph, t, nt):
 
 
 @per_phase
-def _merge(il, weights, cache, rows, dims, s, ph, t, nt):
+def _merge(il, weights, cache, rows, dims, s, ops, ph, t, nt):
     """Each row's heads: its own chunks merged in order (flash-decoding's reduction), then rounded for Wo."""
     M, H = s.part.shape[0], s.part.shape[1]
     hd = cache.k.shape[2] // dims.n_head_kv
     j = il * MATS_PER_LAYER + WO
-    n32, nk = _needs(weights.mats, j, j + 1)
+    n32, nk = packs_needed(weights.mats, j, j + 1)
     while True:
         m = next_item(s.counters, ph, t, nt, M)
         if m < 0:
@@ -462,75 +441,20 @@ def _merge(il, weights, cache, rows, dims, s, ph, t, nt):
             n = chunks_of(rows.positions[m])
             for hh in range(H):
                 merge_chunks(s.part[m, hh], n, hd, out[hh * hd:(hh + 1) * hd])
-        quantize_row(out, m, H * hd, n32, nk, s.p32, s.pk)
+        round_row(ops, out, m, H * hd, n32, nk, s)
 
 
 @njit(cache=True, inline="always")
-def _workspace(pre, t):
-    """Thread t's arrays of the tiled attention."""
-    return Workspace(pre.qs[t], pre.pos[t], pre.kf[t], pre.vf[t], pre.st[t], pre.m[t], pre.l[t],
-                     pre.o[t], pre.mc[t], pre.lc[t], pre.oc[t])
+def attend(ops, il, weights, cache, rows, dims, s, ph, t, nt):
+    """Thread t's share of layer il's attention (phase ph): the queries in s.y, each (row, head,
+    chunk)'s partial result into s.part."""
+    _attend(il, cache, rows, dims, s, ph, t, nt)
 
 
-@per_phase
-def _attend_tiles(il, cache, rows, dims, s, pre, ph, t, nt):
-    """With `pre`: work items (query tile, KV head), each tile's result straight into s.xin; then
-    (decode row, KV head, chunk), each chunk's result into pre.pm, pl, po (tiled_attention.py)."""
-    Hkv = dims.n_head_kv
-    hd = cache.k.shape[2] // Hkv
-    G = dims.n_head // Hkv
-    w = _workspace(pre, t)
-    n_tile_items = pre.tiles.shape[0] * Hkv
-    n_chunks = pre.pm.shape[2]
-    n_items = n_tile_items + pre.decode_rows.shape[0] * Hkv * n_chunks
-    while True:
-        item = next_item(s.counters, ph, t, nt, n_items)
-        if item < 0:
-            break
-        if item < n_tile_items:
-            m0, n = pre.tiles[item // Hkv, 0], pre.tiles[item // Hkv, 1]
-            kvh = item % Hkv
-            attend_rows(s.y, m0, n, kvh, 0, chunks_of(rows.positions[m0 + n - 1]), il, cache, rows, dims, w)
-            finish_rows(w, m0, n, kvh, G, hd, s.xin)
-            continue
-        item -= n_tile_items
-        k, kvh, c = item // (Hkv * n_chunks), item // n_chunks % Hkv, item % n_chunks
-        m = pre.decode_rows[k]
-        if c < chunks_of(rows.positions[m]):
-            attend_rows(s.y, m, 1, kvh, c, c + 1, il, cache, rows, dims, w)
-            groups = (G + LANES - 1) // LANES
-            for gi in range(groups):        # element by element: a slice assignment allocates (no NRT here)
-                for ln in range(LANES):
-                    pre.pm[k, kvh, c, gi, ln] = w.m[gi, ln]
-                    pre.pl[k, kvh, c, gi, ln] = w.l[gi, ln]
-                    for e in range(hd):
-                        pre.po[k, kvh, c, gi, ln, e] = w.o[gi, ln, e]
-
-
-@per_phase
-def _merge_tiles(il, weights, cache, rows, dims, s, pre, ph, t, nt):
-    """With `pre`: each decode row's chunks merged in order (the tiles' rows are done), every row
-    rounded for Wo."""
-    M = s.xin.shape[0]
-    Hkv = dims.n_head_kv
-    hd = cache.k.shape[2] // Hkv
-    G = dims.n_head // Hkv
-    j = il * MATS_PER_LAYER + WO
-    n32, nk = _needs(weights.mats, j, j + 1)
-    w = _workspace(pre, t)
-    while True:
-        m = next_item(s.counters, ph, t, nt, M)
-        if m < 0:
-            break
-        k = pre.decode_of[m]
-        if rows.slots[m] < 0:
-            s.xin[m, :dims.n_head * hd] = 0.0           # a padding row: nothing to attend to
-        elif k >= 0:
-            for kvh in range(Hkv):
-                merge_parts(w, pre.pm[k, kvh], pre.pl[k, kvh], pre.po[k, kvh], chunks_of(rows.positions[m]),
-                            (G + LANES - 1) // LANES, hd)
-                finish_rows(w, m, 1, kvh, G, hd, s.xin)
-        _quantize(s.xin[m], m, dims.n_head * hd, n32, nk, s, pre)
+@njit(cache=True, inline="always")
+def merge(ops, il, weights, cache, rows, dims, s, ph, t, nt):
+    """Thread t's share of what attention leaves: every row's heads in s.xin, rounded for Wo."""
+    _merge(il, weights, cache, rows, dims, s, ops, ph, t, nt)
 
 
 @njit(cache=True, inline="always")
@@ -539,7 +463,7 @@ def _work(s, p32, pk):
 
 
 @per_phase
-def _worker(t, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre):
+def _worker(t, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, ops):
     """Thread t of the nt the scratch was made for: every phase of the span, its share of each, a
     barrier between two; thread 0 adds each phase's cycles to sync[CLOCK + i] where new_sync made
     room."""
@@ -552,21 +476,15 @@ def _worker(t, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre)
         il, i = ph // OPS_PER_LAYER, ph % OPS_PER_LAYER
         op = _PHASES[i]
         if op == NORM_ATTN or op == NORM_FFN:
-            _norm_rows(h, il, 0 if op == NORM_ATTN else 1, dims.eps, weights, s, ph, t, nt, pre)
+            _norm_rows(h, il, 0 if op == NORM_ATTN else 1, dims.eps, weights, s, ph, t, nt, ops)
         elif op == ATTEND:
-            if pre is None:
-                _attend(il, cache, rows, dims, s, ph, t, nt)
-            else:
-                _attend_tiles(il, cache, rows, dims, s, pre, ph, t, nt)
+            attend(ops, il, weights, cache, rows, dims, s, ph, t, nt)
         elif op == MERGE:
-            if pre is None:
-                _merge(il, weights, cache, rows, dims, s, ph, t, nt)
-            else:
-                _merge_tiles(il, weights, cache, rows, dims, s, pre, ph, t, nt)
+            merge(ops, il, weights, cache, rows, dims, s, ph, t, nt)
         elif op == ROUND_F:
-            _round_f(il, weights, s, ph, t, nt, pre)
+            _round_f(il, weights, s, ph, t, nt, ops)
         else:
-            _matmul_op(op, il, span.sums, weights, cache, rows, dims, s, ph, t, nt, pre)
+            _matmul_op(op, il, span.sums, weights, cache, rows, dims, s, ops, ph, t, nt)
         if ph + 1 < span.last:
             bar += 1
             if not barrier(sync, nt, bar):
@@ -575,31 +493,19 @@ def _worker(t, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre)
             sync[CLOCK + i] += cycles() - start
 
 
-def run_layers(h, weights, cache, rows, dims, sync, nt, pre=None):
-    """Every layer on h [M, D] (changed in place): run_phases over all of them, Wo and W_down
-    adding into h itself. pre: None, or the prefill stage's Prefill (its choices and arrays: its
-    kernels run)."""
-    work = scratch_for(h, weights, cache, rows, dims, nt, pre)
-    span = Span(0, len(weights.norms) * OPS_PER_LAYER, h)
-    return run_phases(h, weights, cache, rows, dims, sync, nt, span, pre, *work)
-
-
 @njit(cache=True)
-def scratch_for(h, weights, cache, rows, dims, nt, pre):
+def scratch_for(h, weights, cache, rows, dims, nt, ops):
     """The arrays a call of run_phases works in, for these rows (their positions: attention's
     chunks): (Scratch, Q8Blocks, Q8KBlocks). Made once, they serve every call of a step."""
     M, D = h.shape
     kv_dim = cache.k.shape[2]
     hd = kv_dim // dims.n_head_kv
-    n_chunks = 1
-    if pre is None:                    # the tiled attention keeps its chunks in pre's arrays
-        for m in range(M):
-            n_chunks = max(n_chunks, chunks_of(rows.positions[m]))
     H, n_ff, n_layer = dims.n_head, dims.n_ff, weights.norms.shape[0]
     K = max(D, n_ff, H * hd)
+    part_rows, n_chunks = part_shape(ops, rows)
     s = Scratch(np.zeros((M, max(D, H * hd)), np.float32), np.zeros((M, n_ff), np.float32),
                 np.zeros((M, max(H * hd + 2 * kv_dim, 2 * n_ff, D)), np.float32),
-                np.zeros((M if pre is None else 1, H, n_chunks, hd + 2), np.float32),
+                np.zeros((part_rows, H, n_chunks, hd + 2), np.float32),
                 np.zeros((nt, CHUNK), np.float32),
                 np.zeros((nt, 1, K), np.float32), np.zeros((n_layer * OPS_PER_LAYER, nt), np.int64))
     a = pack_arrays(M, K)
@@ -607,90 +513,165 @@ def scratch_for(h, weights, cache, rows, dims, nt, pre):
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def run_phases(h, weights, cache, rows, dims, sync, nt, span, pre, scratch, p32, pk):
+def run_phases(h, weights, cache, rows, dims, sync, nt, span, ops, scratch, p32, pk):
     """The phases of span (Span) on h [M, D] (changed in place): row m at rows.positions[m], its K
     and V written into cache slot rows.slots[m]; scratch, p32, pk: scratch_for's (made with the
-    same pre). One parallel region of nt iterations: nt must be numba's thread count
+    same ops). One parallel region of nt iterations: nt must be numba's thread count
     (numba.get_num_threads(), read by the caller: inside a cached kernel it cannot be).
-    pre: None, or the prefill stage's Prefill. sync: sync.new_sync(); sync[ARRIVALS] counts the
-    barriers' arrivals, sync[ABORT] is 1 if one gave up, and sync[CLOCK + i], where new_sync made
-    room (phases=OPS_PER_LAYER), phase i's cycles."""
+    ops: the stage's ops record (None: this stage's steps). sync: sync.new_sync(); sync[ARRIVALS]
+    counts the barriers' arrivals, sync[ABORT] is 1 if one gave up, and sync[CLOCK + i], where
+    new_sync made room (phases=OPS_PER_LAYER), phase i's cycles."""
     scratch.counters[span.first:span.last] = 0
     # np.int64(t): prange's index is signed where numba types the loop and unsigned inside the
     # region, and a bare 0 is a literal: three types would compile _worker (and all it calls) three
     # times over. One type compiles it once.
     if nt == 1:                 # one thread needs no region (its launch costs about as much as a norm)
-        _worker(np.int64(0), h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre)
+        _worker(np.int64(0), h, weights, cache, rows, dims, scratch, p32, pk, sync, span, ops)
     else:
         for t in prange(nt):
-            _worker(np.int64(t), h, weights, cache, rows, dims, scratch, p32, pk, sync, span, pre)
+            _worker(np.int64(t), h, weights, cache, rows, dims, scratch, p32, pk, sync, span, ops)
     return h
 
 
 # ---- one matrix: the output head ---------------------------------------------------------------
 
 @per_phase
-def _head_worker(x, blob, mats, scratch, p32, pk, b, pairs, out, per, t, nt):
+def _head_worker(x, blob, mats, scratch, p32, pk, ops, out, per, t, nt):
     M = x.shape[0]
     mat = mats[0]
     s = _work(scratch, p32, pk)
-    x32, xk = named_pairs(b)
     n_items = (mat.rows + per - 1) // per
     while True:
         item = next_item(s.counters, 0, t, nt, n_items)
         if item < 0:
             break
         r0 = item * per
-        r1 = min(mat.rows, r0 + per)
-        if ZMM:                         # a constant, as in chunk()
-            if pairs:
-                pair_gemm.pair_gemm(mat.kind, blob, mat.offset, mat.row_bytes, x32, xk, 0, M, out, 0, (r0, r1))
-                continue
-        chunk(mat, blob, r0, r1, 0, M, x, s, out, 0, s.fs[t], None)
+        matmul_chunk(ops, mat, blob, r0, min(mat.rows, r0 + per), 0, M, x, s, out, 0, s.fs[t])
 
 
 @njit(cache=True)
-def _pair_rows(M, K, k, p32, pk, b):
-    """Rows 0..M-1 of the packs into the pair packs (the arrays b: pair_gemm.pair_arrays)."""
-    x32, xk = named_pairs(b)
-    for m in range(M):
-        pair_row(m, K, not k, k, p32, pk, x32, xk)
+def _round_rows(ops, x, n32, nk, s):
+    """Every row of x [M, K] into the packs of s. (A function of its own: inlined into matmul_rows,
+    a later stage's round_row trips numba's analysis of the parallel function's arrays.)"""
+    for m in range(x.shape[0]):
+        round_row(ops, x[m], m, x.shape[1], n32, nk, s)
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def matmul_rows(x, blob, mats, nt, pairs):
+def matmul_rows(x, blob, mats, nt, ops):
     """x [M, K] times one weight (mats: one MATRIX record, in blob: read_only) -> [M, N]: the
-    activation rounded once, the rows in work items over nt threads (numba's thread count).
-    `pairs`, a bool never left out (an omitted argument is another type, another compile): in the
-    prefill stage two rows or more of a type pair_gemm takes go there, two to a register, for the
-    same bits as repack's kernel."""
+    activation rounded once, the rows in work items over nt threads (numba's thread count), each
+    through the stage's matmul_chunk (ops: its record, as for run_phases)."""
     M, K = x.shape
     mat = mats[0]
     a = pack_arrays(M, K)
     p32, pk = Q8Blocks(a[0], a[1], a[2], a[3]), Q8KBlocks(a[4], a[5], a[6], a[7])
-    pairs = ZMM and pairs and M > 1 and mat.layout == REPACKED and pairs_take(mat.kind)
-    b = pair_arrays(M if pairs else 1, K if pairs else 32)     # a plain tuple: q8.pack_arrays says why
-    if not is_float(mat.kind):
-        for m in range(M):
-            quantize_row(x[m], m, K, not is_k(mat.kind), is_k(mat.kind), p32, pk)
-        if pairs:
-            _pair_rows(M, K, is_k(mat.kind), p32, pk, b)
     out = np.empty((M, mat.rows), np.float32)
     s = Scratch(x, x, out, np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1), np.float32),
                 np.zeros((nt, 1, K), np.float32), np.zeros((1, nt), np.int64))
-    per = rows_per_item(K, M, multiple_of(mat))
+    if not is_float(mat.kind):
+        _round_rows(ops, x, not is_k(mat.kind), is_k(mat.kind), _work(s, p32, pk))
+    per = rows_per_item(K, M, rows_multiple(ops, mat))
     for t in prange(nt):
-        _head_worker(x, blob, mats, s, p32, pk, b, pairs, out, per, np.int64(t), nt)    # one type: see run_phases
+        _head_worker(x, blob, mats, s, p32, pk, ops, out, per, np.int64(t), nt)    # one type: see run_phases
     return out
 
 
-__all__ = ["run_layers", "run_phases", "scratch_for", "matmul_rows", "matrix_table", "read_only", "Weights", "Cache",
-           "Rows", "Dims", "Span", "Prefill", "MATRIX", "ROWS", "REPACKED", "OPS_PER_LAYER", "PHASES", "CHUNK",
-           "block_rows"]
+# ---- a stage's stack: this one, or one with some steps changed -----------------------------------
 
-toolkit.guard_cache(__name__, [run_phases, scratch_for, matmul_rows, _pair_rows, _worker, _head_worker, _matmul_op,
-                               _attend, _merge, _attend_tiles, _merge_tiles, _norm_rows, _round_f, _chunk_float,
-                               _chunk_tiles, _chunk_loops],
-                    [int_tiles.__file__, int_dot.__file__, dequant_dot.__file__, sync.__file__, toolkit.__file__,
-                     q8.__file__, layer_ops.__file__, repacked.__file__, vector_ir.__file__, pair_gemm.__file__,
-                     tiled_attention.__file__])
+STEPS = ("matmul_chunk", "rows_multiple", "round_row", "activation_block", "attend", "merge", "part_shape")
+
+
+class Stack:
+    """One stage's layer stack: its compiled functions (by name, as the stack calls them) and the
+    ops records its calls pass (a record's type chooses the compiled code: each stack its own).
+
+        run_layers(h, weights, cache, rows, dims, sync, nt, ops)     every layer on h, in one call
+        run_phases(h, weights, cache, rows, dims, sync, nt, span, ops, *scratch_for(...))
+        scratch_for(h, weights, cache, rows, dims, nt, ops)          (Scratch, Q8Blocks, Q8KBlocks)
+        matmul_rows(x, blob, mats, nt, ops)                          one matrix (the output head)
+    """
+
+    def __init__(self, functions: dict, records: tuple):
+        self.functions, self.records = functions, records
+
+    def _check(self, ops):
+        if type(ops) not in self.records:
+            raise TypeError(f"this layer stack takes {' or '.join(r.__name__ for r in self.records)} as its ops "
+                            f"record, not {type(ops).__name__}: each stage's stack compiles for its own")
+
+    def run_layers(self, h, weights, cache, rows, dims, sync, nt, ops):
+        """Every layer on h [M, D] (changed in place): run_phases over all of them, Wo and W_down
+        adding into h itself."""
+        work = self.scratch_for(h, weights, cache, rows, dims, nt, ops)
+        span = Span(0, len(weights.norms) * OPS_PER_LAYER, h)
+        return self.run_phases(h, weights, cache, rows, dims, sync, nt, span, ops, *work)
+
+    def run_phases(self, h, weights, cache, rows, dims, sync, nt, span, ops, *work):
+        """work: scratch_for's (scratch, p32, pk)."""
+        self._check(ops)
+        return self.functions["run_phases"](h, weights, cache, rows, dims, sync, nt, span, ops, *work)
+
+    def scratch_for(self, h, weights, cache, rows, dims, nt, ops):
+        self._check(ops)
+        return self.functions["scratch_for"](h, weights, cache, rows, dims, nt, ops)
+
+    def matmul_rows(self, x, blob, mats, nt, ops):
+        self._check(ops)
+        return self.functions["matmul_rows"](x, blob, mats, nt, ops)
+
+
+STACK = Stack(dict(globals()), (type(None),))       # this stage's: its ops record is None
+_TAKEN = {type(None)}                               # records that have a stack: one each
+
+
+def _globals_read(dispatcher) -> set:
+    return {i.argval for i in dis.get_instructions(dispatcher.py_func) if i.opname == "LOAD_GLOBAL"}
+
+
+def with_steps(base: Stack, records: tuple, **steps) -> Stack:
+    """A later stage's stack: base's with `steps` changed (names from STEPS; compiled functions
+    with the same parameters), for calls whose ops record is one of `records` (namedtuple classes of
+    the stage's own). Every function of the stack that calls a changed step, directly or through
+    another, is copied with the new steps in its globals and compiled anew; numba's cache keeps the
+    copies apart from the originals by the ops record's type, which is why a record serves one
+    stack. (The copies are what a reader does not see: a later stage's kernel file holds its steps
+    and this one line.)"""
+    for name, step in steps.items():
+        if name not in STEPS:
+            raise ValueError(f"{name} is not a step of the layer stack; the steps: {', '.join(STEPS)}")
+        if inspect.signature(step.py_func) != inspect.signature(STACK.functions[name].py_func):
+            raise TypeError(f"{step.__name__} replaces {name}: its parameters must be "
+                            f"{inspect.signature(STACK.functions[name].py_func)}")
+    if _TAKEN & set(records):
+        raise ValueError(f"{', '.join(r.__name__ for r in records)}: a record serves one stack (numba's cache "
+                         f"tells the stacks apart by it)")
+    _TAKEN.update(records)
+    functions = dict(base.functions, **steps)
+    ours = {n: f for n, f in base.functions.items()
+            if isinstance(f, Dispatcher) and f.py_func.__module__ == __name__ and n not in STEPS}
+    changed, copy = set(steps), set()
+    while True:
+        more = {n for n, f in ours.items() if n not in copy and _globals_read(f) & changed}
+        if not more:
+            break
+        copy |= more
+        changed |= more
+    for name in copy:
+        f = ours[name].py_func
+        clone = FunctionType(f.__code__, functions, f.__name__, f.__defaults__, f.__closure__)
+        clone.__qualname__, clone.__module__ = f.__qualname__, f.__module__
+        functions[name] = jit(cache=True, **ours[name].targetoptions)(clone)
+    return Stack(functions, records)
+
+
+__all__ = ["Stack", "STACK", "STEPS", "with_steps", "matrix_table", "read_only", "Weights", "Cache", "Rows", "Dims",
+           "Span", "Scratch", "Work", "MATRIX", "ROWS", "OPS_PER_LAYER", "PHASES", "CHUNK", "matmul_chunk",
+           "rows_multiple", "round_row", "activation_block", "attend", "merge", "part_shape", "rows_of",
+           "packs_needed", "is_k", "is_float", "rows_per_item"]
+
+# A later stage's steps compile into these functions (with_steps): every kernel file of this folder
+# is one they may inline.
+toolkit.guard_cache(__name__, [run_phases, scratch_for, matmul_rows, _round_rows, _worker, _head_worker, _matmul_op,
+                               _attend, _merge, _norm_rows, _round_f, _chunk_float, _chunk_tiles, _chunk_loops],
+                    sorted(Path(__file__).parent.glob("*.py")))
