@@ -39,9 +39,14 @@ import numpy as np
 
 from common.profile import OpProfiler, Profiler
 
+# Logits, max |stage - float64 reference| (common/reference.py): what float32 arithmetic in another
+# order costs. A stage that rounds its activations more coarsely says its own (logit_tolerance).
+FLOAT_TOLERANCE = 5e-3
+
 
 class Backend:
     name = "base"
+    logit_tolerance = FLOAT_TOLERANCE    # the bound this stage's logits keep to the float64 reference
 
     def __init__(self, threads: int | None = None):
         self.threads = threads or 1

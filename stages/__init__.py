@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from common.backend import Backend
+from common.backend import FLOAT_TOLERANCE, Backend
 from common.gguf import GGUFFile
 from common.model import LlamaModel
 from stages.registry import REGISTRY, STAGES, VARIANTS, Stage
@@ -19,9 +19,6 @@ from stages.registry import REGISTRY, STAGES, VARIANTS, Stage
 __all__ = ["STAGES", "VARIANTS", "REGISTRY", "Stage", "StageError", "info", "load", "backend_class",
            "unavailable_reason", "runnable_stages", "SURFACE", "op_owners", "logit_tolerance", "FLOAT_TOLERANCE"]
 
-# Logits, max |stage - float64 reference|: what float32 arithmetic in another order costs. A stage
-# that rounds its activations more coarsely declares its own LOGIT_TOLERANCE in its module.
-FLOAT_TOLERANCE = 5e-3
 
 
 class StageError(ValueError):
@@ -47,9 +44,9 @@ def unavailable_reason(stage: str) -> str | None:
 
 
 def logit_tolerance(stage: str) -> float:
-    """The bound a stage's logits keep to the float64 reference (common/reference.py)."""
-    module = importlib.import_module(backend_class(stage).__module__)
-    return getattr(module, "LOGIT_TOLERANCE", FLOAT_TOLERANCE)
+    """The bound a stage's logits keep to the float64 reference (common/reference.py): its
+    backend's, inherited from the stage it builds on unless it rounds differently."""
+    return backend_class(stage).logit_tolerance
 
 
 def runnable_stages() -> list[str]:

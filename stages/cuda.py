@@ -313,6 +313,7 @@ class CudaProfiler(Profiler):
 
 class CudaBackend(Backend):
     name = "cuda"
+    logit_tolerance = LOGIT_TOLERANCE
     max_batch = DEFAULT_MAX_BATCH              # rows its scratch arena is sized for (LLM_CUDA_MAX_BATCH)
 
     @staticmethod

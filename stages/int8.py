@@ -56,6 +56,7 @@ LOGIT_TOLERANCE = 2.0           # logits, max |int8 - float64 reference| per pos
 
 class Int8Backend(ThreadsBackend):
     name = "int8"
+    logit_tolerance = LOGIT_TOLERANCE
     matvec = staticmethod(matvec_int8)   # the named-instruction kernels where the CPU has them
 
     def __init__(self, threads: int | None = None):

@@ -1,7 +1,7 @@
 """One name per thing: a module-level constant name (UPPER_CASE) means one value across common/ and
 stages/, written the same way wherever it is defined, so that a reader who has met a name once
-knows it everywhere. A stage's LOGIT_TOLERANCE is the exception: each stage declares its own
-(stages/__init__.py's logit_tolerance reads it per stage)."""
+knows it everywhere. A stage's LOGIT_TOLERANCE is the exception: a stage that rounds differently
+declares its own, which its backend's logit_tolerance carries (later stages inherit it)."""
 
 from __future__ import annotations
 

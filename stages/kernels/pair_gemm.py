@@ -278,7 +278,7 @@ def _pair_block(g, kind, gb, blk, acts, accs):
         _pair_32(g, kind, gb, blk, acts, accs)
 
 
-def _gemm_body(g, a, kind):
+def _pair_gemm_body(g, a, kind):
     """Every group of rows r0..r1, every block, T pairs of activation rows at a time, the pairs
     left over in one narrower tile: a group block is unpacked once per tile. Every tile asks for
     the lines ahead as repack's kernel does: the first tile of a group reads them from memory, the
@@ -328,7 +328,7 @@ def pair_gemm(typingctx, kind, w, off, row_bytes, x32, xk, m0, m1, out, col, row
         raise errors.TypingError("the pair kernels need AVX512-VNNI with BW (stages/kernels/vector_ir.py, ZMM)")
 
     def body(g, a):
-        g.switch(a.kind, {k: (lambda k=k: _gemm_body(g, a, k)) for k in PAIR_TYPES})
+        g.switch(a.kind, {k: (lambda k=k: _pair_gemm_body(g, a, k)) for k in PAIR_TYPES})
         return g.c.get_dummy_value()
     return types.none(kind, w, off, row_bytes, x32, xk, m0, m1, out, col, rows), body
 

@@ -438,7 +438,7 @@ def _store(g, a, m, n, lanes, value):
                     g.store(a.out, b.add(base, g.const(4 * i)), b.extract_element(value, ir.Constant(I32, i)))
 
 
-def _gemm_body(g, a, kind):
+def _group_gemm_body(g, a, kind):
     """Every group of rows r0..r1, every block, C activation rows at a time, the rows left over in
     one narrower tile (each tile unpacks the group block once; a group's later tiles find it in L1)."""
     b = g.b
@@ -475,7 +475,7 @@ def group_gemm(typingctx, kind, w, off, row_bytes, p32, pk, M, out, col, r0, r1)
     vector_ir.need_isa("the repacked kernels")
 
     def body(g, a):
-        g.switch(a.kind, {k: (lambda k=k: _gemm_body(g, a, k)) for k in REPACK_TYPES})
+        g.switch(a.kind, {k: (lambda k=k: _group_gemm_body(g, a, k)) for k in REPACK_TYPES})
         return g.c.get_dummy_value()
     return types.none(kind, w, off, row_bytes, p32, pk, M, out, col, r0, r1), body
 
