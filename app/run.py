@@ -332,7 +332,7 @@ def cmd_run(args):
                constraint=grammar.kind if grammar is not None else None)
     if spec:
         rec.update(draft_max=args.draft_max, model_draft=draft.gguf.path.split("/")[-1] if draft else None,
-                   spec_calibrate_s=spec.length.cost.calibrate_s,
+                   spec_calibrate_s=spec.speculation.time.calibrate_s,
                    tokens_per_s_mean=1000.0 / gen.decode_ms_mean if gen.decode_ms else float("nan"))
     if profiler:
         rec["profile"] = profiler.rows()
