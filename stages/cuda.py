@@ -37,7 +37,7 @@ every op the graph calls, and an op it forgot must fail loudly instead of handin
 to a numba kernel. Arrays in the graph are DeviceArray handles; one from the arena is valid until
 the next forward pass, and using it later raises instead of reading garbage.
 Prompts longer than `max_batch` rows (64; LLM_CUDA_MAX_BATCH) are fed in pieces by LlamaModel;
-per-kernel times come from CUDA events (`--profile`, LLM_CUDA_PROFILE=1, scripts/cuda_profile.py).
+per-kernel times come from CUDA events (`--profile`, LLM_CUDA_PROFILE=1, `python -m app bench cuda-profile`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from common.quants import UnsupportedTypeError, dequantize_rows, dequantize_tens
 from stages.kernels.cuda_runtime import PyCudaDevice, probe_once
 
 KERNEL_SOURCE = Path(__file__).parent / "kernels" / "cuda.cu"
-# The CPU stages' tolerance. The CPU emulator of these kernels (scripts/cuda_emulator.py: the same
+# The CPU stages' tolerance. The CPU emulator of these kernels (tests/emulator/cuda_emulator.py: the same
 # code and summation order) stays far inside it; a GPU adds fused multiply-adds, and
 # scripts/gpu_check.sh records its own figure.
 LOGIT_TOLERANCE = 5e-3

@@ -18,7 +18,7 @@ products and the scales are applied once per block. This stage does the same
   integer sums are the loops' to the bit (tests/test_int8.py also reads the instructions back
   from the assembly). Where a CPU lacks AVX2 + F16C the loops run; without VNNI the helpers use
   vpmaddubsw. The variant `int8-loops` (stages/registry.py) keeps the loops everywhere, so the
-  two can be measured side by side: `python scripts/bench_vs_llama.py --engines int8,int8-loops`.
+  two can be measured side by side: `python -m app bench vs-llama --engines int8,int8-loops`.
 * Prefill multiplies the rounded activations, d * q, with the threads stage's float panels
   (plus the Q4_1/Q5_1 offsets times Q8_1's float16 sums, as ggml takes them): llama.cpp's
   numbers, float arithmetic. An integer GEMM built from loops ran slower than the

@@ -13,7 +13,7 @@ next stage attacks the chain.
 
 The tile sizes are the ones the reasoning above predicts, 8 x 64 x 64: a 16 KiB B tile plus
 8 rows of A's 64-wide slice fit in L1 together. Whether they are the best on your CPU is a
-measurement, not a formula: scripts/tune_tiling.py sweeps 64 sizes on the model's own matrix
+measurement, not a formula: `python -m app bench tiling` sweeps 64 sizes on the model's own matrix
 shapes and records the ranking, with the machine it ran on, in profiles/bench/tiling_sweep.json.
 Rankings differ between CPUs (cache sizes and hardware prefetchers move them), which is why the
 stage keeps the reasoned size instead of one machine's winner.

@@ -30,7 +30,7 @@ What limits it: per layer two pieces (a fork and join each) and two all-reduces,
 gather, each a round trip whose latency does not shrink with the message (ranks.py times them and
 counts their bytes); across machines the link's latency times those round trips; unequal heads
 where N does not divide the KV heads (a rank waits for another at the all-reduce); and what every
-rank keeps whole: h, the norms, the interpreter and numba. `scripts/bench_tp.py` measures each,
+rank keeps whole: h, the norms, the interpreter and numba. `python -m app bench tp` measures each,
 through shared memory and across a link between two network namespaces (app/netns.py), into
 profiles/bench/tp_<model>.md. A collective that waits too long names the rank that did not come.
 """

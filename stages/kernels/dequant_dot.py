@@ -13,7 +13,7 @@ dst is float32 [K]. The block layouts and formulas are the ones common/quants.py
 (and tests against gguf-py); here they are loops that numba compiles.
 
 How the loops are written, and why (read with `fn.inspect_asm()`; timed per type with
-`python scripts/bench_kernels.py`, whose record is profiles/bench/kernels.json):
+`python -m app bench kernels`, whose record is profiles/bench/kernels.json):
 
 * The loop LLVM must vectorize is the one over a block's packed bytes: load 8 bytes, AND and
   shift out the nibbles, widen to int32, convert to float, multiply-add, 8 floats at a time.

@@ -17,7 +17,7 @@ The block formulas are ggml's dot products, vec_dot_<weight>_<activation>:
     Q4_K x Q8_K   d_a * (d_w * sum_s sc_s sum(q_w q_a)  -  dmin_w * sum_s m_s bsum_s)   (Q5_K)
     Q6_K x Q8_K   d_a * d_w * sum_s sc_s sum((q_w - 32) q_a)
 
-How the loops are written, and why (timed with `python scripts/bench_kernels.py`,
+How the loops are written, and why (timed with `python -m app bench kernels`,
 read with `fn.inspect_asm()`; tests/test_int8.py checks the instructions):
 
 * The integer sums are reductions LLVM recognizes: `acc = int32(acc + int32(w) * int32(a))`
@@ -54,7 +54,7 @@ read with `fn.inspect_asm()`; tests/test_int8.py checks the instructions):
   scale fields are converted by F16C (f16_at) instead of the 256 KiB table, which does not fit
   in L1. The integer sums are the loops' sums exactly (tests/test_int8.py: the same float32
   results, bit for bit). Their throughput per type, against the loops and against the
-  quantized stage's float kernels: profiles/bench/kernels.md (`python scripts/bench_kernels.py`).
+  quantized stage's float kernels: profiles/bench/kernels.md (`python -m app bench kernels`).
   numba's cache key holds the CPU's features, so a cache never carries these kernels to a CPU
   without them.
 """

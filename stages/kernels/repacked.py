@@ -211,7 +211,7 @@ def tile_rows(kind, isa):
 # Every cache line of a group block is asked for ahead of the block being multiplied (a software
 # prefetch): one thread otherwise waits on memory for part of each block. Into which cache and how
 # far ahead follow the CPU's maker and the type, each timed on one CPU of the maker (one thread
-# streaming a matrix larger than the caches; scripts/bench_prefetch.py times the choices on the
+# streaming a matrix larger than the caches; `python -m app bench prefetch` times the choices on the
 # machine at hand, profiles/bench/prefetch/ keeps what it found):
 #   Intel (Ice Lake, a 300 MB Q4_K / Q6_K / Q4_1 matrix): into L1 (prefetcht0), 2 to 8 KiB ahead
 #       alike, faster than the hardware prefetchers alone (timed before the bench existed: no record
@@ -221,7 +221,7 @@ def tile_rows(kind, isa):
 #       most for Q6_K, whose group block the kernel reads out of order (ql's two halves, then
 #       qh); for the 32-value types (group blocks of 144 to 272 bytes) into L1 4 KiB ahead was
 #       about as fast as none and faster than into L2.
-# {type: (cache level, bytes ahead)}; level 0: none (scripts/bench_prefetch.py times that too).
+# {type: (cache level, bytes ahead)}; level 0: none (`python -m app bench prefetch` times that too).
 L1_NEAR, L2_FAR = (1, 4096), (2, 32768)
 
 
