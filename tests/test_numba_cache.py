@@ -138,3 +138,42 @@ def test_an_unknown_numba_is_named():
         _data_name = None
     assert unverified("0.68.1", Gone) == ["IndexDataCacheFile._data_name is gone: read numba's new caching.py "
                                           "before moving the pin"]
+
+
+# argv: cache folder, locked|bare, then "save" (an entry whose key holds an instance of a class in
+# the module `ghost`, importable from the folder) or "load" (with the module gone: the entry)
+GHOST = """
+import sys
+folder, mode, what = sys.argv[1:4]
+if mode == "locked":
+    import app
+    app.configure_numba()
+from numba.core.caching import IndexDataCacheFile
+f = IndexDataCacheFile(folder, "kernel", "stamp")
+if what == "save":
+    sys.path.insert(0, folder)
+    import ghost
+    f.save(("B", ghost.Ghost(1)), "b")
+    f.save("A", "a")
+    print(f.load("A"))
+else:
+    print(f.load("A"))
+"""
+
+
+@pytest.mark.parametrize("mode", ["locked", "bare"])
+def test_an_index_naming_a_module_gone_is_a_miss_not_a_crash(tmp_path, mode):
+    """An index whose keys name a type from a module no later process can import (a learner's
+    solution loaded under a made-up name): loading any entry of it is a miss, recompiled, where
+    numba's own load raises (planted: the bare save and load, mode "bare")."""
+    (tmp_path / "ghost.py").write_text("from collections import namedtuple\nGhost = namedtuple('Ghost', 'x')\n")
+    run = lambda what: subprocess.run([sys.executable, "-c", GHOST, str(tmp_path), mode, what], cwd=ROOT,
+                                      capture_output=True, text=True, timeout=120)
+    saved = run("save")
+    assert saved.returncode == 0 and saved.stdout.strip() == "a", saved.stderr[-2000:]
+    (tmp_path / "ghost.py").unlink()
+    loaded = run("load")
+    if mode == "locked":
+        assert loaded.returncode == 0 and loaded.stdout.strip() == "None", loaded.stderr[-2000:]
+    else:
+        assert loaded.returncode != 0 and "No module named 'ghost'" in loaded.stderr

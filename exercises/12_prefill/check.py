@@ -6,7 +6,6 @@ attention (stages/kernels/layer_ops.py: one row and one head at a time, as decod
 
 from __future__ import annotations
 
-from collections import namedtuple
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,12 +15,17 @@ from numba.core.registry import CPUDispatcher
 from exercises.harness import Case, Exercise, Timing, as_kernel, attention_bound, best_seconds, close
 from stages.kernels import tiled_attention
 from stages.kernels.layer_ops import attend_chunk, chunks_of, merge_chunks
+from stages.kernels.layer_stack import Cache, Dims, Rows
 from stages.kernels.toolkit import FASTMATH
 
-# what attend_rows reads of the layer stack's records (by name; nothing else of them)
-Cache = namedtuple("Cache", "k v tables page_size")
-Rows = namedtuple("Rows", "positions seq")
-Dims = namedtuple("Dims", "n_head n_head_kv scale")
+# attend_rows reads the layer stack's own records (Cache, Rows, Dims): the stage's types, so that
+# what the check compiles of the stage's kernels is what the stage compiles (a record type of this
+# file, loaded under a made-up module name, would be a type no other process can find again)
+
+
+def rows_at(positions):
+    """Rows of one sequence at these positions (each in its own cache slot)."""
+    return Rows(positions, positions, np.zeros(len(positions), np.int64))
 TILE = 16                                        # rows per tile in the timed prompt
 
 
@@ -29,8 +33,8 @@ def _layout(q, k, v, p0, scale):
     R, G, hd = q.shape
     T = k.shape[0]
     cache = Cache(np.ascontiguousarray(k)[None], np.ascontiguousarray(v)[None], np.zeros((1, 1), np.int64), T)
-    rows = Rows(np.arange(p0, p0 + R, dtype=np.int64), np.zeros(R, np.int64))
-    dims = Dims(G, 1, np.float32(scale))
+    rows = rows_at(np.arange(p0, p0 + R, dtype=np.int64))
+    dims = Dims(G, 1, 0, np.float32(0.0), np.float32(scale), np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32))
     groups = -(-R * G // tiled_attention.LANES)
     w = tiled_attention.Workspace(*(a[0] for a in tiled_attention.workspace(1, groups, hd)))
     return cache, rows, dims, w
@@ -148,7 +152,7 @@ class Prefill(Exercise):
         scale = np.float32(1.0 / np.sqrt(hd))
         out = np.zeros_like(q)
         cache, rows, dims, w = _layout(q[:TILE], k, v, 0, scale)
-        rows = Rows(np.arange(M, dtype=np.int64), np.zeros(M, np.int64))
+        rows = rows_at(np.arange(M, dtype=np.int64))
         y = np.ascontiguousarray(q.reshape(M, G * hd))
         flat = np.zeros((M, G * hd), np.float32)
         reps = 3 if quick else 7

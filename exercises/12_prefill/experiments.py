@@ -24,7 +24,7 @@ def tile_rows(quick):
     rows = []
     for R in ((1, 16) if quick else (1, 4, 16, 64)):
         cache, _, dims, w = check._layout(q[:R], k, v, 0, scale)
-        all_rows = check.Rows(np.arange(M, dtype=np.int64), np.zeros(M, np.int64))
+        all_rows = check.rows_at(np.arange(M, dtype=np.int64))
         s = best_seconds(lambda: check._stage_tiles(y, R, cache, all_rows, dims, w, out, G, hd), 3 if quick else 7)
         rows.append((f"tiles of {R} row(s): {R * G} queries per pass over K and V", s * 1e3, "ms"))
     return {"rows": rows, "note": f"one KV head of a {M}-token prompt, G = {G} query heads, 1 thread"}
