@@ -5,7 +5,7 @@ Adding a stage is one entry here plus its module (a Backend subclass of the stag
 
 Numbers follow the article's chapters (1-6, cuda being its sixth), then ours (7 on); `STAGES`
 is in that order, and a stage's chapter is notebooks/<its number>_<its name> (chapters that are no
-stage take numbers no stage has: 00, and 13 on). `builds_on` is the stage a stage's backend
+stage take numbers no stage has: 00, and 14 on). `builds_on` is the stage a stage's backend
 inherits from: the stage it is compared with ("vs previous" in the report). A variant is the same lesson with one part
 swapped (e.g. int8 with its plain loops instead of the named instructions), loadable by name
 for side-by-side measurements but not a stage of its own.
@@ -118,6 +118,9 @@ REGISTRY = {s.name: s for s in (
           "per register)",
           kv_cache=True, chapter="12_prefill", parallel=True,
           kernels=("kernels/pair_gemm.py", "kernels/tiled_attention.py", "kernels/prefill_steps.py")),
+    Stage("amx", 13, "stages.amx", "AmxBackend", "prefill",
+          "the prompt on the CPU's matrix unit: 16 x 16 x 64 int8 multiply-adds an instruction (AMX tiles)",
+          kv_cache=True, chapter="13_amx", parallel=True, kernels=("kernels/amx_tiles.py", "kernels/amx_steps.py")),
 )}
 
 STAGES = [s.name for s in sorted(REGISTRY.values(), key=lambda s: s.number) if s.variant_of is None]

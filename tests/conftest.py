@@ -62,6 +62,7 @@ EXPECTED_SKIPS = {
         "a portable numba target (no host-only instructions)",
     r"the check reads x86 assembly; this is an? \S+ machine": "assembly checks of x86 code, on another machine",
     r"no headless browser: .+": "Chromium and its driver are a system package (`make browser` installs them)",
+    r"no matrix unit: .+": "the amx stage needs AMX tiles (Intel Xeon, 4th generation on) and Linux's permission",
     r"no network namespaces here: .+": "two hosts on one machine need Linux, root and the `ip` command "
                                        "(`make iproute2` installs it): a container may refuse them",
 }

@@ -18,7 +18,9 @@ Both ceilings are measured here with small numba kernels, single-threaded and on
   back on registers (vpdpbusd on 512-bit registers with AVX512-VNNI, on 256-bit ones with
   AVX-VNNI; vpmaddubsw + vpmaddwd + vpaddd with AVX2 alone): 2 integer ops per multiply-add. The
   int8 stages' FLOP are these integer ops, so it is their ceiling, and `make report` says what
-  share of it the prefill stage's prompt reaches (prefill_int_share).
+  share of it the prefill stage's prompt reaches (prefill_int_share);
+- the matrix unit's peak, where the CPU has one (AMX): TDPBSSD back to back on tiles, 32,768
+  integer ops an instruction (amx_peak_gops; absent from the record elsewhere).
 
 Where a stage sits on it: by default its intensity counts the fewest bytes a forward pass can
 read (every weight once, plus the KV cache). The textbook loop orders of naive and tiling read
@@ -38,7 +40,7 @@ from llvmlite import ir
 from numba import get_num_threads, njit, parallel_chunksize, prange, set_num_threads, types
 
 from common.cpu import cache_sizes, physical_cores
-from stages.kernels import vector_ir
+from stages.kernels import amx_tiles, vector_ir
 from stages.kernels.toolkit import FASTMATH
 from stages.kernels.vector_ir import B32, B64, D8, D16, I32, vector_intrinsic
 from stages.simd import matmul_panels
@@ -132,6 +134,40 @@ def _int_peak_parallel(reps, n_threads):
     return out
 
 
+@njit(cache=True)
+def _amx_peak_one(reps, buf):
+    amx_tiles.tile_products(reps, buf)
+
+
+@njit(cache=True, parallel=True)
+def _amx_peak_parallel(reps, bufs):
+    for t in prange(bufs.shape[0]):
+        amx_tiles.tile_products(reps, bufs[t])
+
+
+def amx_peak_gops(threads: int = 1, reps: int = 20_000) -> tuple[float, float]:
+    """(best, median) integer Gop/s of the matrix unit's TDPBSSD back to back on tiles (amx_tiles.
+    tile_products), on that many threads, 2 ops per multiply-add. Only where the amx stage runs
+    (the CPU has the unit and Linux granted this process its tiles): elsewhere a tile instruction
+    kills the process."""
+    from stages import unavailable_reason
+    why = unavailable_reason("amx")
+    if why:
+        raise RuntimeError(f"no matrix unit to measure: {why}")
+    ops = 2 * 16 * 16 * 64 * amx_tiles.PEAK_CHAINS * amx_tiles.PEAK_DEPTH * reps * threads
+    bufs = np.zeros((threads, 3 * 1024), np.uint8)
+    if threads == 1:
+        best, med = _best(lambda: _amx_peak_one(reps, bufs[0]), 5)
+    else:
+        old = get_num_threads()
+        set_num_threads(threads)
+        try:
+            best, med = _best(lambda: _amx_peak_parallel(reps, bufs), 5)
+        finally:
+            set_num_threads(old)
+    return ops / best / 1e9, ops / med / 1e9
+
+
 def int_peak_gops(threads: int = 1, reps: int = 2_000_000) -> tuple[float, float]:
     """(best, median) integer Gop/s of int_instruction() on that many threads, 2 ops per multiply-add."""
     lanes = 16 if vector_ir.ZMM else 8
@@ -194,6 +230,9 @@ def measure(threads: int | None = None, size_mib: int = 512) -> dict:
     if out["int_instruction"]:
         for t in sorted({1, threads}):
             out["int_peak_gops"][str(t)], out["int_peak_gops_median"][str(t)] = int_peak_gops(t)
+    from stages import unavailable_reason
+    if unavailable_reason("amx") is None:                  # the matrix unit, where there is one
+        out["amx_peak_gops"] = {str(t): amx_peak_gops(t)[0] for t in sorted({1, threads})}
     out["bandwidth_gbs"]["1"], out["bandwidth_gbs_median"]["1"] = bandwidth_gbs(a, 1)
 
     def peak1():

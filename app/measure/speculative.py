@@ -2,7 +2,7 @@
 (beside the roofline's prediction and llama.cpp's own pass), and what prompt lookup buys in
 tokens/s, ours and llama.cpp's (llama-cpp-python's LlamaPromptLookupDecoding), on text that
 copies itself and on free text. `python -m app bench speculative` runs these into
-profiles/bench/speculative.json; the chapter notebooks/14_speculative.ipynb runs them live.
+profiles/bench/speculative.json; the chapter notebooks/15_speculative.ipynb runs them live.
 
 The roofline's prediction for m rows (app/measure/roofline.py): a pass reads the weights once
 (and the KV cache) whatever m is, and computes m tokens' flops, so

@@ -19,7 +19,7 @@ app.configure_numba()                  # a notebook is an entry point: numba's c
 
 from common.cpu import cache_sizes  # this machine's caches, in bytes
 from notebooks.nb import article  # noqa: E402
-from notebooks.nb.asm import fma_counts, hot_loop, int8_row_kernels, integer_kernel_asm, kernel_asm
+from notebooks.nb.asm import amx_kernel_asm, fma_counts, hot_loop, int8_row_kernels, integer_kernel_asm, kernel_asm
 from notebooks.nb.journey import journey
 from notebooks.nb.measure import (
     KeepLogits,
@@ -75,7 +75,7 @@ from notebooks.nb.text import (
 )
 
 __all__ = [
-    "article",
+    "amx_kernel_asm", "article",
     "Findings", "KeepLogits", "MODEL_ENV", "MatmulWork", "QUICK_ENV", "ROOT", "Recorded", "Settings", "bar_chart",
     "best_seconds",
     "cache_sizes", "ceilings", "class_source_from_file", "faults_between", "find_kernels", "find_records",

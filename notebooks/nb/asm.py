@@ -108,3 +108,40 @@ def int8_row_kernels() -> dict:
         return y
 
     return {GGMLType.Q4_1: q4_1, GGMLType.Q4_K: q4_k}
+
+
+# A kernel compiled for a CPU this one need not be (numba's NUMBA_CPU_NAME): the matrix unit's
+# kernel for a Sapphire Rapids, in a process of its own (numba reads the target when it starts).
+_AMX_ASM = """
+import json, sys, numba
+from numba import types
+from stages.kernels import amx_tiles as A
+from stages.kernels.q8 import new_packs
+kind = int(sys.argv[1])
+p32, pk = new_packs(4, 512)
+arr = lambda dt, nd: types.Array(dt, nd, "C")
+i64 = types.int64
+sig = (types.literal(kind), arr(types.uint8, 1), i64, i64, numba.typeof(p32), numba.typeof(pk), i64, i64,
+       arr(types.float32, 2), i64, types.UniTuple(i64, 2))
+A._one_type.compile(sig)
+print(A._one_type.inspect_asm(sig))
+"""
+
+
+def amx_kernel_asm(kind: int, cpu: str = "sapphirerapids") -> str:
+    """The assembly of the amx stage's kernel for ggml type `kind`, compiled for `cpu` (never run
+    here: it needs the unit only to run)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from notebooks.nb.settings import ROOT
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": cache,
+               "PYTHONPATH": str(ROOT)}
+        p = subprocess.run([sys.executable, "-c", _AMX_ASM, str(kind)], capture_output=True, text=True, env=env,
+                           timeout=900)
+    if p.returncode:
+        raise RuntimeError(f"compiling the matrix unit's kernel for {cpu} failed:\n{p.stderr[-2000:]}")
+    return p.stdout

@@ -15,7 +15,7 @@ from app.report.charts import _ratio, draw_journey, floors, journey_size
 from notebooks.nb.measure import recorded
 from notebooks.nb.plots import show
 from notebooks.nb.text import md
-from stages import info
+from stages import info, unavailable_reason
 
 
 def standing(res, stage: str) -> str:
@@ -43,6 +43,8 @@ def journey(stage: str, results_root=None) -> str:
     show(fig)
     md(rec.note)
     if not here:
-        where = "a machine with an NVIDIA GPU measures it" if info(stage).gpu else "`make report` measures it"
+        why = None if info(stage).gpu else unavailable_reason(stage)
+        where = ("a machine with an NVIDIA GPU measures it" if info(stage).gpu else
+                 f"a machine that runs it measures it: here, {why}" if why else "`make report` measures it")
         return f"{stage}: not in these records ({where}); the others are drawn without it"
     return standing(res, stage)

@@ -240,7 +240,7 @@ if across_link:
 # ## Many sequences at once, over the ranks
 #
 # A server runs one scheduler, on rank 0: it admits, preempts and builds each step's batch
-# (chapter 13). Every rank must run that same step over its own KV heads, so rank 0 sends the
+# (chapter 14). Every rank must run that same step over its own KV heads, so rank 0 sends the
 # step's arrays (token ids, positions, cache slots, page tables, and the pages it copied) in one
 # broadcast, and the other ranks, waiting in `follow`, run it over a page pool of their own laid
 # out as rank 0's. Only integers cross; the hidden states cross in the all-reduces as before.
@@ -255,7 +255,7 @@ if not why:
 
 # %% [markdown]
 # What limits it, then: the round trips per token, which batching many users' tokens into one
-# step amortizes (chapter 13) and which pipeline parallelism (layers on different machines,
+# step amortizes (chapter 14) and which pipeline parallelism (layers on different machines,
 # one hand-off per machine instead of two per layer) avoids; the stops in the compiled stack
 # (a fork and join and a Python call per piece, two per layer); and the part of every process
 # that does not split (the interpreter, numba, the header and vocabulary), which the memory

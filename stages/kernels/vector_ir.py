@@ -115,10 +115,15 @@ _COMPILE = ("import sys, llvmlite.binding as llvm\n"
             "print(tm.emit_assembly(llvm.parse_assembly(text)))\n")
 
 
-@functools.lru_cache(maxsize=None)
 def target_has(cpu: str, features: str, what: str) -> bool:
     """Whether LLVM, compiling for CPU `cpu` with `features`, emits the instruction of probe `what`."""
-    text, instruction = _PROBES[what]
+    return target_compiles(cpu, features, *_PROBES[what])
+
+
+@functools.lru_cache(maxsize=None)
+def target_compiles(cpu: str, features: str, text: str, instruction: str) -> bool:
+    """Whether LLVM, compiling the module `text` for CPU `cpu` with `features`, emits `instruction`
+    (in a process of its own: a target without it stops the process)."""
     p = subprocess.run([sys.executable, "-c", _COMPILE, cpu, features, text], capture_output=True, text=True,
                        timeout=120)
     return p.returncode == 0 and instruction in p.stdout

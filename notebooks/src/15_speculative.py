@@ -1,7 +1,7 @@
-# Source of notebooks/14_speculative.ipynb (build with: python notebooks/build.py).
+# Source of notebooks/15_speculative.ipynb (build with: python notebooks/build.py).
 
 # %% [markdown]
-# # 14 · Speculative decoding: verify k guesses for the price of one step?
+# # 15 · Speculative decoding: verify k guesses for the price of one step?
 #
 # The roofline chapters say decode is bound by memory: one token reads every weight for two flops
 # each. Then a forward pass of k+1 rows should cost about what one row costs, as long as the
@@ -207,12 +207,12 @@ findings.show()
 # ## Your turn
 #
 # **Write it yourself: the acceptance rule of speculative sampling.** The starting file,
-# [`exercises/14_speculative/acceptance.py`](../exercises/14_speculative/acceptance.py), holds the
+# [`exercises/15_speculative/acceptance.py`](../exercises/15_speculative/acceptance.py), holds the
 # function's signature and a docstring with the shapes, what to write and why, and the edges that
 # catch a first attempt. Edit it, then check it:
 #
 # ```
-# make exercise ch=14
+# make exercise ch=15
 # ```
 #
 # (or `.venv/bin/python -m exercises.check 14`, or as a test: `.venv/bin/python -m pytest
@@ -227,19 +227,19 @@ findings.show()
 #
 # **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
 # chapter's model gives the one below. Each command prints the prediction, then the measurement, and
-# keeps both in `build/try_it/14_speculative.json` (your machine's figures, not committed). All of
-# them: `make try-it ch=14`.
+# keeps both in `build/try_it/15_speculative.json` (your machine's figures, not committed). All of
+# them: `make try-it ch=15`.
 #
 # 1. **--draft-max K: how many guesses a verify pass may check.**
 #    - *Predict:* on text that copies its prompt, prompt lookup's guesses are mostly right:
 #      each pass of K + 1 rows, costing about one step, yields up to K + 1 tokens. Tokens/s
 #      should rise from K = 0 and flatten once the guesses run past what the text repeats or
 #      the pass's rows pass the ridge.
-#    - *Measure:* `make try-it ch=14 exp=draft_max` (runs the default model)
+#    - *Measure:* `make try-it ch=15 exp=draft_max` (runs the default model)
 #
 # 2. **The rows of a verify pass: 1 to 17.**
 #    - *Predict:* under the ridge point a pass of m rows reads the same weights as one row:
 #      about 1 step for m up to a handful, then rising by a step per few rows as the
 #      multiply-adds take over.
-#    - *Measure:* `make try-it ch=14 exp=verify_cost` (runs the default model)
+#    - *Measure:* `make try-it ch=15 exp=verify_cost` (runs the default model)
 

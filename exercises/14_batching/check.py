@@ -1,4 +1,4 @@
-"""Chapter 13's check: your admission and reservation inside the server's scheduler, against the
+"""Chapter 14's check: your admission and reservation inside the server's scheduler, against the
 server's own (app/serve/scheduler.py's Scheduler), on the same traffic, planned with no engine
 (each planned row's tokens taken as computed, a made-up next token after a context completes, a
 sequence released at its max_tokens): every step's rows, preemptions and queue must be the same.
@@ -81,9 +81,9 @@ def _compare(step, got, want):
 
 
 class Batching(Exercise):
-    chapter = "13"
+    chapter = "14"
     title = "batching: the scheduler's admit-or-preempt decision"
-    folder = "exercises/13_batching"
+    folder = "exercises/14_batching"
     file = "admit_or_preempt.py"
     names = ("AdmitOrPreempt",)
     reference_code = "app/serve/scheduler.py: Scheduler._reserve, Scheduler._admit"
@@ -132,7 +132,7 @@ class Batching(Exercise):
         pages = worst // 3
         self.timing_note = (f"steps to serve {n} requests arriving at once (prompts of 20-60 tokens, 16-48 to "
                             f"generate) with {pages} pages of 16 positions, a third of their worst case; a decode "
-                            "step of 8 rows costs about one of 1 while the weights' bytes bound it (chapter 13)")
+                            "step of 8 rows costs about one of 1 while the weights' bytes bound it (chapter 14)")
         steps = {}
         for name, cls, batch in (("yours", sol.AdmitOrPreempt, 8), ("stage", Scheduler, 8), ("one", Scheduler, 1)):
             steps[name] = len(simulate(cls, arrivals, pages, max_batch=batch)[0])

@@ -1,4 +1,4 @@
-"""Chapter 14's check: your acceptance rule against common/speculative.py's accept. Greedy: the
+"""Chapter 15's check: your acceptance rule against common/speculative.py's accept. Greedy: the
 same (kept, token) and the same tokens taken by the sampler, case for case. Sampling: the rule's
 promise, over many seeded draws of the guesses from their draft distribution: the emitted token is
 distributed as the sampler's own distribution p, and a guess is kept as often as min(1, p/q)
@@ -116,9 +116,9 @@ def expected_keep(case, p0) -> float:
 
 
 class Speculative(Exercise):
-    chapter = "14"
+    chapter = "15"
     title = "speculative: the acceptance rule that keeps the distribution"
-    folder = "exercises/14_speculative"
+    folder = "exercises/15_speculative"
     file = "acceptance.py"
     names = ("accept",)
     reference_code = "common/speculative.py: accept"

@@ -1,7 +1,7 @@
-# Source of notebooks/15_journey.ipynb (build with: python notebooks/build.py).
+# Source of notebooks/16_journey.ipynb (build with: python notebooks/build.py).
 
 # %% [markdown]
-# # 15 · The journey: every stage, side by side
+# # 16 · The journey: every stage, side by side
 #
 # Every stage changes one thing and builds on one stage before it. The table below is the
 # stage registry itself (`stages/registry.py`), so it lists every stage this checkout has,

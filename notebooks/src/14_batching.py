@@ -1,7 +1,7 @@
-# Source of notebooks/13_batching.ipynb (build with: python notebooks/build.py).
+# Source of notebooks/14_batching.ipynb (build with: python notebooks/build.py).
 
 # %% [markdown]
-# # 13 · Many users at once: batching, paged KV, a server
+# # 14 · Many users at once: batching, paged KV, a server
 #
 # Everything so far ran one sequence. A decode step then reads **every weight** to make one
 # token, two FLOPs per weight: deep in the memory-bound corner of the roofline. Serve B users
@@ -333,12 +333,12 @@ findings.show()
 # ## Your turn
 #
 # **Write it yourself: the scheduler's admit-or-preempt decision.** The starting file,
-# [`exercises/13_batching/admit_or_preempt.py`](../exercises/13_batching/admit_or_preempt.py), holds
+# [`exercises/14_batching/admit_or_preempt.py`](../exercises/14_batching/admit_or_preempt.py), holds
 # the function's signature and a docstring with the shapes, what to write and why, and the edges
 # that catch a first attempt. Edit it, then check it:
 #
 # ```
-# make exercise ch=13
+# make exercise ch=14
 # ```
 #
 # (or `.venv/bin/python -m exercises.check 13`, or as a test: `.venv/bin/python -m pytest
@@ -353,20 +353,20 @@ findings.show()
 #
 # **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
 # chapter's model gives the one below. Each command prints the prediction, then the measurement, and
-# keeps both in `build/try_it/13_batching.json` (your machine's figures, not committed). All of
-# them: `make try-it ch=13`.
+# keeps both in `build/try_it/14_batching.json` (your machine's figures, not committed). All of
+# them: `make try-it ch=14`.
 #
 # 1. **The rows of one forward pass: 1 to 32 (the batch of a server's step).**
 #    - *Predict:* a decode step reads every weight once whatever the rows; while the rows
 #      stay under the ridge point (peak FLOP/s over bandwidth, in multiply-adds per byte) a
 #      pass of 8 rows costs about one of 1, so 8 users are served for the price of one; past
 #      it, each row adds its own time.
-#    - *Measure:* `make try-it ch=13 exp=batch_rows` (runs the default model)
+#    - *Measure:* `make try-it ch=14 exp=batch_rows` (runs the default model)
 #
 # 2. **The page pool's size (the server's --kv-pages) against the requests' worst case.**
 #    - *Predict:* pages are held only by the sequences running at once (8 here), so a pool
 #      with room for 8 worst cases serves as fast as one with room for all; below that fewer
 #      run at once, sequences outgrow their pages and the newest is preempted (its context
 #      computed again), and the steps climb towards serving one request at a time.
-#    - *Measure:* `make try-it ch=13 exp=pool_pages`
+#    - *Measure:* `make try-it ch=14 exp=pool_pages`
 

@@ -1,6 +1,6 @@
-"""Chapter 14 · speculative: write the acceptance rule of speculative sampling.
+"""Chapter 15 · speculative: write the acceptance rule of speculative sampling.
 
-Run the check:   make exercise ch=14
+Run the check:   make exercise ch=15
 (or: .venv/bin/python -m exercises.check 14)
 
 Guess k tokens cheaply, run the model once over the newest token and the k guesses (k + 1 rows:
@@ -50,7 +50,7 @@ def accept(logits, draft, sampler, history):
     distributed exactly as p (Leviathan et al. 2023; Chen et al. 2023): the text is the model's,
     and the guesses only save passes.
 
-    Hint: notebooks/14_speculative.ipynb, "the acceptance rule and why it keeps the distribution".
+    Hint: notebooks/15_speculative.ipynb, "the acceptance rule and why it keeps the distribution".
     Try it before you read common/speculative.py (accept).
     """
     raise NotImplementedError("write the acceptance rule: see the docstring")

@@ -1,4 +1,4 @@
-"""Chapter 14's experiments (run: make try-it ch=14)."""
+"""Chapter 15's experiments (run: make try-it ch=15)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Chapter 13's experiments (run: make try-it ch=13)."""
+"""Chapter 14's experiments (run: make try-it ch=14)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Chapter 13 · batching: write the scheduler's admit-or-preempt decision.
+"""Chapter 14 · batching: write the scheduler's admit-or-preempt decision.
 
-Run the check:   make exercise ch=13
+Run the check:   make exercise ch=14
 (or: .venv/bin/python -m exercises.check 13)
 
 A server runs one step for every sequence at once, and the KV pages those sequences hold are
