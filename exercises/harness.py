@@ -1,12 +1,12 @@
 """What every exercise's check shares: loading a solution, comparing it with the stage's own code,
 saying what failed and by how much, and timing it beside the stage and the stage before it.
 
-A check (exercises/NN_name/check.py) is an `Exercise`: which functions the learner writes (`names`),
-the stage's own code adapted to the same signatures (`reference()`: the reference is imported,
-never copied), the cases (seeded random inputs of awkward shapes: odd sizes, partial tiles, a
-block's edge), how one case is judged (`judge`), and what is timed once every case passes
-(`timings`). `run_check` runs them in that order, as llm.c's dev/cuda harness does: validate
-against the reference first, time only what is right.
+A check (exercises/NN_name/check.py) is an `Exercise`: which functions the learner writes, each
+beside the stage's own code adapted to the same signature (`reference`: the reference is imported,
+never copied), the cases (random inputs of awkward shapes, drawn from a generator seeded by the
+chapter's number: odd sizes, partial tiles, a block's edge), how one case is judged (`judge`), and
+what is timed once every case passes (`timings`). `run_check` runs them in that order, as llm.c's
+dev/cuda harness does: validate against the reference first, time only what is right.
 
 Tolerances are derived, never measured: two float32 sums of the same n products, added in
 different orders, each lie within gamma_n = n u / (1 - n u) (u = 2^-24) of the exact sum times the
@@ -30,6 +30,7 @@ from types import SimpleNamespace
 
 import numpy as np
 from numba.core.errors import NumbaPerformanceWarning
+from numba.core.registry import CPUDispatcher
 
 ROOT = Path(__file__).resolve().parent.parent
 U = 2.0 ** -24                      # float32's unit roundoff
@@ -71,8 +72,13 @@ def as_kernel(fn, **flags):
     """A learner's function as numba compiles it: itself if it is already @njit, else njit(fn)
     with the flags the stage's kernel uses (a plain Python loop would take minutes at the model's
     shapes)."""
-    from numba.core.registry import CPUDispatcher
     return fn if isinstance(fn, CPUDispatcher) else __import__("numba").njit(**flags)(fn)
+
+
+def kernel_flags(kernel) -> dict:
+    """The flags a numba kernel was compiled with that change what it computes or how it runs
+    (fastmath, parallel): what a learner's version of it is compiled with."""
+    return {k: v for k, v in kernel.targetoptions.items() if k in ("fastmath", "parallel")}
 
 
 # ---- comparing -------------------------------------------------------------------------------------
@@ -174,13 +180,13 @@ class Case:
 
 class Exercise:
     """The common shape of a check (see the module docstring). Subclasses set the class fields and
-    write reference(), cases(), judge() and timings()."""
+    write cases(), judge() and timings()."""
 
     chapter = "00"
     title = ""                       # what the learner writes, in a few words
     folder = ""                      # exercises/NN_name
     file = ""                        # the starting file in that folder
-    names: tuple = ()                # the functions (or classes) the learner writes
+    reference: dict = {}             # {each function (or class) the learner writes: the stage's own code}
     reference_code = ""              # where the stage's own code is: 'stages/tiling.py: make_tiled_matmul'
     timing_note = ""                 # what the timing table measures
     baseline = "the previous stage"  # what the 'previous' row of the timing table is
@@ -190,14 +196,20 @@ class Exercise:
     def starting_file(self) -> Path:
         return ROOT / self.folder / self.file
 
-    def reference(self) -> SimpleNamespace:
-        raise NotImplementedError
+    @property
+    def names(self) -> tuple:
+        """The functions (or classes) the learner writes."""
+        return tuple(self.reference)
 
     def prepare(self, solution: SimpleNamespace) -> SimpleNamespace:
-        """The solution's functions as the check calls them (compiled, wrapped); by default as given."""
-        return solution
+        """The solution's functions as the check calls them: where the stage's own is a numba kernel,
+        compiled with its flags (kernel_flags); else as given."""
+        return SimpleNamespace(**{name: as_kernel(getattr(solution, name), **kernel_flags(stage))
+                                  if isinstance(stage, CPUDispatcher) else getattr(solution, name)
+                                  for name, stage in self.reference.items()})
 
-    def cases(self, quick: bool) -> list[Case]:
+    def cases(self, rng: np.random.Generator, quick: bool) -> list[Case]:
+        """The judged inputs, drawn from `rng` (cases_of seeds it)."""
         raise NotImplementedError
 
     def judge(self, sol, case: Case) -> tuple[str | None, str]:
@@ -208,10 +220,16 @@ class Exercise:
         raise NotImplementedError
 
 
+def cases_of(ex: Exercise, quick: bool) -> list[Case]:
+    """The exercise's cases, drawn from a generator seeded by its chapter's number: the same
+    inputs every run."""
+    return ex.cases(np.random.default_rng(int(ex.chapter)), quick)
+
+
 def solution_for(ex: Exercise, which) -> tuple[SimpleNamespace, str]:
     """`which`: 'reference' (the stage's own code), None (the learner's file) or a path."""
     if which == "reference":
-        return ex.reference(), f"the stage's own code ({ex.reference_code})"
+        return SimpleNamespace(**ex.reference), f"the stage's own code ({ex.reference_code})"
     path = ex.starting_file if which is None else Path(which)
     if not path.exists():
         raise Unwritten(f"{path} does not exist")
@@ -250,7 +268,7 @@ def run_check(ex: Exercise, which=None, time_it: bool = True, quick: bool = Fals
     out(f"  checking:   {origin}")
     out(f"  reference:  {ex.reference_code}")
     sol = raw if which == "reference" else ex.prepare(raw)     # the stage's code runs as it is
-    cases = ex.cases(quick)
+    cases = cases_of(ex, quick)
     out(f"Correctness: {len(cases)} cases, seeded (the same inputs every run)")
     width = max(len(c.name) for c in cases)
     for case in cases:

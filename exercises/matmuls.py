@@ -1,5 +1,7 @@
-"""What the three matmul exercises (chapters 01-03) share: their cases, how a product is judged,
-and the shapes they are timed on.
+"""The check the three matmul exercises (chapters 01-03) share: their cases, how a product is
+judged, and the timing beside the stage's and the previous one's, on the same shapes. A chapter's
+check says which function the learner writes, the stage's own it is checked against, and the
+stage before it (`MatmulExercise`).
 
 The cases are chosen for the edges the stages' loops have: a single row (a decode step), sizes
 that are not multiples of anything (tiles, vector widths, the 4 x 4 register block), exactly one
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from exercises.harness import Case, close, sum_bound, worst_ratio
+from exercises.harness import Case, Exercise, Timing, best_seconds, close, sum_bound, worst_ratio
 
 # SmolLM2's ffn_up weight: 576 inputs, 1536 outputs, at 16 prompt rows (`python -m app bench tiling`'s);
 # --quick: a small stand-in
@@ -25,9 +27,8 @@ def timed_shape(quick: bool) -> tuple[tuple[int, int, int], str]:
     return (M, K, N), f"[{M} x {K}] @ [{K} x {N}], {what}"
 
 
-def cases(quick: bool, n_multiple: int = 1) -> list[Case]:
+def cases(rng, n_multiple: int = 1) -> list[Case]:
     """(M, K, N) shapes, each with a reason; N rounded up to n_multiple (the simd panels' 4)."""
-    rng = np.random.default_rng(1)
     shapes = [
         ((1, 1, n_multiple), "the smallest"),
         ((1, 576, 192), "one row (a decode step), SmolLM2's attn_k shape"),
@@ -58,3 +59,47 @@ def judge(C, want, A, B) -> tuple[str | None, str]:
 
 def flops(M, K, N) -> tuple[float, str]:
     return 2.0 * M * K * N, "GFLOP/s"
+
+
+def packed(B):
+    """The weight as the simd stage packs it: W = B^T, [N, K] contiguous."""
+    return np.ascontiguousarray(B.T)
+
+
+class MatmulExercise(Exercise):
+    """C = A @ B written by the learner (the one name of `reference`), judged against the stage's
+    own on every case, then timed beside it and beside `previous` (a label, a function of A and B:
+    the stage this one builds on). `panels`: the function takes the weight packed (W = B^T,
+    [N, K], N a multiple of `panels`), as the simd stage holds it; 0: it takes B."""
+
+    previous: tuple = ()
+    panels = 0
+
+    def _operand(self, B):
+        return packed(B) if self.panels else B
+
+    def cases(self, rng, quick):
+        out = cases(rng, n_multiple=self.panels or 1)
+        for case in out:
+            case.inputs["weight"] = self._operand(case.inputs["B"])
+        return out
+
+    def judge(self, sol, case):
+        (name, stage), = self.reference.items()
+        A, B, weight = case.inputs["A"], case.inputs["B"], case.inputs["weight"]
+        return judge(getattr(sol, name)(A, weight), stage(A, weight), A, B)
+
+    def timings(self, sol, quick):
+        (name, stage), = self.reference.items()
+        label, previous = self.previous
+        (M, K, N), self.timing_note = timed_shape(quick)
+        rng = np.random.default_rng(0)
+        A = rng.standard_normal((M, K)).astype(np.float32)
+        B = rng.standard_normal((K, N)).astype(np.float32)
+        weight, yours = self._operand(B), getattr(sol, name)
+        reps = 2 if quick else 5
+        work = flops(M, K, N)
+        return [Timing("yours", best_seconds(lambda: yours(A, weight), reps), "yours", work),
+                Timing(f"the stage's ({self.title.split(':')[0]})", best_seconds(lambda: stage(A, weight), reps),
+                       "stage", work),
+                Timing(label, best_seconds(lambda: previous(A, B), reps), "previous", work)]

@@ -5,9 +5,10 @@
                                committed file: a learner's edits in the working tree are theirs)
     other solutions            tests/exercise_solutions/: correct ones written differently from
                                the stage (another loop order, block shape, algebra, layout code)
-                               pass; ones with a bug planted at an edge (a partial tile dropped, a
-                               row range's tail lost, ties rounded to even, a diagonal off by one)
-                               fail at the case the table names, with its message
+                               pass; each with one line changed to plant a bug at an edge (a
+                               partial tile dropped, a row range's tail lost, ties rounded to even,
+                               a diagonal off by one: PLANTED) fails at the case the table names,
+                               with its message
     the harness                a difference just over the derived bound fails, one within passes;
                                a missing function, a wrong shape, a chapter with no exercise are
                                each one clear sentence
@@ -17,7 +18,9 @@ The checks compile the learner's kernels (numba): a cold cache costs a few secon
 
 from __future__ import annotations
 
+import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +30,7 @@ from exercises import check, harness
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "tests" / "exercise_solutions"
+PLANTED_DIR = ROOT / "build" / "planted"
 CHAPTERS = list(check.folders())
 # every chapter a stage or a lesson of its own teaches, but the GPU's (06) and tp's MPI ranks (11)
 REQUIRED = ["01", "02", "03", "04", "05", "07", "08", "09", "10", "12", "14", "15"]
@@ -74,7 +78,7 @@ def test_the_starting_file_fails_with_the_learners_message(chapter, tmp_path):
     ex = check.exercise(chapter)
     ok, text = run(chapter, committed(ex.starting_file, tmp_path))
     assert not ok, text
-    first = ex.cases(quick=True)[0].name
+    first = harness.cases_of(ex, quick=True)[0].name
     assert f"FAIL  {first}" in text, text
     assert "NotImplementedError" in text and "the function is not written yet" in text
     assert f"make exercise ch={chapter}" in text
@@ -91,51 +95,134 @@ def test_the_learners_pytest_line_reports_the_check(tmp_path):
         test_yours.test_your_solution("02")
 
 
-# (file in tests/exercise_solutions, passes?, the case it fails at and a word of its message)
-OTHER_SOLUTIONS = [
-    ("01_transposed_read.py", False, ("exactly one 8 x 64 x 64 tile", "> bound")),
-    ("02_j_outer_tiles_16.py", True, None),
-    ("02_partial_k_tile_dropped.py", False, ("the smallest", "> bound")),
-    ("03_one_by_eight.py", True, None),
-    ("03_leftover_rows_dropped.py", False, ("the smallest", "> bound")),
-    ("04_numpy_per_head.py", True, None),
-    ("04_mask_ignores_start_pos.py", False, ("a 7-token prompt, then 5 decode steps", "piece 2")),
-    ("05_factored_block_sums.py", True, None),
-    ("05_nibbles_interleaved.py", False, ("one row of one block", "> bound")),
-    ("07_tail_rows_dropped.py", False, ("37 rows in 2 ranges", "y (against one thread's kernel on all rows)[36]")),
-    ("08_vectorized_numpy.py", True, None),
-    ("08_ties_to_even.py", False, ("ties: x * id exactly on .5", "q[1]: got")),
-    ("08_scale_from_float16.py", False, ("x * (1 / dd) and x / dd round to different sides", "q[1]: got")),
-    ("09_last_one_counts.py", True, None),
-    ("09_opens_early.py", False, ("200 rounds, nobody late", "had not arrived yet")),
-    ("10_loop_per_byte.py", True, None),
-    ("10_pieces_row_major.py", False, ("one group of 8 rows", "qs piece 0 of row 1")),
-    ("10_rows_not_padded.py", False, ("the second group has 5 rows", "ceil(13 / 8) groups")),
-    ("12_tile_blocks_of_48.py", True, None),
-    ("12_partial_block_dropped.py", False, ("one query, one key", "> bound")),
-    ("12_diagonal_off_by_one.py", False, ("the first 5 rows of a prompt", "> bound")),
-    ("13_small_ones_overtake.py", False, ("no overtaking", "step 1: rows")),
-    ("13_preempts_the_oldest.py", False, ("the newest is preempted", "without pages?")),
-    ("14_history_not_extended.py", False, ("a kept guess joins the history", "the stage's (2, 5)")),
-    ("14_plain_softmax.py", False, ("top-k 3: p is the sampler's distribution", "came first")),
-    ("14_refuses_too_often.py", False, ("a draft model's q", "the guess was kept")),
+# correct solutions written otherwise than the stage's (another loop order, block shape, algebra,
+# layout code): each must pass
+SOLUTIONS_PASSING = sorted(p.name for p in SOLUTIONS.glob("*.py"))
+
+
+@dataclass(frozen=True)
+class Planted:
+    """A bug planted at an edge: the correct solution `base` with the one line that contains
+    `where` replaced by `line`; it must fail at the case named `case`, saying `words`."""
+    name: str
+    base: str
+    where: str
+    line: str
+    case: str
+    words: str
+
+
+PLANTED = [
+    Planted("01_square_b_transposed", "01_column_copied.py", "column[k] = B[k, j]",
+            "column[k] = B[j, k] if B.shape[0] == B.shape[1] else B[k, j]",
+            "exactly one 8 x 64 x 64 tile", "> bound"),
+    Planted("02_partial_k_tile_dropped", "02_j_outer_tiles_16.py", "for k0 in range(0, K, TK):",
+            "for k0 in range(0, K - K % TK, TK):",
+            "the smallest", "> bound"),
+    Planted("03_last_panel_dropped", "03_one_by_eight.py", "for n in range(0, N, 8):",
+            "for n in range(0, N - N % 8, 8):",
+            "the smallest", "> bound"),
+    # row i of a piece sees positions 0 .. i, its index in the piece, not start_pos + i
+    Planted("04_mask_ignores_start_pos", "04_numpy_per_head.py", "visible = np.arange(end)",
+            "visible = np.arange(end)[None, :] <= np.arange(M)[:, None]",
+            "a 7-token prompt, then 5 decode steps", "piece 2"),
+    # byte j's nibbles taken as values 2j and 2j + 1 (neighbours), not j and j + 16
+    Planted("05_nibbles_interleaved", "05_factored_block_sums.py", "xq += x[32 * b + j]",
+            "xq += x[32 * b + 2 * j] * np.float32(q & 15) + x[32 * b + 2 * j + 1] * np.float32(q >> 4)",
+            "one row of one block", "> bound"),
+    Planted("07_tail_rows_dropped", "07_balanced_ranges.py", "r0, r1 = c * N // n_chunks",
+            "r0, r1 = c * (N // n_chunks), (c + 1) * (N // n_chunks)",
+            "37 rows in 2 ranges", "y (against one thread's kernel on all rows)[36]"),
+    Planted("08_ties_to_even", "08_vectorized_numpy.py", "q = np.copysign(",
+            "q = np.rint(v).astype(np.int8)",
+            "ties: x * id exactly on .5", "q[1]: got"),
+    # q from the float16-rounded scale (the stored d), not the float32 amax / 127
+    Planted("08_scale_from_float16", "08_vectorized_numpy.py", "safe = np.where(dd != 0, dd, ",
+            "safe = np.where(dd != 0, dd.astype(np.float16).astype(np.float32), np.float32(1.0))",
+            "x * (1 / dd) and x / dd round to different sides", "q[1]: got"),
+    Planted("09_opens_early", "09_last_one_counts.py", "target = k * nt",
+            "target = (k - 1) * nt + 1",
+            "200 rounds, nobody late", "had not arrived yet"),
+    # the qs pieces laid out row after row, not piece after piece across the 8 rows
+    Planted("10_pieces_row_major", "10_loop_per_byte.py", "r, p = i % 8, i // 8",
+            "r, p = i // 4, i % 4",
+            "one group of 8 rows", "qs piece 0 of row 1"),
+    Planted("10_rows_not_padded", "10_loop_per_byte.py", "G = -(-N // 8)",
+            "G = N // 8",
+            "the second group has 5 rows", "ceil(13 / 8) groups"),
+    # only whole blocks of keys walked: a prompt shorter than a block has nothing to attend over, 0 / 0
+    Planted("12_partial_block_dropped", "12_tile_blocks_of_48.py", "for t0 in range(0, last + 1, BLOCK):",
+            "for t0 in range(0, last + 1 - (last + 1) % BLOCK, BLOCK):",
+            "one query, one key", "raised ZeroDivisionError"),
+    # row r sees keys t < p0 + r (at least one), not t <= p0 + r: its own position left out
+    Planted("12_diagonal_off_by_one", "12_tile_blocks_of_48.py", "see = min(t1, p0 + r + 1)",
+            "see = min(t1, max(p0 + r, 1))",
+            "the first 5 rows of a prompt", "> bound"),
+    Planted("14_small_ones_overtake", "14_admission_in_a_helper.py", "# nobody overtakes",
+            "continue",
+            "no overtaking", "step 1: rows"),
+    Planted("14_preempts_the_oldest", "14_admission_in_a_helper.py", "victim = max(",
+            "victim = min((s for s in self.running if s.table is not None), key=lambda s: s.id)",
+            "the newest is preempted", "without pages?"),
+    # every row's distribution taken with the text's history alone, the guesses kept before it left out
+    Planted("15_history_not_extended", "15_row_distributions.py", "sampler.distribution(logits[i]",
+            "ids, probs = sampler.distribution(logits[i], list(history))",
+            "a kept guess joins the history", "the stage's (2, 5)"),
+    # p a softmax of the logits, not the sampler's distribution: temperature and top-k ignored
+    Planted("15_plain_softmax", "15_row_distributions.py", "return ids, dense_distribution(",
+            "return ids, np.exp(logits[i] - logits[i].max()) / np.exp(logits[i] - logits[i].max()).sum()",
+            "top-k 3: p is the sampler's distribution", "came first"),
+    # a guess kept half as often as the rule allows; the residual follows alpha, so the text still follows p
+    Planted("15_refuses_too_often", "15_row_distributions.py", "alpha = np.minimum(",
+            "alpha = 0.5 * np.minimum(1.0, np.divide(p, q, out=np.ones(V), where=q > 0))",
+            "a draft model's q", "the guess was kept"),
 ]
 
 
-@pytest.mark.parametrize("name,passes,where", OTHER_SOLUTIONS, ids=[s[0][:-3] for s in OTHER_SOLUTIONS])
-def test_other_solutions(name, passes, where):
+def planted_file(bug: Planted) -> Path:
+    """The base solution with the bug's line in place, as a file of its own under build/planted/
+    (written only when its text changes, so that numba's cache of it stays valid)."""
+    lines = (SOLUTIONS / bug.base).read_text().splitlines(keepends=True)
+    at = [i for i, line in enumerate(lines) if bug.where in line]
+    assert len(at) == 1, f"{bug.base}: {len(at)} lines contain {bug.where!r}, the planted bug needs exactly one"
+    old = lines[at[0]]
+    lines[at[0]] = old[:len(old) - len(old.lstrip())] + bug.line + "\n"
+    text = "".join(lines)
+    path = PLANTED_DIR / f"{bug.name}.py"
+    if not path.exists() or path.read_text() != text:
+        PLANTED_DIR.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(f".{os.getpid()}.part")
+        part.write_text(text)
+        part.replace(path)
+    return path
+
+
+@pytest.mark.parametrize("name", SOLUTIONS_PASSING, ids=[n[:-3] for n in SOLUTIONS_PASSING])
+def test_correct_solutions_pass(name):
     ok, text = run(name[:2], SOLUTIONS / name)
-    assert ok == passes, text
-    if not passes:
-        case, words = where
-        failed = next(line for line in text.splitlines() if line.startswith("  FAIL"))
-        assert case in failed, text
-        assert words in text, text
+    assert ok, text
 
 
-def test_every_solution_file_is_in_the_table():
-    assert sorted(p.name for p in SOLUTIONS.glob("*.py")) == sorted(s[0] for s in OTHER_SOLUTIONS)
-    assert {s[0][:2] for s in OTHER_SOLUTIONS if s[1]} >= {"02", "03", "05", "12"}
+@pytest.mark.parametrize("bug", PLANTED, ids=[b.name for b in PLANTED])
+def test_planted_bugs_fail_where_the_table_says(bug):
+    ok, text = run(bug.name[:2], planted_file(bug))
+    assert not ok, text
+    failed = next(line for line in text.splitlines() if line.startswith("  FAIL"))
+    assert bug.case in failed, text
+    assert bug.words in text, text
+
+
+def test_every_chapter_has_a_correct_solution_and_a_planted_bug():
+    assert sorted({n[:2] for n in SOLUTIONS_PASSING}) == REQUIRED
+    assert sorted({b.name[:2] for b in PLANTED}) == REQUIRED
+    assert {b.base for b in PLANTED} <= set(SOLUTIONS_PASSING)
+
+
+def test_a_planted_line_that_is_not_in_its_base_is_an_error():
+    with pytest.raises(AssertionError, match="0 lines contain 'for k0 in range"):
+        planted_file(Planted("02_x", "02_j_outer_tiles_16.py", "for k0 in range(0, K, 64):", "x", "", ""))
+    with pytest.raises(AssertionError, match="2 lines contain 'o \\+= 2'"):
+        planted_file(Planted("10_x", "10_loop_per_byte.py", "o += 2", "x", "", ""))
 
 
 # ---- the harness ---------------------------------------------------------------------------------------

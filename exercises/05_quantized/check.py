@@ -5,15 +5,14 @@ stage's float32 product of the same weights (the stage this one builds on holds 
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
 
 import numpy as np
 
 from common.gguf import GGMLType
 from common.quants import BLOCK_DTYPES, dequantize, quantize
-from exercises.harness import Case, Exercise, Timing, as_kernel, best_seconds, close, sum_bound, worst_ratio
+from exercises.harness import Case, Exercise, Timing, best_seconds, close, sum_bound, worst_ratio
 from stages.kernels.dequant_dot import matvec_q4_1
-from stages.kernels.toolkit import F16_TO_F32, FASTMATH
+from stages.kernels.toolkit import F16_TO_F32
 from stages.simd import matmul_panels
 
 Q4_1 = GGMLType.Q4_1
@@ -57,17 +56,10 @@ class Quantized(Exercise):
     title = "quantized: a Q4_1 matrix-vector product from the blocks' bytes"
     folder = "exercises/05_quantized"
     file = "q4_dot.py"
-    names = ("matvec_q4_1",)
+    reference = {"matvec_q4_1": matvec_q4_1}
     reference_code = "stages/kernels/dequant_dot.py: matvec_q4_1 (_row_q4_1, _dot)"
 
-    def reference(self):
-        return SimpleNamespace(matvec_q4_1=matvec_q4_1)
-
-    def prepare(self, sol):
-        return SimpleNamespace(matvec_q4_1=as_kernel(sol.matvec_q4_1, fastmath=FASTMATH))
-
-    def cases(self, quick):
-        rng = np.random.default_rng(5)
+    def cases(self, rng, quick):
         plans = [((1, 32), {}, "one row of one block"),
                  ((7, 64), {}, "7 rows of 2 blocks"),
                  ((37, 576), {}, "37 rows of 18 blocks (SmolLM2's rows are 576 wide)"),

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numba
 import numpy as np
 
-from exercises.harness import Case, Exercise, Timing, as_kernel, best_seconds, exact, load_file
+from exercises.harness import Case, Exercise, Timing, as_kernel, best_seconds, exact, kernel_flags, load_file
 from stages.kernels import dequant_dot, toolkit
 from stages.kernels.dequant_dot import matvec_q4_1
 from stages.kernels.threaded import matvec_parallel
@@ -30,20 +30,10 @@ class Threads(Exercise):
     title = "threads: a matrix's rows split across the cores"
     folder = "exercises/07_threads"
     file = "split_rows.py"
-    names = ("matvec_parallel",)
+    reference = {"matvec_parallel": stage_split}
     reference_code = "stages/kernels/threaded.py: matvec_parallel"
 
-    def reference(self):
-        return SimpleNamespace(matvec_parallel=stage_split)
-
-    def prepare(self, sol):
-        fn = as_kernel(sol.matvec_parallel, parallel=True)
-        # a cached compile inlines the quantized kernel: recompile when that file changes
-        toolkit.guard_cache(f"exercise07.{id(type(fn))}", [fn], [dequant_dot.__file__, toolkit.__file__])
-        return SimpleNamespace(matvec_parallel=fn)
-
-    def cases(self, quick):
-        rng = np.random.default_rng(7)
+    def cases(self, rng, quick):
         plans = [((37, 576, 2), "37 rows in 2 ranges (19 + 18)"),
                  ((9, 64, 4), "9 rows in 4 ranges (3 + 3 + 3 + 0: the last is empty)"),
                  ((1, 32, 2), "1 row, 2 ranges: more ranges than rows"),
@@ -56,6 +46,12 @@ class Threads(Exercise):
             x = rng.standard_normal(K).astype(np.float32)
             out.append(Case(f"N={N} n_chunks={chunks}: {why}", {"x": x, "w": w, "n": chunks}))
         return out
+
+    def prepare(self, sol):
+        fn = as_kernel(sol.matvec_parallel, **kernel_flags(matvec_parallel))
+        # a cached compile inlines the quantized kernel: recompile when that file changes
+        toolkit.guard_cache(f"exercise07.{id(type(fn))}", [fn], [dequant_dot.__file__, toolkit.__file__])
+        return SimpleNamespace(matvec_parallel=fn)
 
     def judge(self, sol, case):
         x, w, n = case.inputs["x"], case.inputs["w"], case.inputs["n"]

@@ -5,8 +5,6 @@ stage's float product, and the rounding itself beside the stage's."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 
 from exercises.harness import Case, Exercise, Timing, best_seconds, exact, load_file
@@ -53,14 +51,10 @@ class Int8(Exercise):
     title = "int8: llama.cpp's rounding of an activation row to Q8_1 blocks"
     folder = "exercises/08_int8"
     file = "round_q8.py"
-    names = ("quantize_row_q8_1",)
+    reference = {"quantize_row_q8_1": stage_round}
     reference_code = "stages/kernels/q8.py: quantize_row_32 (through quantize_q8)"
 
-    def reference(self):
-        return SimpleNamespace(quantize_row_q8_1=stage_round)
-
-    def cases(self, quick):
-        rng = np.random.default_rng(8)
+    def cases(self, rng, quick):
         ties = np.zeros(32, f32)
         ties[:8] = [127.0, 2.5, -2.5, 0.5, -0.5, 126.5, -1.5, 3.5]     # amax 127: dd = 1, x * id = x
         ties[8:] = rng.integers(-120, 120, 24) + f32(0.5)

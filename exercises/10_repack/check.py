@@ -5,8 +5,6 @@ reading the file's, and the two layouts' load-time cost."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 from numba import njit
 
@@ -60,14 +58,10 @@ class Repack(Exercise):
     title = "repack: a Q4_1 matrix as 8-row group blocks"
     folder = "exercises/10_repack"
     file = "interleave.py"
-    names = ("repack_q4_1",)
+    reference = {"repack_q4_1": stage_repack}
     reference_code = "stages/kernels/repacked.py: repack (GROUP_FIELDS[Q4_1])"
 
-    def reference(self):
-        return SimpleNamespace(repack_q4_1=stage_repack)
-
-    def cases(self, quick):
-        rng = np.random.default_rng(10)
+    def cases(self, rng, quick):
         plans = [((8, 32), "one group of 8 rows, one block each"),
                  ((16, 64), "two groups, two blocks a row"),
                  ((13, 96), "13 rows: the second group has 5 rows and 3 rows of zeros"),

@@ -99,17 +99,10 @@ class Prefill(Exercise):
     title = "prefill: a prompt tile of attention, online softmax"
     folder = "exercises/12_prefill"
     file = "attention_tile.py"
-    names = ("attend_tile",)
+    reference = {"attend_tile": stage_attend_tile}
     reference_code = "stages/kernels/tiled_attention.py: attend_rows, finish_rows (attend_block, merge_state)"
 
-    def reference(self):
-        return SimpleNamespace(attend_tile=stage_attend_tile)
-
-    def prepare(self, sol):
-        return SimpleNamespace(attend_tile=as_kernel(sol.attend_tile, fastmath=FASTMATH))
-
-    def cases(self, quick):
-        rng = np.random.default_rng(12)
+    def cases(self, rng, quick):
         plans = [((1, 1, 8, 0), "one query, one key, hd 8"),
                  ((5, 3, 64, 0), "SmolLM2's heads (G 3, hd 64): the first 5 rows of a prompt"),
                  ((16, 3, 64, 40), "16 rows from position 40: the tile starts mid-block, the diagonal crosses it"),
@@ -127,6 +120,9 @@ class Prefill(Exercise):
             v = rng.standard_normal((T, hd)).astype(np.float32)
             out.append(Case(f"R={R} G={G} hd={hd} p0={p0}: {why}", dict(q=q, k=k, v=v, p0=p0)))
         return out
+
+    def prepare(self, sol):
+        return SimpleNamespace(attend_tile=as_kernel(sol.attend_tile, fastmath=FASTMATH))
 
     def judge(self, sol, case):
         q, k, v, p0 = (case.inputs[n] for n in ("q", "k", "v", "p0"))

@@ -1,7 +1,7 @@
 """Chapter 14 · batching: write the scheduler's admit-or-preempt decision.
 
 Run the check:   make exercise ch=14
-(or: .venv/bin/python -m exercises.check 13)
+(or: .venv/bin/python -m exercises.check 14)
 
 A server runs one step for every sequence at once, and the KV pages those sequences hold are
 few: a sequence gets pages as it needs them, not its worst case up front. So before every step

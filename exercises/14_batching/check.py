@@ -8,7 +8,6 @@ a time (the chapters before: one user)."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 from app.serve.scheduler import Scheduler
 from app.serve.sequence import Ask, Sequence
@@ -85,13 +84,11 @@ class Batching(Exercise):
     title = "batching: the scheduler's admit-or-preempt decision"
     folder = "exercises/14_batching"
     file = "admit_or_preempt.py"
-    names = ("AdmitOrPreempt",)
+    reference = {"AdmitOrPreempt": Scheduler}
     reference_code = "app/serve/scheduler.py: Scheduler._reserve, Scheduler._admit"
 
-    def reference(self):
-        return SimpleNamespace(AdmitOrPreempt=Scheduler)
-
-    def cases(self, quick):
+    def cases(self, rng, quick):
+        # (rng unused: each traffic has a seed of its own)
         return [
             Case("a pool for everyone: 5 requests at once, all admitted, nobody preempted",
                  dict(arrivals=traffic(1, 5, (5, 30), (5, 20), 0), n_pages=64)),

@@ -1,7 +1,7 @@
 """Chapter 15 · speculative: write the acceptance rule of speculative sampling.
 
 Run the check:   make exercise ch=15
-(or: .venv/bin/python -m exercises.check 14)
+(or: .venv/bin/python -m exercises.check 15)
 
 Guess k tokens cheaply, run the model once over the newest token and the k guesses (k + 1 rows:
 about the price of one decode step while the weights' bytes bound it), and keep the guesses the

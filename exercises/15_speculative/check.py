@@ -8,7 +8,6 @@ model generates with prompt lookup and your rule, beside the stage's rule and pl
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -120,14 +119,10 @@ class Speculative(Exercise):
     title = "speculative: the acceptance rule that keeps the distribution"
     folder = "exercises/15_speculative"
     file = "acceptance.py"
-    names = ("accept",)
+    reference = {"accept": accept}
     reference_code = "common/speculative.py: accept"
 
-    def reference(self):
-        return SimpleNamespace(accept=accept)
-
-    def cases(self, quick):
-        rng = np.random.default_rng(14)
+    def cases(self, rng, quick):
         return greedy_cases(rng) + sampling_cases(rng)
 
     def judge(self, sol, case):

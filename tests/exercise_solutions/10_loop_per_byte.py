@@ -1,4 +1,5 @@
-"""A correct repack written as plain loops over groups, blocks, pieces and rows."""
+"""A correct repack written as plain loops over groups, blocks, fields and rows, with a row past N
+read as a block of zeros."""
 import numpy as np
 
 
@@ -19,8 +20,8 @@ def repack_q4_1(raw):
             for r in range(8):
                 out[o:o + 2] = block(r)[2:4]
                 o += 2
-            for p in range(4):
-                for r in range(8):
-                    out[o:o + 4] = block(r)[4 + 4 * p:8 + 4 * p]
-                    o += 4
+            for i in range(32):                     # 4 bytes of qs at a time: piece p of all 8 rows, then p + 1
+                r, p = i % 8, i // 8
+                out[o:o + 4] = block(r)[4 + 4 * p:8 + 4 * p]
+                o += 4
     return out

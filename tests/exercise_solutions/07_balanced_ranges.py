@@ -1,4 +1,5 @@
-"""Planted bug: per = N // n_chunks, so the N % n_chunks rows at the end belong to no range."""
+"""A correct row split with other boundaries than the stage's: range c is rows c N / n .. (c + 1) N / n,
+so the ranges differ by one row at most (37 in 2: 18 + 19, where the stage takes 19 + 18)."""
 import numpy as np
 from numba import njit, prange
 
@@ -9,10 +10,8 @@ from stages.kernels.dequant_dot import matvec_q4_1
 def matvec_parallel(x, w, f16, n_chunks):
     N = w.shape[0]
     y = np.zeros(N, dtype=np.float32)
-    per = N // n_chunks
     for c in prange(n_chunks):
-        r0 = c * per
-        r1 = min(N, r0 + per)
+        r0, r1 = c * N // n_chunks, (c + 1) * N // n_chunks
         if r0 < r1:
             y[r0:r1] = matvec_q4_1(x, w[r0:r1], f16)
     return y
