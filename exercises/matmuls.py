@@ -1,7 +1,8 @@
 """The check the three matmul exercises (chapters 01-03) share: their cases, how a product is
 judged, and the timing beside the stage's and the previous one's, on the same shapes. A chapter's
 check says which function the learner writes, the stage's own it is checked against, and the
-stage before it (`MatmulExercise`).
+stage before it (`MatmulExercise`). And a matmul's GFLOP/s at a few shapes, for the chapters'
+experiments (`gflops_at`).
 
 The cases are chosen for the edges the stages' loops have: a single row (a decode step), sizes
 that are not multiples of anything (tiles, vector widths, the 4 x 4 register block), exactly one
@@ -59,6 +60,19 @@ def judge(C, want, A, B) -> tuple[str | None, str]:
 
 def flops(M, K, N) -> tuple[float, str]:
     return 2.0 * M * K * N, "GFLOP/s"
+
+
+def gflops_at(matmul, shapes, reps: int, panels: bool = False) -> list[float]:
+    """matmul's GFLOP/s (2 M K N flops over the best of reps calls) at each (M, K, N) of `shapes`,
+    on seeded standard-normal operands: A [M, K] and B [K, N], or with `panels` the weight as the
+    simd stage packs it, W [N, K]."""
+    rng = np.random.default_rng(0)
+    out = []
+    for M, K, N in shapes:
+        A = rng.standard_normal((M, K)).astype(np.float32)
+        B = rng.standard_normal((N, K) if panels else (K, N)).astype(np.float32)
+        out.append(2.0 * M * K * N / best_seconds(lambda: matmul(A, B), reps) / 1e9)
+    return out
 
 
 def packed(B):

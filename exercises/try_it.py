@@ -5,12 +5,13 @@
     .venv/bin/python -m exercises.try_it 02 tile_k [--quick]
     .venv/bin/python -m exercises.try_it --list
 
-Each experiment (exercises/NN_name/experiments.py) names its knob (a constant, a flag, an
-environment variable), states the chapter's prediction BEFORE it measures (from the chapter's
-own model: bytes, multiply-adds, the floor), then measures on this machine and prints a small
-table. The result lands on the screen and in build/try_it/NN_name.json (this machine's id and
-the settings beside the figures; build/ is not committed: your figures are yours). --quick runs
-the same code at small settings (the test suite runs every experiment so).
+Each experiment (a function of exercises/NN_name/experiments.py, marked @experiment) names its
+knob (a constant, a flag, an environment variable), and its docstring is the chapter's prediction
+(from the chapter's own model: bytes, multiply-adds, the floor), printed BEFORE it measures; then
+it measures on this machine and prints a small table. The result lands on the screen and in
+build/try_it/NN_name.json (this machine's id and the settings beside the figures; build/ is not
+committed: your figures are yours). --quick runs the same code at small settings (the test suite
+runs every experiment so).
 """
 
 from __future__ import annotations
@@ -49,6 +50,18 @@ class Experiment:
     model: bool = False                 # needs the default model (make model fetches it)
 
 
+def experiment(knob: str, model: bool = False):
+    """Marks the function below as one of its chapter's experiments, named after it: `knob`, what
+    it turns and where that lives in the code; its docstring, the chapter's prediction, written
+    before anything is measured; `model`, it runs the default model."""
+    def mark(run: Callable[[bool], dict]):
+        if not run.__doc__:
+            raise ValueError(f"experiment {run.__name__}: its docstring is the prediction, and it has none")
+        run.experiment = Experiment(run.__name__, knob, " ".join(run.__doc__.split()), run, model)
+        return run
+    return mark
+
+
 def chapters() -> dict[str, Path]:
     return {p.parent.name[:2]: p.parent for p in sorted(HERE.glob("[0-9][0-9]_*/experiments.py"))}
 
@@ -58,7 +71,9 @@ def experiments(chapter: str) -> tuple[Path, list[Experiment]]:
     found = chapters()
     if chapter not in found:
         raise KeyError(f"chapter {chapter!r} has no experiments; these do: {', '.join(found)}")
-    return found[chapter], harness.load_file(found[chapter] / "experiments.py").EXPERIMENTS
+    module = harness.load_file(found[chapter] / "experiments.py")
+    return found[chapter], [f.experiment for f in vars(module).values()          # in the order written
+                            if getattr(f, "__module__", None) == module.__name__ and hasattr(f, "experiment")]
 
 
 def _value(v) -> str:

@@ -156,15 +156,7 @@ def amx_peak_gops(threads: int = 1, reps: int = 20_000) -> tuple[float, float]:
         raise RuntimeError(f"no matrix unit to measure: {why}")
     ops = 2 * 16 * 16 * 64 * amx_tiles.PEAK_CHAINS * amx_tiles.PEAK_DEPTH * reps * threads
     bufs = np.zeros((threads, 3 * 1024), np.uint8)
-    if threads == 1:
-        best, med = _best(lambda: _amx_peak_one(reps, bufs[0]), 5)
-    else:
-        old = get_num_threads()
-        set_num_threads(threads)
-        try:
-            best, med = _best(lambda: _amx_peak_parallel(reps, bufs), 5)
-        finally:
-            set_num_threads(old)
+    best, med = _best_on(threads, lambda: _amx_peak_one(reps, bufs[0]), lambda: _amx_peak_parallel(reps, bufs))
     return ops / best / 1e9, ops / med / 1e9
 
 
@@ -172,15 +164,7 @@ def int_peak_gops(threads: int = 1, reps: int = 2_000_000) -> tuple[float, float
     """(best, median) integer Gop/s of int_instruction() on that many threads, 2 ops per multiply-add."""
     lanes = 16 if vector_ir.ZMM else 8
     ops = 2 * 4 * lanes * INT_CHAINS * reps * threads
-    if threads == 1:
-        best, med = _best(lambda: _int_peak_one(reps), 5)
-    else:
-        old = get_num_threads()
-        set_num_threads(threads)
-        try:
-            best, med = _best(lambda: _int_peak_parallel(reps, threads), 5)
-        finally:
-            set_num_threads(old)
+    best, med = _best_on(threads, lambda: _int_peak_one(reps), lambda: _int_peak_parallel(reps, threads))
     return ops / best / 1e9, ops / med / 1e9
 
 
@@ -196,21 +180,25 @@ def _best(fn, reps: int = 5) -> tuple[float, float]:
     return min(times), statistics.median(times)
 
 
+def _best_on(threads: int, one, parallel, reps: int = 5) -> tuple[float, float]:
+    """_best of `one` on one thread, or of `parallel` with numba's pool at `threads` (set back after)."""
+    if threads == 1:
+        return _best(one, reps)
+    old = get_num_threads()
+    set_num_threads(threads)
+    try:
+        return _best(parallel, reps)
+    finally:
+        set_num_threads(old)
+
+
 def bandwidth_gbs(a: np.ndarray, threads: int = 1, reps: int = 5) -> tuple[float, float]:
     """(best, median) GB/s of summing `a` on that many threads: eight contiguous chunks per
     thread, each taken by whichever thread is free."""
-    if threads == 1:
-        best, med = _best(lambda: _sum(a), reps)
-    else:
-        old = get_num_threads()
-        set_num_threads(threads)
-        try:
-            # chunks handed out one at a time as threads come free, not split up front: a thread
-            # that loses its core for a while (another process) leaves its chunks to the others
-            with parallel_chunksize(1):
-                best, med = _best(lambda: _sum_parallel(a, threads * 8), reps)
-        finally:
-            set_num_threads(old)
+    # chunks handed out one at a time as threads come free, not split up front: a thread that
+    # loses its core for a while (another process) leaves its chunks to the others
+    with parallel_chunksize(1):
+        best, med = _best_on(threads, lambda: _sum(a), lambda: _sum_parallel(a, threads * 8), reps)
     return a.nbytes / best / 1e9, a.nbytes / med / 1e9
 
 
@@ -233,24 +221,15 @@ def measure(threads: int | None = None, size_mib: int = 512) -> dict:
     from stages import unavailable_reason
     if unavailable_reason("amx") is None:                  # the matrix unit, where there is one
         out["amx_peak_gops"] = {str(t): amx_peak_gops(t)[0] for t in sorted({1, threads})}
-    out["bandwidth_gbs"]["1"], out["bandwidth_gbs_median"]["1"] = bandwidth_gbs(a, 1)
 
     def peak1():
         for _ in range(reps):
             matmul_panels(A, W)
-    best, med = _best(peak1, 5)
-    out["peak_gflops"]["1"], out["peak_gflops_median"]["1"] = flops_one * reps / best / 1e9, \
-        flops_one * reps / med / 1e9
-    if threads > 1:
-        out["bandwidth_gbs"][str(threads)], out["bandwidth_gbs_median"][str(threads)] = bandwidth_gbs(a, threads)
-        old = get_num_threads()
-        set_num_threads(threads)
-        try:
-            best, med = _best(lambda: _peak_parallel(A, W, reps, threads), 5)
-            out["peak_gflops"][str(threads)] = flops_one * reps * threads / best / 1e9
-            out["peak_gflops_median"][str(threads)] = flops_one * reps * threads / med / 1e9
-        finally:
-            set_num_threads(old)
+    for t in sorted({1, threads}):
+        out["bandwidth_gbs"][str(t)], out["bandwidth_gbs_median"][str(t)] = bandwidth_gbs(a, t)
+        best, med = _best_on(t, peak1, lambda: _peak_parallel(A, W, reps, t))
+        out["peak_gflops"][str(t)] = flops_one * reps * t / best / 1e9
+        out["peak_gflops_median"][str(t)] = flops_one * reps * t / med / 1e9
     return out
 
 

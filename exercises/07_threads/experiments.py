@@ -6,7 +6,7 @@ import numba
 import numpy as np
 
 from exercises.harness import best_seconds, load_file
-from exercises.try_it import Experiment, engine, step_ms
+from exercises.try_it import engine, experiment, step_ms
 from stages.kernels.threaded import matvec_parallel
 from stages.kernels.toolkit import F16_TO_F32, Q4_1
 from stages.threads import default_threads
@@ -14,7 +14,12 @@ from stages.threads import default_threads
 decode_weight = load_file(__file__.replace("07_threads/experiments", "05_quantized/check")).decode_weight
 
 
+@experiment("threads: the decode product's rows split over 1 or all physical cores")
 def kernel_threads(quick):
+    """two answers, and the measurement says which holds here: if one core already streams the blocks
+    as fast as memory delivers them, a second core adds little; if one core's unpacking is slower
+    than memory (the chapter's roofline: compare the GB/s of blocks with the machine's bandwidth),
+    each core adds its unpacking, up to the bandwidth floor"""
     raw, what = decode_weight(quick)
     x = np.random.default_rng(1).standard_normal(raw.shape[1] // 20 * 32).astype(np.float32)
     rows = []
@@ -27,7 +32,11 @@ def kernel_threads(quick):
     return {"rows": rows, "note": what}
 
 
+@experiment("--threads N for the whole decode step (the threads stage, SmolLM2)", model=True)
 def model_threads(quick):
+    """less than the kernel's gain: SmolLM2's matrices are small (under a MiB each), so every matmul's
+    fork and join, and Python between the ops, are a visible share of a step that threads do not
+    shorten"""
     model = engine("threads", n_ctx=80)
     rows = []
     n = model.backend.threads
@@ -36,16 +45,3 @@ def model_threads(quick):
         rows.append((f"threads stage, decode step, {nt} thread(s)", step_ms(model, 32, 3 if quick else 9), "ms"))
     model.backend.threads = n
     return {"rows": rows, "note": "`python -m app run --stage threads --threads 1` runs a whole generation so"}
-
-
-EXPERIMENTS = [
-    Experiment("kernel_threads", "threads: the decode product's rows split over 1 or all physical cores",
-               "two answers, and the measurement says which holds here: if one core already streams the blocks "
-               "as fast as memory delivers them, a second core adds little; if one core's unpacking is slower "
-               "than memory (the chapter's roofline: compare the GB/s of blocks with the machine's bandwidth), "
-               "each core adds its unpacking, up to the bandwidth floor", kernel_threads),
-    Experiment("model_threads", "--threads N for the whole decode step (the threads stage, SmolLM2)",
-               "less than the kernel's gain: SmolLM2's matrices are small (under a MiB each), so every "
-               "matmul's fork and join, and Python between the ops, are a visible share of a step that "
-               "threads do not shorten", model_threads, model=True),
-]

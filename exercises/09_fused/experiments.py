@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import numba
 
-from exercises.try_it import Experiment, engine, step_ms
+from exercises.try_it import engine, experiment, step_ms
 from stages.kernels.sync import dispatch_costs
 from stages.threads import default_threads
 
 
+@experiment("how threads meet between two ops: a fork/join (a new parallel region) or a barrier")
 def dispatch(quick):
+    """a fork/join wakes the pool and waits for the last thread: tens of microseconds; a barrier is an
+    atomic add and a short spin while the threads are already running: well under a microsecond on
+    an idle machine, so tens of times cheaper (on a machine other programs load, a barrier waits for
+    a thread that lost its core, and the gap closes)"""
     rows = []
     nt = default_threads()
     costs = dispatch_costs(nt, 200 if quick else 2000)
@@ -20,7 +25,12 @@ def dispatch(quick):
     return {"rows": rows, "note": f"numba's threading layer here: {costs['layer']}"}
 
 
+@experiment("one compiled call per token (fused) against a parallel region per op (int8)", model=True)
 def int8_vs_fused(quick):
+    """SmolLM2's int8 step opens 8 regions per layer x 30 layers + the head: 241 fork/joins at tens of
+    microseconds is several milliseconds of a step of tens, plus Python's calls between them; fused
+    opens 2 and keeps the same integer kernels' work, so it should be faster by about that (its
+    integer tiles save some more)"""
     ctx = 32
     reps = 3 if quick else 9
     int8 = step_ms(engine("int8", n_ctx=ctx + 8), ctx, reps)
@@ -30,17 +40,3 @@ def int8_vs_fused(quick):
                      ("fused: the same step (2 regions, barriers between the ops)", fused, "ms"),
                      ("int8 over fused", int8 / fused, "x")],
             "note": "multiply dispatch's fork/join cost by the regions a step opens: how much of the gap is it?"}
-
-
-EXPERIMENTS = [
-    Experiment("dispatch", "how threads meet between two ops: a fork/join (a new parallel region) or a barrier",
-               "a fork/join wakes the pool and waits for the last thread: tens of microseconds; a barrier is "
-               "an atomic add and a short spin while the threads are already running: well under a "
-               "microsecond on an idle machine, so tens of times cheaper (on a machine other programs load, "
-               "a barrier waits for a thread that lost its core, and the gap closes)", dispatch),
-    Experiment("int8_vs_fused", "one compiled call per token (fused) against a parallel region per op (int8)",
-               "SmolLM2's int8 step opens 8 regions per layer x 30 layers + the head: 241 fork/joins at tens of "
-               "microseconds is several milliseconds of a step of tens, plus Python's calls between them; "
-               "fused opens 2 and keeps the same integer kernels' work, so it should be faster by about "
-               "that (its integer tiles save some more)", int8_vs_fused, model=True),
-]

@@ -6,7 +6,7 @@ import numba
 import numpy as np
 
 from exercises.harness import best_seconds, load_file
-from exercises.try_it import Experiment, engine, step_ms
+from exercises.try_it import engine, experiment, step_ms
 from stages.kernels import repacked
 from stages.kernels.q8 import new_packs, quantize_row
 from stages.kernels.toolkit import Q4_1
@@ -14,7 +14,11 @@ from stages.kernels.toolkit import Q4_1
 decode_weight = load_file(__file__.replace("10_repack/experiments", "05_quantized/check")).decode_weight
 
 
+@experiment("LLM_KV_TYPE: K and V stored as float16 (the stage's default, llama.cpp's) or float32", model=True)
 def kv_type(quick):
+    """a decode step reads K and V of every position: at 1024 positions 2 x 30 x 1024 x 192 values, 24
+    MB as float16 and 47 MB as float32, beside 94 MB of weights: float32 should cost about a quarter
+    more at 1024 positions and nothing visible at 64"""
     ctx = 64 if quick else 1024
     rows = []
     for kv in ("f16", "f32"):
@@ -33,7 +37,13 @@ def _kernel():
     return run
 
 
+@experiment("the software prefetch distance of repack's kernel (repacked.GROUP_PREFETCH: which "
+            "cache, how far ahead)")
 def prefetch(quick):
+    """a prefetch far enough ahead hides the memory's latency when one thread streams a matrix larger
+    than the caches: a few tens of percent over none, more where the hardware prefetchers fall
+    behind; too near and the line is not there in time, into L1 too early and it is evicted before
+    use (on a Zen 4 the K-quants measured slower into L1 than with none at all)"""
     raw, what = decode_weight(quick)
     K = raw.shape[1] // 20 * 32
     blob = repacked.repack(raw, Q4_1)
@@ -56,17 +66,3 @@ def prefetch(quick):
         chosen = " (the stage's choice here)" if (level, ahead) == now[Q4_1] else ""
         rows.append((name + chosen, raw.nbytes / s / 1e9, "GB/s"))
     return {"rows": rows, "note": what + "; 1 thread; `python -m app bench prefetch` times every choice and type"}
-
-
-EXPERIMENTS = [
-    Experiment("kv_type", "LLM_KV_TYPE: K and V stored as float16 (the stage's default, llama.cpp's) or float32",
-               "a decode step reads K and V of every position: at 1024 positions 2 x 30 x 1024 x 192 values, "
-               "24 MB as float16 and 47 MB as float32, beside 94 MB of weights: float32 should cost about a "
-               "quarter more at 1024 positions and nothing visible at 64", kv_type, model=True),
-    Experiment("prefetch", "the software prefetch distance of repack's kernel (repacked.GROUP_PREFETCH: which "
-               "cache, how far ahead)",
-               "a prefetch far enough ahead hides the memory's latency when one thread streams a matrix larger "
-               "than the caches: a few tens of percent over none, more where the hardware prefetchers fall "
-               "behind; too near and the line is not there in time, into L1 too early and it is evicted "
-               "before use (on a Zen 4 the K-quants measured slower into L1 than with none at all)", prefetch),
-]

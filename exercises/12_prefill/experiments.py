@@ -7,12 +7,16 @@ import time
 import numpy as np
 
 from exercises.harness import best_seconds, load_file
-from exercises.try_it import Experiment, engine
+from exercises.try_it import engine, experiment
 
 check = load_file(__file__.replace("experiments", "check"))
 
 
+@experiment("the rows of a tile of the prefill stage's attention: 1 (decode's way) to 64")
 def tile_rows(quick):
+    """a tile reads each block of K and V once for R x G queries: from 1 row to 16 the reads per query
+    fall 16 times and the time falls with them, until the arithmetic (scores and weighted sums, the
+    same for any R) is what is left: a few times faster, then flat"""
     M, G, hd = (64 if quick else 512), 3, 64
     rng = np.random.default_rng(0)
     q = rng.standard_normal((M, G, hd)).astype(np.float32)
@@ -30,7 +34,12 @@ def tile_rows(quick):
     return {"rows": rows, "note": f"one KV head of a {M}-token prompt, G = {G} query heads, 1 thread"}
 
 
+@experiment("the stage for a prompt: repack (a row at a time through attention, its decode kernel for "
+            "every matmul) against prefill", model=True)
 def ttft(quick):
+    """a prompt is compute-bound: each loaded weight block serves every prompt row. prefill's pair
+    kernel puts two rows in a register and its attention reads K and V once per tile: a 256-token
+    prompt should come out several times faster (quick: 32 tokens, less)"""
     n = 32 if quick else 256
     tokens = [(i * 37) % 1000 + 100 for i in range(n)]
     rows = []
@@ -50,16 +59,3 @@ def ttft(quick):
         rows.append((f"{stage}: a {n}-token prompt's forward pass", best * 1e3, "ms"))
     rows.append(("repack over prefill", rows[0][1] / rows[1][1], "x"))
     return {"rows": rows, "note": "time to first token is this pass plus one sample"}
-
-
-EXPERIMENTS = [
-    Experiment("tile_rows", "the rows of a tile of the prefill stage's attention: 1 (decode's way) to 64",
-               "a tile reads each block of K and V once for R x G queries: from 1 row to 16 the reads per "
-               "query fall 16 times and the time falls with them, until the arithmetic (scores and weighted "
-               "sums, the same for any R) is what is left: a few times faster, then flat", tile_rows),
-    Experiment("ttft", "the stage for a prompt: repack (a row at a time through attention, its decode kernel for "
-               "every matmul) against prefill",
-               "a prompt is compute-bound: each loaded weight block serves every prompt row. prefill's pair "
-               "kernel puts two rows in a register and its attention reads K and V once per tile: a 256-token "
-               "prompt should come out several times faster (quick: 32 tokens, less)", ttft, model=True),
-]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from exercises.harness import best_seconds, load_file
-from exercises.try_it import Experiment, engine
+from exercises.try_it import engine, experiment
 
 check = load_file(__file__.replace("experiments", "check"))
 
@@ -14,7 +14,11 @@ def _copy_prompt(model):
     return Tokenizer.from_gguf(model.gguf).encode(prompt_sets()["copy"][0], add_bos=True)
 
 
+@experiment("--draft-max K: how many guesses a verify pass may check", model=True)
 def draft_max(quick):
+    """on text that copies its prompt, prompt lookup's guesses are mostly right: each pass of K + 1
+    rows, costing about one step, yields up to K + 1 tokens. Tokens/s should rise from K = 0 and
+    flatten once the guesses run past what the text repeats or the pass's rows pass the ridge"""
     from app.measure.speculative import run_ours
     from app.run import fastest_stage
     from common.speculative import accept
@@ -31,7 +35,10 @@ def draft_max(quick):
     return {"rows": rows, "note": f"{stage} stage, {n} tokens of an answer that copies its prompt, greedy"}
 
 
+@experiment("the rows of a verify pass: 1 to 17", model=True)
 def verify_cost(quick):
+    """under the ridge point a pass of m rows reads the same weights as one row: about 1 step for m up
+    to a handful, then rising by a step per few rows as the multiply-adds take over"""
     from app.run import fastest_stage
     stage = fastest_stage()
     model = engine(stage)
@@ -44,16 +51,3 @@ def verify_cost(quick):
     rows = [(f"a pass of {m} rows, in one-row steps", t / ms[1], "steps") for m, t in ms.items()]
     rows.append(("one row", ms[1], "ms"))
     return {"rows": rows, "note": f"{stage} stage; the chapter's chart draws the roofline's prediction beside it"}
-
-
-EXPERIMENTS = [
-    Experiment("draft_max", "--draft-max K: how many guesses a verify pass may check",
-               "on text that copies its prompt, prompt lookup's guesses are mostly right: each pass of K + 1 "
-               "rows, costing about one step, yields up to K + 1 tokens. Tokens/s should rise from K = 0 and "
-               "flatten once the guesses run past what the text repeats or the pass's rows pass the ridge",
-               draft_max, model=True),
-    Experiment("verify_cost", "the rows of a verify pass: 1 to 17",
-               "under the ridge point a pass of m rows reads the same weights as one row: about 1 step for "
-               "m up to a handful, then rising by a step per few rows as the multiply-adds take over",
-               verify_cost, model=True),
-]
