@@ -306,8 +306,8 @@ def prompt_to_choice_zero(real):
 
 def first_streams_offsets(real):
     """A planted Server._echoed: the completion's offsets follow the prompt in choice 0 only."""
-    def echoed(self, job, seqs, streams, queue, deadline):
-        return real(self, job, seqs, streams[:1], queue, deadline)
+    def echoed(self, job, seqs, streams, inbox):
+        return real(self, job, seqs, streams[:1], inbox)
     return echoed
 
 
@@ -354,10 +354,8 @@ def per_request_problems(s) -> list[str]:
     return problems
 
 
-def first_token_of_every_choice(self, i, last, t0):
+def first_token_of_every_choice(self, i, last, t0, now):
     """A planted Server._timed: a time to first token for every choice."""
-    import time
-    now = time.perf_counter()
     if last[i] is None:
         self.metrics.ttft.observe(now - t0)
     else:

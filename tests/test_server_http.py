@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 from app.serve import api, replies, routes
+from app.serve import engine_loop as app_engine_loop
 from app.serve import server as server_module
 from app.serve.metrics import OUTCOMES
 from app.serve.replies import token_string
@@ -461,6 +462,42 @@ def test_presence_penalty_alone_is_openais(default_model_path, monkeypatch):
         monkeypatch.setattr(api, "sampling_params", lambda data, n_vocab: real(
             {k: v for k, v in data.items() if k != "presence_penalty"}, n_vocab))
         assert presence_problems(s) != []
+
+
+def repeat_problems(s) -> list[str]:
+    """llama.cpp's repeat_penalty (taken beside OpenAI's fields) as llama.cpp defines it, over the
+    prompt and the text so far (the last 64 tokens): a positive logit divided by it, a negative one
+    multiplied. The stub's logits (-0.5 |id - peak|, never positive) are lifted by a logit_bias on
+    the 4 tokens it draws among, so that dividing changes which is greatest."""
+    prompt, n, bias, penalty = [5, 6, 302], 24, 5.0, 1.5
+    ids = np.arange(s.engine.config.n_vocab)
+
+    def greedy(penalized):
+        ctx, out = list(prompt), []
+        for _ in range(n):
+            logits = (-0.5 * np.abs(ids - s.engine.next_token(ctx))).astype(np.float32)
+            logits[300:304] += np.float32(bias)
+            if penalized:
+                seen = np.unique(np.asarray(ctx[-64:]))
+                v = logits[seen]
+                logits[seen] = np.where(v <= 0, v * penalty, v / penalty)
+            out.append(int(np.argmax(logits)))
+            ctx.append(out[-1])
+        return out
+    want = greedy(True)
+    assert want != greedy(False), "the scene: the penalty must change the greedy text"
+    r = httpx.post(s.url + "/v1/completions", timeout=30, json={
+        "prompt": prompt, "max_tokens": n, "temperature": 0, "repeat_penalty": penalty,
+        "logit_bias": {str(t): bias for t in range(300, 304)}}).json()
+    text = r["choices"][0]["text"]
+    return [] if text == s.engine.tokenizer.decode(want) else [f"repeat_penalty {penalty}: {text!r}"]
+
+
+def test_repeat_penalty_looks_back_over_the_prompt_and_the_text(default_model_path, monkeypatch):
+    with StubServer(default_model_path, low=300, high=304) as s:
+        assert repeat_problems(s) == []
+        monkeypatch.setattr(Sequence, "history", property(lambda self: []))     # planted: nothing looked back on
+        assert repeat_problems(s) != []
 
 
 class FirstListed(StopMatcher):
@@ -1316,3 +1353,215 @@ def test_a_drain_finishes_the_waiting_requests_too(default_model_path):
                 (not self.server.draining or self.clock() < self.deadline)
     assert drain_problems(Drain, default_model_path) == []
     assert drain_problems(RunningOnly, default_model_path) != []
+
+
+# ---- the hand-over from the engine thread (server.py: Mail, Inbox) and the published state -------------
+
+def hand_over_problems() -> list[str]:
+    """Events put into inboxes as the engine thread does, read as handlers do, on one asyncio loop
+    whose wake-ups (call_soon_threadsafe) are counted: a step's events for several requests wake
+    the loop once; an event that need not be seen now wakes nothing and arrives, in order, with the
+    next that does; news after a delivery wakes the loop again; past its deadline an empty inbox
+    raises RequestTimeout, after handing out what it holds."""
+    problems = []
+
+    async def scene():
+        loop = asyncio.get_running_loop()
+        wakes, real = [], loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda f, *a: (wakes.append(f), real(f, *a))[1]
+        mail = server_module.Mail(loop)
+        boxes = [server_module.Inbox(mail) for _ in range(3)]
+        for i, box in enumerate(boxes):                          # one step: a token for each request,
+            box.put((0, "token", i, 0.0))
+        boxes[0].put((0, "done", "length", 0.0))                 # and the end of the first
+        if len(wakes) != 1:
+            problems.append(f"a step's 4 events for 3 requests woke the loop {len(wakes)} times, not once")
+        got = [await box.get() for box in boxes] + [await boxes[0].get()]
+        if [g[1:3] for g in got] != [("token", 0), ("token", 1), ("token", 2), ("done", "length")]:
+            problems.append(f"events read: {got}")
+        await asyncio.sleep(0)                                    # the loop turns: what is on its way arrives
+        boxes[1].put((0, "token", 7, 0.0), wake=False)
+        if len(wakes) != 1:
+            problems.append("a token nobody must see now woke the loop")
+        boxes[1].put((0, "done", "stop", 0.0))
+        got = [await boxes[1].get(), await boxes[1].get()]
+        if [g[1:3] for g in got] != [("token", 7), ("done", "stop")]:
+            problems.append(f"a quiet token and the event after it read as {got}")
+        await asyncio.sleep(0)                                    # the loop turns: what is on its way arrives
+        before = len(wakes)
+        boxes[2].put((0, "token", 8, 0.0))
+        if len(wakes) != before + 1:
+            problems.append("news after a delivery did not wake the loop again (a lost wake-up)")
+        await boxes[2].get()
+        late = server_module.Inbox(mail)
+        late.put((0, "token", 9, 0.0), wake=False)
+        late.expire_at(time.perf_counter() - 1, "too late")
+        if (await late.get())[2] != 9:
+            problems.append("past the deadline, the event already there was not handed out first")
+        try:
+            await late.get()
+            problems.append("past the deadline, an empty inbox waited on")
+        except server_module.RequestTimeout as e:
+            if str(e) != "too late":
+                problems.append(f"the timeout said {e}")
+
+    asyncio.run(asyncio.wait_for(scene(), 60))
+    return problems
+
+
+def every_event_wakes(self, inbox):
+    """A planted Mail.send: a wake-up for every event."""
+    self.ready.append(inbox)
+    self.loop.call_soon_threadsafe(self.deliver)
+
+
+def flags_kept(self):
+    """A planted Mail.deliver: the inboxes' flags never cleared."""
+    self.pending = False
+    while self.ready:
+        self.ready.popleft().wake()
+
+
+@pytest.mark.parametrize("planted", [None, "a wake-up per event", "quiet events wake", "flags kept"])
+def test_the_engine_thread_wakes_the_http_loop_once_a_step_and_only_for_what_must_be_seen(monkeypatch, planted):
+    if planted == "a wake-up per event":
+        monkeypatch.setattr(server_module.Mail, "send", every_event_wakes)
+    elif planted == "quiet events wake":
+        real = server_module.Inbox.put
+        monkeypatch.setattr(server_module.Inbox, "put", lambda self, event, wake=True: real(self, event))
+    elif planted == "flags kept":
+        monkeypatch.setattr(server_module.Mail, "deliver", flags_kept)
+    problems = hand_over_problems()
+    assert (problems == []) == (planted is None), problems
+
+
+def wake_problems(s) -> list[str]:
+    """12 tokens asked for, whole, whole with a stop string, and streamed: the events that wake the
+    HTTP thread (Mail.send, counted): a whole reply's end only; with a stop string, or streamed,
+    every token too."""
+    sends = []
+    real = server_module.Mail.send
+
+    def counted(self, inbox):
+        sends.append(inbox)
+        real(self, inbox)
+    problems = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(server_module.Mail, "send", counted)
+        for what, extra, want in (("whole", {}, 1), ("whole with a stop string", {"stop": ["\u2603"]}, 13),
+                                  ("streamed", {"stream": True}, 13)):
+            before = len(sends)
+            r = httpx.post(s.url + "/v1/completions", json=dict(prompt=list(range(900, 910)), max_tokens=12,
+                                                                temperature=0, **extra), timeout=60)
+            assert r.status_code == 200 and ("\u2603" not in r.text), r.text
+            if len(sends) - before != want:
+                problems.append(f"{what}: {len(sends) - before} events woke the HTTP thread, not {want}")
+    return problems
+
+
+@pytest.mark.parametrize("planted", [None, "every token wakes", "no token wakes"])
+def test_a_whole_reply_wakes_the_http_thread_at_its_end_a_stream_at_every_token(srv, monkeypatch, planted):
+    if planted is not None:
+        monkeypatch.setattr(server_module, "wakes_per_token", lambda job: planted == "every token wakes")
+    problems = wake_problems(srv)
+    assert (problems == []) == (planted is None), problems
+
+
+def view_problems(s) -> list[str]:
+    """The published view against the pool, the engine loop parked: a finished request's full pages
+    cached and idle (-1), an older sequence, and two choices of one prompt sharing its full pages (the
+    older choice owns them). Read after a step: what the pool holds; read during a step (from inside
+    its forward pass, as another thread may): the state after the step before, not the one in flight."""
+    loop, P = s.loop, s.loop.pool.page_size
+    problems = []
+    with s.paused():
+        def run_out(*seqs):
+            while any(not q.done for q in seqs):
+                loop.step()
+        done = Sequence(Ask(list(range(400, 440)), 2))
+        loop.submit(done)
+        run_out(done)
+        a = Sequence(Ask(list(range(500, 530)), 60))
+        b = [Sequence(Ask(list(range(600, 640)), 60, choice=i)) for i in range(2)]
+        loop.submit(a)
+        loop.submit(b[0], b[1:])
+        loop.step()
+        while len(a.table) % P:                           # until a's next token takes a new page
+            loop.step()
+        before, during = loop.view(), []
+        forward = loop.forward
+
+        def watched(batch):
+            during.append(loop.view())
+            return forward(batch)
+        loop.forward = watched
+        try:
+            loop.step()
+        finally:
+            loop.forward = forward
+        view, pool = loop.view(), loop.pool
+        owner = [0] * pool.n_pages
+        for page in pool.idle_cached_pages():
+            owner[page] = -1
+        for seq in sorted(loop.scheduler.running, key=lambda q: -q.id):       # the oldest holder wins
+            for page in seq.table.pages:
+                owner[page] = seq.id
+        want = {"page_owner": owner, "page_shared": [p for p in range(pool.n_pages) if pool.refs[p] > 1],
+                "kv_pages_shared": int((pool.refs > 1).sum()), "running": 3,
+                "sequences": [{"id": q.id, "tokens": len(q.context), "pages": len(q.table.pages),
+                               "preemptions": 0} for q in loop.scheduler.running]}
+        if not want["page_shared"] or -1 not in owner:
+            problems.append(f"the scene: no shared page or no idle cached page ({want})")
+        problems += [f"{k}: {view[k]}, the pool says {v}" for k, v in want.items() if view[k] != v]
+        if during != [before]:
+            problems.append("read during a step, the view showed the step in flight")
+        for q in (a, *b):
+            loop.cancel(q)
+    s.idle()
+    return problems
+
+
+def newest_holder_wins(real):
+    def readable(self, snap, view):
+        out = real(self, snap, view)
+        if view:
+            for sid, _, pages, _ in snap[app_engine_loop.RAW][3]:             # newest last: it wins
+                for p in pages:
+                    out["page_owner"][p] = sid
+        return out
+    return readable
+
+
+def idle_as_free(real):
+    def readable(self, snap, view):
+        out = real(self, snap, view)
+        if view:
+            out["page_owner"] = [max(0, o) for o in out["page_owner"]]
+        return out
+    return readable
+
+
+def state_by_reference(real):
+    """A planted _capture: the pool's counts and the page tables kept by reference, not copied."""
+    def capture(self):
+        snap = real(self)
+        refs, idle, recent, _ = snap[app_engine_loop.RAW]
+        snap[app_engine_loop.RAW] = (self.pool.refs, idle, recent,
+                                     [(q.id, len(q.context), q.table.pages if q.table else [], q.preemptions)
+                                      for q in self.scheduler.running])
+        return snap
+    return capture
+
+
+@pytest.mark.parametrize("planted", [None, "the newest holder wins", "idle cached pages free", "by reference"])
+def test_the_published_view_is_the_pool_at_the_last_step_boundary(default_model_path, monkeypatch, planted):
+    EngineLoop = app_engine_loop.EngineLoop
+    if planted == "the newest holder wins":
+        monkeypatch.setattr(EngineLoop, "_readable", newest_holder_wins(EngineLoop._readable))
+    elif planted == "idle cached pages free":
+        monkeypatch.setattr(EngineLoop, "_readable", idle_as_free(EngineLoop._readable))
+    elif planted == "by reference":
+        monkeypatch.setattr(EngineLoop, "_capture", state_by_reference(EngineLoop._capture))
+    with StubServer(default_model_path, kv_pages=64) as s:
+        problems = view_problems(s)
+    assert (problems == []) == (planted is None), problems

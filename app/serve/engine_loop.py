@@ -44,7 +44,7 @@ from common.paged_kv import PAGE_SIZE, PagePool
 
 POLL_S = 0.5          # run(): how often an idle loop asks keep_going()
 RECENT_STEPS = 120    # rows of the last steps kept for the live view
-VIEW_ONLY = ("page_owner", "page_shared", "sequences", "recent_rows")     # view(), not stats()
+RAW = "raw"           # a snapshot's copies of the page state (_capture), read by _readable only
 
 
 class EngineLoop:
@@ -69,7 +69,7 @@ class EngineLoop:
         self._stop = False
         self.recent_rows: deque[int] = deque(maxlen=RECENT_STEPS)
         self.reset_counters(publish=False)
-        self._snapshot = self._stats()
+        self._snapshot = self._capture()
 
     # ---- called from any thread -----------------------------------------------------------
     def submit(self, seq: Sequence, followers=()):
@@ -94,8 +94,7 @@ class EngineLoop:
 
     def stats(self) -> dict:
         with self.lock:
-            snap = {k: v for k, v in self._snapshot.items() if k not in VIEW_ONLY}
-            return dict(snap, waiting=self.scheduler.n_waiting())
+            return self._readable(self._snapshot, view=False)
 
     def view(self) -> dict:
         """stats() and the pool page by page (the live page): page_owner[p] is the id of the
@@ -103,7 +102,7 @@ class EngineLoop:
         page_shared lists the pages more than one sequence holds; recent_rows the rows of the
         last steps; sequences the running ones."""
         with self.lock:
-            return dict(self._snapshot, waiting=self.scheduler.n_waiting())
+            return self._readable(self._snapshot, view=True)
 
     def wait_for(self, predicate, timeout: float | None = None) -> bool:
         """Block until predicate(view()) holds, checked at every published step, submission and
@@ -284,29 +283,41 @@ class EngineLoop:
         self.finished[outcome] = self.finished.get(outcome, 0) + 1
 
     # ---- what the outside sees ------------------------------------------------------------
-    def _stats(self) -> dict:
+    def _capture(self) -> dict:
+        """The state as readers see it until the next step, taken on the engine thread: the
+        counters, and the pool's page state as copies of what it is made of (the page view is
+        made from them by _readable, on the reader's thread, when one is asked for: a step pays
+        for a few copies, not for a view of every page)."""
         p = self.pool
-        owner = np.zeros(p.n_pages, dtype=np.int64)
-        owner[p.idle_cached_pages()] = -1
-        running = list(self.scheduler.running)
-        for seq in reversed(running):                # the oldest holder wins
-            if seq.table is not None:
-                owner[seq.table.pages] = seq.id
+        drafted, accepted = self._guess_counts()
         return {"kv_pages_total": p.n_pages, "kv_pages_free": p.n_free, "kv_pages_cached": p.n_cached,
-                "kv_pages_shared": p.n_shared, "kv_page_size": p.page_size, "kv_pages_reserved": p.reserved,
-                "running": len(running), "max_batch": self.scheduler.max_batch, "steps": self.steps,
+                "kv_page_size": p.page_size, "kv_pages_reserved": p.reserved,
+                "running": len(self.scheduler.running), "max_batch": self.scheduler.max_batch, "steps": self.steps,
                 "rows": self.rows, "failures": self.failures, "preemptions": self.preemptions,
                 "generated_tokens": self.generated_tokens, "finished": dict(self.finished),
-                "spec": self.speculation is not None, "drafted": self._guess_counts()[0],
-                "accepted": self._guess_counts()[1],
+                "spec": self.speculation is not None, "drafted": drafted, "accepted": accepted,
                 "step_seconds": round(self.step_seconds, 6),
-                "recent_rows": list(self.recent_rows), "page_owner": owner.tolist(),
-                "page_shared": np.flatnonzero(p.refs > 1).tolist(),
-                "sequences": [{"id": s.id, "tokens": len(s.context), "pages": len(s.table.pages) if s.table else 0,
-                               "preemptions": s.preemptions} for s in running]}
+                RAW: (p.refs.copy(), p.idle_cached_pages(), list(self.recent_rows),
+                      [(s.id, len(s.ask.prompt) + len(s.generated), list(s.table.pages) if s.table else [],
+                        s.preemptions) for s in self.scheduler.running])}
+
+    def _readable(self, snap: dict, view: bool) -> dict:
+        """stats() (view=False) or view() from a snapshot (_capture); called with the lock held."""
+        refs, idle, recent, running = snap[RAW]
+        out = {k: v for k, v in snap.items() if k != RAW}
+        out.update(kv_pages_shared=int((refs > 1).sum()), waiting=self.scheduler.n_waiting())
+        if view:
+            owner = np.zeros(len(refs), dtype=np.int64)
+            owner[idle] = -1
+            for sid, _, pages, _ in reversed(running):      # the oldest holder wins
+                owner[pages] = sid
+            out.update(page_owner=owner.tolist(), page_shared=np.flatnonzero(refs > 1).tolist(), recent_rows=recent,
+                       sequences=[{"id": sid, "tokens": n, "pages": len(pages), "preemptions": k}
+                                  for sid, n, pages, k in running])
+        return out
 
     def _publish(self):
-        snap = self._stats()
+        snap = self._capture()
         with self.lock:
             self._snapshot = snap
             self.lock.notify_all()

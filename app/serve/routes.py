@@ -232,14 +232,14 @@ class Routes:
             return self.refuse(413, str(e), "too_large")
         except BadRequest as e:
             return self.refuse(400, str(e), "bad_request", param=e.param)
-        seqs, queue = [], asyncio.Queue()
+        seqs, inbox = [], s.inbox()
         if not (job.score_only and job.prompt_logprobs is None):      # (echo alone needs no engine)
             try:                                    # a full queue is a 503 before anything is sent
-                seqs, queue = s.submit(job)
+                seqs, inbox = s.submit(job)
             except QueueFull as e:
                 return self.unavailable(f"the server is busy: {e}", "busy", "server_busy")
         reply = Reply(job, s.model_id, s.tokenizer)
-        updates = s.updates(job, seqs, queue, t0)
+        updates = s.updates(job, seqs, inbox, t0)
         if job.stream:
             return StreamingResponse(self.events(job, reply, seqs, updates), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})

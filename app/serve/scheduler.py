@@ -150,7 +150,7 @@ class Scheduler:
         for seq in seqs:
             if seq.table is None:                        # a choice waiting for its leader's prompt
                 continue
-            pending = len(seq.context) - len(seq.table)
+            pending = seq.pending
             if self._decoding(seq):
                 decoding.append((seq, 1))
             elif pending > 0 and budget > 0:
@@ -162,7 +162,7 @@ class Scheduler:
     @staticmethod
     def _decoding(seq: Sequence) -> bool:
         """Its context is in its pages but its newest token: it feeds that one."""
-        return len(seq.context) - len(seq.table) == 1 and not seq.scoring
+        return seq.pending == 1 and not seq.scoring
 
     def _guess(self, planned: list) -> list[tuple[Sequence, int]]:
         """The step's guesses (speculative decoding): the planner told of every row of the step,
@@ -185,11 +185,13 @@ class Scheduler:
         preempted for it) and try again. The rows that got their pages, and the preempted."""
         out, preempted = [], []
         for seq, n in sorted(rows, key=lambda rn: rn[0].id):
-            while seq.table is not None and not seq.table.reserve_for(n) and may_preempt:
+            ok = seq.table is not None and seq.table.reserve_for(n)
+            while not ok and may_preempt and seq.table is not None:
                 newest = max((s for s in self.running if s.table is not None), key=lambda s: s.id)
                 self._preempt(newest)
                 preempted.append(newest)
-            if seq.table is not None and seq.table.reserve_for(n):
+                ok = seq.table is not None and seq.table.reserve_for(n)
+            if ok:
                 out.append((seq, n))
         return out, preempted
 
@@ -215,7 +217,8 @@ class Scheduler:
                 seq.cached_tokens = min(n_cached, len(seq.ask.prompt))
             self.running.extend(group)
             admitted.extend(group)
-        self.running.sort(key=lambda s: s.id)
+        if admitted:                                     # (one preempted before is older than some running)
+            self.running.sort(key=lambda s: s.id)
         return admitted
 
     def _preempt(self, seq: Sequence):

@@ -98,6 +98,24 @@ class Sequence:
         return self.ask.prompt + self.generated
 
     @property
+    def pending(self) -> int:
+        """Positions of its context its pages do not hold yet (decoding: 1, its newest token).
+        Counted, not read off `context`, which copies every token: a step asks this of every
+        running sequence."""
+        return len(self.ask.prompt) + len(self.generated) - len(self.table)
+
+    def _after(self, start: int) -> list:
+        """context[start:], without copying the positions before start."""
+        n = len(self.ask.prompt)
+        return self.ask.prompt[start:] + self.generated if start < n else self.generated[start - n:]
+
+    @property
+    def history(self) -> list:
+        """What its sampler reads of the text so far: its context where a repeat penalty looks
+        back over it, else nothing (the context is a copy of every token: not made for nothing)."""
+        return self.context if self.ask.params.repeat_penalized else []
+
+    @property
     def room(self) -> int:
         """Tokens it may still make (what speculative decoding's planner may guess within)."""
         return self.ask.max_tokens - len(self.generated)
@@ -120,11 +138,10 @@ class Sequence:
         """Its part of a step: the next n tokens of its context that its pages do not hold yet,
         then its guesses; the logits of the last row once the context is complete, of every row
         while scoring or guessing."""
-        start = len(self.table)
-        del self.guesses[max(0, start + n - len(self.context)):]      # rows the step could not take
-        tokens = (self.context[start:] + self.guesses)[:n]
-        return Segment(self.table, tokens, logits=start + n >= len(self.context),
-                       all_logits=self.scoring or bool(self.guesses))
+        start, pending = len(self.table), self.pending
+        del self.guesses[max(0, n - pending):]                          # rows the step could not take
+        tokens = (self._after(start) + self.guesses)[:n]
+        return Segment(self.table, tokens, logits=n >= pending, all_logits=self.scoring or bool(self.guesses))
 
     def score(self, logits: np.ndarray, start: int) -> bool:
         """Record its prompt's log-probabilities from the rows for positions start.. (entry j
@@ -141,7 +158,7 @@ class Sequence:
 
     def draw(self, logits: np.ndarray) -> Sampled:
         """Its next token from its row's logits [n_vocab], added to what it generated."""
-        tok = self.sampler(logits, self.context)
+        tok = self.sampler(logits, self.history)
         k = self.ask.logprobs
         lp = token_logprobs(logits, tok, k) if k is not None else (None, [])
         self.generated.append(tok)

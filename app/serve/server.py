@@ -4,10 +4,18 @@ The engine loop (app/serve/engine_loop.py) runs in the main thread, which loaded
 the engine (EngineLoop.run says why that matters); the HTTP side is one asyncio loop (FastAPI
 on uvicorn, app/serve/routes.py) in a second thread. A request's n choices become sequences
 (app/serve/sequence.py) submitted to the engine loop; their events come back from the engine
-thread through an asyncio queue (`submit`), and `updates` turns them into text: streamed
+thread into the request's Inbox (`submit`), and `updates` turns them into text: streamed
 decoding, stop strings, log-probability entries (app/serve/text.py). A stop string found, a
 client gone or a time limit passed cancels what is left, and the pages go back at the next
 step boundary.
+
+Handing an event over is what costs, not the event: waking the HTTP thread takes a write to its
+loop's pipe from the engine thread and a pass of its loop, and on a machine whose cores the
+engine's threads fill, that thread's every wake-up takes a core from a step in flight. So the
+engine thread wakes the HTTP loop once for all the events of a step (Mail), and only for what a
+handler must act on now: a stream's every event, but a whole reply's tokens only where a stop
+string must be looked for (otherwise they wait in the inbox for its end). Each event carries the
+time it was made, so /metrics times tokens when the engine made them, woken or not.
 
 A request under a grammar (its response_format or tools: app/serve/api.py) gets a Constraint
 (common/constrain/) on its first choice's sampler; the other choices fork it when they fork
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 from app.serve.api import Job
 from app.serve.engine_loop import EngineLoop
@@ -39,6 +48,96 @@ class RequestTimeout(RuntimeError):
     """The request ran past --request-timeout."""
 
 
+def wakes_per_token(job: Job) -> bool:
+    """Whether each token of the job must wake its handler: a stream sends it, and a stop string
+    must be looked for as the text grows (the request is cancelled where one is found); a whole
+    reply without stop strings reads its tokens at its end. Other events always wake it."""
+    return job.stream or bool(job.stops)
+
+
+class Mail:
+    """The events of every request served by one asyncio loop, from the engine thread: the
+    inboxes that have news, and at most one wake-up of the loop on its way for all of them
+    (`call_soon_threadsafe(deliver)`), so a step's events cost one, however many requests
+    they are for."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.ready: deque[Inbox] = deque()
+        self.pending = False                        # a deliver() is on its way
+
+    def send(self, inbox: Inbox):
+        """(engine thread) `inbox` has news for its reader: wake the loop unless a wake-up is
+        already on its way. The flags are cleared before the reader looks (deliver), so news
+        put in after a wake-up's flag was cleared asks for another: none is lost."""
+        if inbox.flagged:
+            return
+        inbox.flagged = True
+        self.ready.append(inbox)
+        if not self.pending:
+            self.pending = True
+            try:
+                self.loop.call_soon_threadsafe(self.deliver)
+            except RuntimeError:                    # the asyncio loop is closed: nobody is listening
+                pass
+
+    def deliver(self):
+        """(HTTP thread) Wake the reader of every inbox with news."""
+        self.pending = False
+        while self.ready:
+            inbox = self.ready.popleft()
+            inbox.flagged = False
+            inbox.wake()
+
+
+class Inbox:
+    """One request's events, in order: (choice, kind, value, when) put in by the engine thread
+    (`put`), taken out by its handler on the HTTP thread (`get`). `wake`: whether the reader
+    must see this event now (Mail wakes it) or may find it with the next one that wakes it.
+    `expire_at`: the request's deadline, after which get() raises RequestTimeout."""
+
+    def __init__(self, mail: Mail):
+        self.mail, self.loop = mail, mail.loop
+        self.events: deque = deque()
+        self.flagged = False                        # in mail.ready, its reader not woken yet
+        self.waiter: asyncio.Future | None = None   # the reader's, while it waits
+        self.timer = None
+        self.timeout: str | None = None             # RequestTimeout's message, once past the deadline
+
+    def put(self, event: tuple, wake: bool = True):
+        self.events.append(event)
+        if wake:
+            self.mail.send(self)
+
+    def wake(self):
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def expire_at(self, deadline: float | None, message: str):
+        """From now on, get() raises RequestTimeout(message) once perf_counter() passes deadline."""
+        if deadline is not None:
+            self.timer = self.loop.call_later(max(0.0, deadline - time.perf_counter()), self._expire, message)
+
+    def _expire(self, message: str):
+        self.timeout = message
+        self.wake()
+
+    async def get(self) -> tuple:
+        while not self.events:
+            if self.timeout is not None:
+                raise RequestTimeout(self.timeout)
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.events.popleft()
+
+    def close(self):
+        if self.timer is not None:
+            self.timer.cancel()
+
+
 class Server:
     """The engine loop, the operator's settings, and what the handlers need."""
 
@@ -58,6 +157,7 @@ class Server:
         loop.observer = self.metrics
         self.draining = False
         self.active = 0                             # responses still being written (the drain waits for them)
+        self._mail: Mail | None = None              # the HTTP loop's (Mail), made at its first request
 
     @property
     def ll(self):
@@ -67,18 +167,15 @@ class Server:
             self._ll = ll_tokenizer(self.tokenizer, self.engine.config.n_vocab)
         return self._ll
 
-    def submit(self, job: Job) -> tuple[list[Sequence], asyncio.Queue]:
+    def submit(self, job: Job) -> tuple[list[Sequence], Inbox]:
         """Queue the job's n choices (QueueFull: the queue cannot take them); their events
-        arrive on the returned asyncio queue, from the engine thread, as (choice, kind, value)."""
-        http_loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        arrive in the returned inbox, from the engine thread, as (choice, kind, value, when)."""
+        inbox = self.inbox()
+        every = wakes_per_token(job)
 
         def listener(i):
             def on_event(kind, value):
-                try:
-                    http_loop.call_soon_threadsafe(queue.put_nowait, (i, kind, value))
-                except RuntimeError:                # the asyncio loop is closed: nobody is listening
-                    pass
+                inbox.put((i, kind, value, time.perf_counter()), every or kind != "token")
             return on_event
 
         seqs = [Sequence(Ask(job.prompt, job.max_tokens, job.params, job.stop_ids, job.logprobs,
@@ -87,7 +184,14 @@ class Server:
                 for i in range(job.n)]
         self.loop.submit(seqs[0], seqs[1:])
         self.metrics.prompt_tokens.inc(len(job.prompt))
-        return seqs, queue
+        return seqs, inbox
+
+    def inbox(self) -> Inbox:
+        """An empty inbox on the running asyncio loop (the HTTP thread's)."""
+        loop = asyncio.get_running_loop()
+        if self._mail is None or self._mail.loop is not loop:
+            self._mail = Mail(loop)
+        return Inbox(self._mail)
 
     def echo(self, job: Job, scores=None) -> tuple[str, list]:
         """The prompt as text and, given its scores, its log-probability entries (the first
@@ -102,7 +206,7 @@ class Server:
                 entries.append((t, lp, top, offset))
         return text + stream.flush()[0], entries
 
-    async def updates(self, job: Job, seqs: list[Sequence], queue: asyncio.Queue, t0: float):
+    async def updates(self, job: Job, seqs: list[Sequence], inbox: Inbox, t0: float):
         """Yield ("prompt", None, text, entries) first when the prompt is echoed, then
         ("text", choice, text, entries) as tokens arrive and ("done", choice, finish_reason,
         None) once per choice. Raises EngineError, RequestTimeout. Cancels what is left when
@@ -110,16 +214,19 @@ class Server:
         ends = job.stop_ids | frozenset(self.tokenizer.eog_ids if job.grammar else ())   # a grammar ends on one
         streams = [TextStream(self.tokenizer, job.stops, self.special, end_ids=ends) for _ in seqs]
         done = [False] * len(seqs)
-        deadline = None if self.request_timeout is None else t0 + self.request_timeout
+        if self.request_timeout is not None:
+            inbox.expire_at(t0 + self.request_timeout,
+                            f"the request took longer than this server's limit of {self.request_timeout:g} s "
+                            f"(--request-timeout); ask for fewer tokens")
         try:
             if job.echo:
-                async for update in self._echoed(job, seqs, streams, queue, deadline):
+                async for update in self._echoed(job, seqs, streams, inbox):
                     yield update
                 if not seqs:                        # echo alone, nothing to generate or score
                     return
             last = [None] * len(seqs)
             while not all(done):
-                i, kind, value = await self._next(queue, deadline)
+                i, kind, value, when = await inbox.get()
                 if done[i]:
                     continue                        # a choice already ended by its stop string
                 if kind == "error":
@@ -131,7 +238,7 @@ class Server:
                     done[i] = True
                     yield "done", i, value, None
                     continue
-                self._timed(i, last, t0)
+                self._timed(i, last, t0, when)
                 text, entries, hit = streams[i].push(value.id, value.logprob, value.top)
                 if text or entries:
                     yield "text", i, text, entries
@@ -140,17 +247,18 @@ class Server:
                     done[i] = True
                     yield "done", i, "stop", None
         finally:
+            inbox.close()
             for i, seq in enumerate(seqs):
                 if not done[i]:
                     self.loop.cancel(seq)
 
-    async def _echoed(self, job: Job, seqs, streams, queue, deadline):
+    async def _echoed(self, job: Job, seqs, streams, inbox: Inbox):
         """The echoed prompt (with its scores, when asked for: the engine's first event), then,
         with nothing to generate, each choice's end."""
         if job.prompt_logprobs is None:
             text, entries = self.echo(job)
         else:
-            _, kind, value = await self._next(queue, deadline)
+            _, kind, value, _ = await inbox.get()
             if kind == "error":
                 raise EngineError(value)
             text, entries = self.echo(job, value)
@@ -161,9 +269,8 @@ class Server:
             for i in range(job.n):
                 yield "done", i, "length", None
 
-    def _timed(self, i: int, last: list, t0: float):
-        """A token of choice i arrived: time to the first (choice 0's), or since its last."""
-        now = time.perf_counter()
+    def _timed(self, i: int, last: list, t0: float, now: float):
+        """A token of choice i, made at `now`: time to the first (choice 0's), or since its last."""
         if last[i] is None:
             if i == 0:
                 self.metrics.ttft.observe(now - t0)
@@ -171,12 +278,3 @@ class Server:
             self.metrics.tbt.observe(now - last[i])
         last[i] = now
         self.metrics.generated_tokens.inc()
-
-    async def _next(self, queue: asyncio.Queue, deadline):
-        if deadline is None:
-            return await queue.get()
-        try:
-            return await asyncio.wait_for(queue.get(), max(0.0, deadline - time.perf_counter()))
-        except asyncio.TimeoutError:
-            raise RequestTimeout(f"the request took longer than this server's limit of {self.request_timeout:g} s "
-                                 f"(--request-timeout); ask for fewer tokens") from None
