@@ -52,6 +52,8 @@ BENCHMARKS = {
                                             "profiles/bench/speculative", ("speculative",)),
     "constrain": Benchmark("constrain_bench", "what a grammar's mask costs a decode step: profiles/bench/constrain",
                            ("constrain",)),
+    "serve-cost": Benchmark("serve_cost", "one client through the server against `run`, streamed and whole: "
+                                          "profiles/bench/serve_cost", ("serve_cost",)),
     "shared-core": Benchmark("shared_core", "decode on cores another program shares: profiles/bench/shared_core",
                              ("shared_core",)),
     "harness": Benchmark("harness_bench", "the harness's own assumptions (bandwidth probe, extrapolation): "

@@ -26,7 +26,7 @@ DRAWINGS = {
     "prefetch": ("app.measure.prefetch_bench", "page", None), "shared_core": ("app.measure.shared_core", "page", None),
     "soak": ("app.measure.soak", "page", None), "speculative_serve": ("app.measure.spec_serve", "page", None),
     "tp": ("app.measure.tp_bench", "page", "chart"), "speculative": ("app.report.speculative", "page", "chart"),
-    "batching": ("app.measure.loadtest", "page", "chart"),
+    "batching": ("app.measure.loadtest", "page", "chart"), "serve_cost": ("app.measure.serve_cost", "page", None),
 }
 # The charts the README shows live in profiles/, beside the results' charts; every other chart
 # beside its record.

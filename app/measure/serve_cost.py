@@ -1,0 +1,190 @@
+"""What the server costs one user: one client through `python -m app serve` against `python -m app run`.
+
+Both decode the same prompt greedily to exactly --tokens tokens (`ignore_eos`), with the same stage
+and threads. `run` pays for the forward pass and the sampling; a server also pays, per step, for its
+engine loop (app/serve/engine_loop.py: the scheduler's plan, the batch's rows, the step's events and
+its published state) and for its HTTP thread (app/serve/server.py, routes.py: the event handed over,
+text decoded, a chunk formatted and written), which runs beside the step on the same cores. The gap
+between the two is the server's own cost.
+
+    python -m app bench serve-cost [-m MODEL] [--stage S] [--threads 2] [--tokens 256] [--rounds 5]
+
+The server is started once; each round measures, in an order that alternates (protocol.py):
+
+    run      `python -m app run --json` in a fresh process: decode (1000 / its mean ms per token after
+             the first) and whole (its tokens over its time to first token plus their decode time)
+    stream   one streamed completion, the official `openai` client: the tokens after the first over
+             the time from the first piece of text to the last
+    whole    one completion at once: its tokens over the request's wall time
+
+and the ratios serve / run of the round (stream against run's decode, whole against run's whole). A
+figure is the median of the rounds' ratios. Beside them, from the server's /health, the share of the
+stream's time between tokens spent outside the forward steps (the server's share, with the client's
+own work beside it on the same cores). TARGET: the stream's ratio it should reach; failures() says
+where it did not (the command then exits 1).
+
+Writes profiles/bench/serve_cost.json and its page serve_cost.md. A benchmark, not a test: minutes,
+on a quiet machine (the client runs on the same cores as the server, as it would beside `run`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from app.measure.local_server import LocalServer
+from app.measure.protocol import BENCH_DIR, add_options, header, load_average, median, order, run_child
+from app.models import resolve
+
+RECORD = BENCH_DIR / "serve_cost.json"
+PROMPT = "The history of the printing press begins in the workshops of"
+CONDITIONS = ("run", "stream", "whole")
+TARGET = 0.9        # one client through the server decodes at this share of run's rate, or better
+
+
+def run_once(args) -> dict:
+    """`run` alone, in a fresh process: {decode, whole} in tokens per second."""
+    rec = run_child([sys.executable, "-m", "app", "run", "-m", args.model, "--stage", args.stage, "-t", args.threads,
+                     "-p", PROMPT, "-n", args.tokens, "--ignore-eos", "--json"], f"`run` ({args.stage})")
+    decode_s = rec["decode_ms_mean"] * (len(rec["tokens"]) - 1) / 1e3
+    return {"decode": 1000.0 / rec["decode_ms_mean"], "whole": len(rec["tokens"]) / (rec["ttft_ms"] / 1e3 + decode_s),
+            "tokens": len(rec["tokens"])}
+
+
+def forward_seconds(url: str) -> tuple[int, float]:
+    """The server's steps so far and the seconds spent inside their forward passes (/health)."""
+    import httpx
+    h = httpx.get(url + "/health", timeout=60).json()
+    return h["steps"], h["step_seconds"]
+
+
+def streamed(client, model: str, args) -> dict:
+    """One streamed completion: decode tokens/s (the tokens after the first over their time) and
+    the share of that time the server spent outside its forward passes."""
+    url = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    first = last = None
+    tokens = 0
+    for ch in client.completions.create(model=model, prompt=PROMPT, max_tokens=args.tokens, temperature=0,
+                                        stream=True, stream_options={"include_usage": True},
+                                        extra_body={"ignore_eos": True}):
+        if ch.usage is not None:
+            tokens = ch.usage.completion_tokens
+        if ch.choices and ch.choices[0].text:
+            last = time.perf_counter()
+            if first is None:                       # the prompt's step is done: the decode steps from here
+                first = last
+                steps0, fwd0 = forward_seconds(url)
+                since = time.perf_counter()
+    steps1, fwd1 = forward_seconds(url)
+    if tokens != args.tokens or last is None or last <= first:
+        raise RuntimeError(f"the stream gave {tokens} tokens, not {args.tokens}")
+    per_token = (last - since) / (steps1 - steps0)
+    forward = (fwd1 - fwd0) / (steps1 - steps0)
+    return {"stream": (tokens - 1) / (last - first), "outside_forward": 1.0 - forward / per_token}
+
+
+def whole(client, model: str, args) -> float:
+    """One completion at once: tokens / wall seconds."""
+    t0 = time.perf_counter()
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=args.tokens, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    wall = time.perf_counter() - t0
+    if r.usage.completion_tokens != args.tokens:
+        raise RuntimeError(f"the completion gave {r.usage.completion_tokens} tokens, not {args.tokens}")
+    return args.tokens / wall
+
+
+def measure(args) -> dict:
+    import openai
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp:
+        server = LocalServer([sys.executable, "-m", "app", "serve", "-m", args.model, "--stage", args.stage,
+                              "-t", args.threads], Path(tmp) / "serve.log", name="serve")
+        try:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+            model = client.models.list().data[0].id
+            streamed(client, model, args), whole(client, model, args)          # warm: connections, pages
+            for r in range(args.rounds):
+                got = {}
+                for condition in order(CONDITIONS, r):
+                    if condition == "run":
+                        got.update(run=run_once(args))
+                    elif condition == "stream":
+                        got.update(streamed(client, model, args))
+                    else:
+                        got["whole"] = whole(client, model, args)
+                rounds.append(got)
+                print(f"round {r + 1}: run {got['run']['decode']:.1f} tokens/s decode, {got['run']['whole']:.1f} "
+                      f"whole | serve: stream {got['stream']:.1f} ({ratios(got)[0]:.3f}x), whole "
+                      f"{got['whole']:.1f} ({ratios(got)[1]:.3f}x) | outside forward "
+                      f"{100 * got['outside_forward']:.1f}%", file=sys.stderr)
+        finally:
+            server.close()
+    return {"kind": "serve_cost", "model": Path(args.model).name, "stage": args.stage, "threads": args.threads,
+            "tokens": args.tokens, "target": TARGET, "load_average": load_average(), **summary(rounds),
+            **header(command=args.command_line)}
+
+
+def ratios(got: dict) -> tuple[float, float]:
+    """A round's serve / run: streamed against run's decode, whole against run's whole."""
+    return got["stream"] / got["run"]["decode"], got["whole"] / got["run"]["whole"]
+
+
+def summary(rounds: list[dict]) -> dict:
+    """The rounds, each with its ratios, and the medians of the ratios (taken within a round, so
+    a round the machine ran slow in counts against both conditions alike)."""
+    rounds = [dict(r, ratio_stream=ratios(r)[0], ratio_whole=ratios(r)[1]) for r in rounds]
+    return {"rounds": rounds, "ratio_stream": median(r["ratio_stream"] for r in rounds),
+            "ratio_whole": median(r["ratio_whole"] for r in rounds),
+            "outside_forward": median(r["outside_forward"] for r in rounds)}
+
+
+def page(record: dict, source: str) -> str:
+    rounds = record["rounds"]
+
+    def each(key):
+        return ", ".join(f"{r[key]:.2f}" for r in rounds)
+    run_decode = statistics.median(r["run"]["decode"] for r in rounds)
+    run_whole = statistics.median(r["run"]["whole"] for r in rounds)
+    m = record["machine"]
+    return "\n".join([
+        f"Measured by `python -m app bench serve-cost` on {m['cpu']} ({m['physical_cores']} cores, "
+        f"{m.get('isa', '?')}; load average {record['load_average']}), {record['model']}, stage {record['stage']}, "
+        f"{record['threads']} threads, {record['tokens']} tokens greedy, medians of {len(rounds)} alternating "
+        f"rounds; code {record['provenance']['code_hash']}. Record: `{source}`.", "",
+        "| one client | tokens/s (median) | ÷ `run` (median of the rounds' ratios) | each round |",
+        "|---|---:|---:|---|",
+        f"| `run` alone: decode | {run_decode:.1f} | 1 | |",
+        f"| `serve`, streamed: decode | {statistics.median(r['stream'] for r in rounds):.1f} | "
+        f"{record['ratio_stream']:.3f}x | {each('ratio_stream')} |",
+        f"| `run` alone: whole request | {run_whole:.1f} | 1 | |",
+        f"| `serve`, whole request | {statistics.median(r['whole'] for r in rounds):.1f} | "
+        f"{record['ratio_whole']:.3f}x | {each('ratio_whole')} |", "",
+        f"Of the stream's time between tokens, {100 * record['outside_forward']:.1f}% (median) went outside the "
+        f"server's forward passes: its engine loop, its HTTP thread and the client, on the same cores. "
+        f"The target: the streamed decode at {record['target']}x `run`'s or better.", ""])
+
+
+def failures(record: dict) -> list[str]:
+    if record["ratio_stream"] >= record["target"]:
+        return []
+    return [f"one client streamed through the server decodes at {record['ratio_stream']:.3f}x `run`'s rate, under "
+            f"the target {record['target']}x"]
+
+
+def add_arguments(p):
+    add_options(p, rounds=5, out=RECORD)
+    p.add_argument("--stage", default="fastest",
+                   help="the stage both use (default: fastest, the one `serve` and `make run` pick on this machine)")
+    p.add_argument("-t", "--threads", type=int, default=2, help="(default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=256, help="tokens each request decodes (default: %(default)s)")
+
+
+def records(args):
+    from app.serve.command import serving_stage
+    args.model = str(resolve(args.model))
+    args.stage = serving_stage(args.stage)
+    yield args.out, measure(args)
