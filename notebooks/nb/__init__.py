@@ -27,7 +27,6 @@ from notebooks.nb.measure import (
     Recorded,
     best_seconds,
     ceilings,
-    decode_ratios,
     faults_between,
     find_records,
     load,
@@ -46,6 +45,7 @@ from notebooks.nb.measure import (
     recorded_vs_llama,
     show_vs_llama,
     step_ms,
+    vs_llama_ratios,
 )
 from notebooks.nb.plots import (
     bar_chart,
@@ -87,5 +87,5 @@ __all__ = [
     "module_kernels", "ops_chart", "ops_chart_with_records", "print_profile", "profile", "prompt_ids", "recorded",
     "recorded_ttft", "recorded_vs_llama", "rel", "roofline_chart", "settings", "show", "show_class_from_file",
     "show_file_excerpt", "show_image", "show_live", "show_source", "show_table", "show_vs_llama", "stage_chart",
-    "step_ms", "decode_ratios",
+    "step_ms", "vs_llama_ratios",
 ]

@@ -305,6 +305,15 @@ def decode_ratios(rows) -> str:
     return ", ".join(f"{r[0]} {r[1]} decode {r[2]}x" for r in rows)
 
 
+def vs_llama_ratios(stage: str, engines: str = "") -> str | None:
+    """The recorded comparison of `stage` with llama.cpp, shown (show_vs_llama), and its decode
+    ratios as one sentence; None where none is recorded, and the page then names the command
+    that measures it (`--engines engines`, where given)."""
+    command = "python -m app bench vs-llama" + (f" --engines {engines}" if engines else "")
+    rows = show_vs_llama([stage], f"_No recorded comparison of the {stage} stage yet: `{command}` writes it._")
+    return decode_ratios(rows) if rows else None
+
+
 def recorded_ttft() -> list[tuple]:
     """(model, engine, prompt, TTFT / llama.cpp's better, decode / llama.cpp's better) of every
     committed prompt-length sweep (profiles/bench/ttft_*.json, `python -m app bench ttft`)."""

@@ -162,9 +162,9 @@ if not missing["threads"]:
 # page drawn from it (`vs_llama_<model>.md`). Its ratios for this stage, if it has run:
 
 # %%
-recorded = nb.show_vs_llama(["threads"], "_No recorded comparison yet: `python -m app bench vs-llama` writes it._")
-if recorded:
-    findings["recorded ratios"] = nb.decode_ratios(recorded)
+ratios = nb.vs_llama_ratios("threads")
+if ratios:
+    findings["recorded ratios"] = ratios
 
 # %% [markdown]
 # ## The running total

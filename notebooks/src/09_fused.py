@@ -246,10 +246,9 @@ if not (missing["fused"] or missing["int8"]):
 # has measured the fused stage:
 
 # %%
-recorded = nb.show_vs_llama(["fused"], "_No recorded comparison of the fused stage yet: `python -m app bench vs-llama "
-                                 "--engines int8,fused,llama.cpp` writes it._")
-if recorded:
-    findings["recorded ratios"] = nb.decode_ratios(recorded)
+ratios = nb.vs_llama_ratios("fused", "int8,fused,llama.cpp")
+if ratios:
+    findings["recorded ratios"] = ratios
 
 # %% [markdown]
 # ## The running total

@@ -195,10 +195,9 @@ if not missing["repack"]:
 # has measured the repack stage:
 
 # %%
-recorded = nb.show_vs_llama(["repack"], "_No recorded comparison of the repack stage yet: `python -m app bench vs-llama "
-                                 "--engines fused,repack,llama.cpp` writes it._")
-if recorded:
-    findings["recorded ratios"] = nb.decode_ratios(recorded)
+ratios = nb.vs_llama_ratios("repack", "fused,repack,llama.cpp")
+if ratios:
+    findings["recorded ratios"] = ratios
 
 # %% [markdown]
 # ## The running total
