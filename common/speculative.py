@@ -70,13 +70,15 @@ each sequence's own accept rate, on whatever machine runs it.
 a is counted per sequence and kind of guess (per matched n-gram length: long matches guess
 better), a new sequence starting from what the others' guesses did (AcceptCounts), and drawn
 from what the counts allow (Thompson sampling), so a kind seldom tried is still tried now and
-then. What guarantees that guessing never costs more than a little: each sequence keeps a
-ledger (`Guesser.credit`, in tokens) of what its guesses gained, measured: the tokens they added
-less what their rows cost, the step's measured time beyond a plain step of its other rows
-(StepTime.extra). It starts at CREDIT_START, earns EXPLORE a step, and while it is spent the
-sequence makes no guess: free text, where guesses keep failing, stops guessing after losing
-about CREDIT_START tokens and then tries again a little (EXPLORE of a token a step), whatever
-the model of the step times got wrong.
+then. What keeps guessing from costing more than a little: each sequence keeps a ledger
+(`Guesser.credit`, in tokens) of what its guesses gained, measured: the tokens they added less
+what their rows cost, the step's time beyond a plain step of its other rows (StepTime.extra;
+at most CHARGE times the price the step times put on them when planned, so a burst of other
+work does not stop a sequence whose guesses pay). It starts at CREDIT_START and earns
+EXPLORE a step; a sequence guesses no more rows than its ledger can pay for at the step times'
+price, and none while it is spent: free text, where guesses keep failing, stops guessing
+after losing about CREDIT_START tokens and then tries again a little (EXPLORE of a token a
+step), whatever the step times or the accept rate got wrong.
 
 Where it runs, the same planner and the same decisions: `python -m app serve --spec` plans
 every decoding sequence of the server's step after admission (app/serve/scheduler.py), runs
@@ -87,6 +89,8 @@ stage's arena).
 
 from __future__ import annotations
 
+import bisect
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -261,7 +265,7 @@ class Guesser:
         verify    the rule on its k+1 rows [k+1, n_vocab] -> (kept guesses, the model's own token)
         observe   what a step's guesses did: made, kept, emitted (its counts, the pooled ones,
                   and its ledger gains the emitted ones)
-        charge    what a step's guess rows cost, measured, in tokens (its ledger pays it)
+        charge    what its guess rows of the last step cost, measured, in tokens (its ledger pays)
         release   the sequence ended or was preempted: what it holds besides its text goes back
 
     `found`: the guesses the planner takes the first k of; `q`: the distributions they were
@@ -280,7 +284,7 @@ class Guesser:
         self.found: list = []
         self.q = None
         self.credit = self.CREDIT_START
-        self.last_drafted = 0     # the guesses of its last step (what the next charge is shared by)
+        self.last_drafted = 0     # its guesses in the last step (what that step's charge is shared by)
 
     def offer(self, context, k_max: int, rng) -> tuple[int, float]:
         self.found, self.q = [], None
@@ -305,13 +309,17 @@ class Guesser:
         return self.rule(rows, Draft(list(guesses), q, self.key), sampler, history)
 
     def observe(self, drafted: int, kept: int, emitted: int):
-        for counts in (self.counts, self.pooled):
-            counts.observe(self.key, drafted, kept, emitted)
-        self.credit += emitted
+        self.learn(drafted, kept, emitted)
+        self.credit = min(self.credit + emitted, self.CREDIT_MAX)
         self.last_drafted = drafted
 
+    def learn(self, drafted: int, kept: int, emitted: int):
+        """The accept counts, its own and the pooled ones, learn what a step's guesses did."""
+        for counts in (self.counts, self.pooled):
+            counts.observe(self.key, drafted, kept, emitted)
+
     def charge(self, tokens: float):
-        self.credit = min(self.credit - tokens, self.CREDIT_MAX)
+        self.credit -= tokens
         self.last_drafted = 0
 
     def release(self):
@@ -405,6 +413,12 @@ class DraftGuesser(Guesser):
 
 # ---- what a step costs ------------------------------------------------------------------------
 
+def keep(recent: list, value: float, most: int, first: int = 0):
+    """Append value to a list of the last `most` figures, the first `first` of it staying."""
+    recent.append(value)
+    if len(recent) > most:
+        del recent[first]
+
 def expected_tokens(k: int, a: float) -> float:
     """Tokens a sequence's step with k guesses yields when each is kept with probability a."""
     return float(sum(a ** j for j in range(k + 1)))
@@ -441,30 +455,34 @@ class StepTime:
                   every row count of ROWS up to the most a step can take, in rounds, the best of
                   each, and a pass of more rows never counted cheaper; padded to the row block:
                   a stage that pads rows costs the same for every M in a block), then learned
-                  from the steps with guesses, the row count of each a point of its own; between
+                  from the steps with guesses: each row count a point of its own, the median of
+                  its calibration and its last steps, and no more rows cheaper than it; between
                   points interpolated, past the last by its slope
-        scale     what the passes take now against the shape (the machine may be busier),
-                  followed by the steps without guesses: the plain step a guess is weighed
-                  against is never learned from the guesses themselves
-        outside   the step's time outside its pass (planning, sampling, the rule, events): a
-                  part every step has and a part per guess row, fitted as the steps run
+        scale     what a step takes now against the shape (the machine may be busier): the
+                  median of the last steps without guesses
+        outside   the step's time outside its pass (planning, sampling, events): the median of
+                  the last steps
 
-    So a guess row that costs more than its calibration said costs more in the next plans,
-    and a busier machine makes every step dearer alike. Without a calibration every row costs
-    a step: nothing is guessed. The planner tells it each step's guess rows (`planned`) before
-    the step runs; `last` is the last step observed, what the planner charges that step's
-    guesses by (`extra`)."""
+    Medians, so that a step a burst of other work slowed counts for nothing, and a guess row
+    that costs more than its calibration said (taken in a quiet moment, or flattened by noise)
+    costs more after two steps. The plain step a guess is weighed against is never learned from
+    the guesses themselves, so a dear guess row is seen as dear, not as a busier machine.
+    Without a calibration every row costs a step: nothing is guessed. The planner tells it each
+    step's guess rows (`planned`) before the step runs; `last` is the last step observed, what
+    the planner charges that step's guesses by (`extra`)."""
 
-    SMOOTH = 0.1              # weight of a new step in the running figures (at least 1/n of the first n)
+    RECENT = 5                # steps a figure is the median of (with the calibration, for a point)
     ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
     ROUNDS = 3
 
     def __init__(self, shape: dict | None = None, row_block: int = 1):
         self.shape = dict(shape or {})          # rows -> ms of the forward pass at scale 1
-        self.seen = dict.fromkeys(self.shape, 1)    # rows -> passes its figure is made of
+        self.points = {m: [t] for m, t in self.shape.items()}      # rows -> its calibration and last steps
+        self._envelope = None                   # the shape's points, each the most up to it (shape_at)
         self.row_block = row_block
-        self.scale = 1.0
-        self.fit = np.zeros(5)                  # running means of 1, x, y, x*x, x*y (x guess rows, y outside ms)
+        self.scales: list[float] = []           # the last steps without guesses: ms / shape
+        self.outsides: list[float] = []         # the last steps: ms outside the pass
+        self.scale, self.outside = 1.0, 0.0     # their medians
         self.guess_rows = 0                     # of the step about to run
         self.last = None                        # (rows, ms) of the last step observed
         self.calibrate_s = 0.0
@@ -473,36 +491,33 @@ class StepTime:
     def calibrated(self) -> bool:
         return len(self.shape) >= 2
 
-    def shape_at(self, m: int) -> float:
-        """The shape at m rows (already padded): interpolated between its points, past the last
-        by its slope."""
-        known = sorted(self.shape)
-        lo = max([r for r in known if r <= m], default=known[0])
-        hi = min([r for r in known if r >= m], default=known[-1])
-        if lo == hi:
-            if m <= known[-1]:
-                return self.shape[lo]
-            lo, hi = known[-2], known[-1]
-        return self.shape[lo] + (self.shape[hi] - self.shape[lo]) * (m - lo) / (hi - lo)
+    def shape_at(self, rows: int) -> float:
+        """The shape at `rows` rows (padded to the row block): between its points interpolated,
+        past the last by its slope, and never less than at fewer rows (each point taken as the
+        most of the points up to it, so a point that a noisy step lowered lowers nothing)."""
+        if self._envelope is None:
+            top, self._envelope = 0.0, {}
+            for k in sorted(self.shape):
+                self._envelope[k] = top = max(top, self.shape[k])
+        env, m = self._envelope, padded(max(rows, 1), self.row_block)
+        if m in env:
+            return env[m]
+        known = list(env)
+        i = bisect.bisect(known, m)
+        lo, hi = (known[-2], known[-1]) if i == len(known) else (known[max(i - 1, 0)], known[i])
+        if lo == hi or m < known[0]:
+            return env[known[0]]
+        return env[lo] + (env[hi] - env[lo]) * (m - lo) / (hi - lo)
 
     def forward_ms(self, rows: int) -> float:
-        """A pass of `rows` rows (padded to the row block), now."""
-        return self.scale * self.shape_at(padded(max(rows, 1), self.row_block))
+        """A pass of `rows` rows, now."""
+        return self.scale * self.shape_at(rows)
 
-    def outside_ms(self, guess_rows: int = 0) -> float:
-        """The step's time outside its pass: the fitted line at this many guess rows."""
-        n, x, y, xx, xy = self.fit
-        if n == 0:
-            return 0.0
-        var = xx - x * x
-        slope = max((xy - x * y) / var, 0.0) if var > 1e-9 else 0.0
-        return max(y + slope * (guess_rows - x), 0.0)
-
-    def __call__(self, rows: int, guess_rows: int = 0) -> float:
-        """A step of `rows` rows, `guess_rows` of them guesses. Uncalibrated: `rows` steps."""
+    def __call__(self, rows: int) -> float:
+        """A step of `rows` rows. Uncalibrated: `rows` steps."""
         if not self.calibrated:
             return float(rows)
-        return self.forward_ms(rows) + self.outside_ms(guess_rows)
+        return self.forward_ms(rows) + self.outside
 
     def planned(self, guess_rows: int):
         self.guess_rows = guess_rows
@@ -512,22 +527,21 @@ class StepTime:
         guess_rows, self.guess_rows = self.guess_rows, 0
         if not self.calibrated:
             return
-        s, m = self.SMOOTH, padded(max(rows, 1), self.row_block)
-        if guess_rows:                          # a point of the shape, at what the plain step takes now
-            n = self.seen.get(m, 0)
-            w = max(s, 1.0 / (n + 2))            # a first point is half its interpolation
-            self.shape[m] = (1 - w) * self.shape_at(m) + w * forward_ms / self.scale
-            self.seen[m] = n + 1
+        m = padded(max(rows, 1), self.row_block)
+        if guess_rows:                          # a point of the shape, against what the plain step takes now
+            seen = self.points.setdefault(m, [self.shape_at(m)])
+            keep(seen, forward_ms / self.scale, self.RECENT + 1, first=1)      # its calibration stays
+            self.shape[m], self._envelope = statistics.median(seen), None
         else:
-            self.scale += s * (forward_ms / self.shape_at(m) - self.scale)
-        x, y = float(guess_rows), max(step_ms - forward_ms, 0.0)
-        point = np.array([1.0, x, y, x * x, x * y])
-        self.fit = point if self.fit[0] == 0 else (1 - s) * self.fit + s * point
+            keep(self.scales, forward_ms / self.shape_at(m), self.RECENT)
+            self.scale = statistics.median(self.scales)
+        keep(self.outsides, max(step_ms - forward_ms, 0.0), self.RECENT)
+        self.outside = statistics.median(self.outsides)
         self.last = (rows, step_ms)
 
     def extra(self, rows: int, step_ms: float) -> float:
         """What a step's guess rows cost, measured, in tokens: the step's ms beyond a plain step
-        of its other `rows` rows, at the rate that step makes them (rows tokens in t(rows))."""
+        of its other `rows` rows now, at the rate that step makes them (rows tokens in t(rows))."""
         plain = self(rows)
         return (step_ms - plain) * rows / plain
 
@@ -536,7 +550,9 @@ class StepTime:
         """Time run(m), a forward pass of m rows, for every m of ROWS up to max_rows and max_rows
         itself (within ROWS; padded to the row block), ROUNDS times each, round after round (a
         burst of other work falls on one round of a few row counts, not on every round of one);
-        the best of each, never less for more rows."""
+        the best of each, never less for more rows. The best: what a pass takes when nothing
+        else runs, for every m alike; what the machine's load adds now is the scale's, and what
+        the guess rows really add, the steps teach the shape."""
         t0 = time.perf_counter()
         most = [max_rows] if max_rows <= self.ROWS[-1] else []
         sizes = sorted({padded(m, self.row_block) for m in [*self.ROWS, *most] if m <= max_rows})
@@ -550,8 +566,8 @@ class StepTime:
                 ms[m] = min(ms[m], (time.perf_counter() - t) * 1e3)
         top = 0.0
         self.shape = {m: (top := max(top, t)) for m, t in sorted(ms.items())}
-        self.seen = dict.fromkeys(self.shape, 1)
-        self.scale = 1.0
+        self.points, self._envelope = {m: [t] for m, t in self.shape.items()}, None
+        self.scales, self.outsides, self.scale, self.outside = [], [], 1.0, 0.0
         self.calibrate_s = time.perf_counter() - t0
 
     def calibrate_arena(self, engine, max_rows: int, start: int = 0):
@@ -561,7 +577,8 @@ class StepTime:
         whole text at every step, so k more rows add k to its length: nearly free (not timed:
         its passes take seconds); the steps then measure it."""
         if not engine.uses_kv_cache:
-            self.shape, self.seen, self.scale = {1: 1.0, max_rows: 1.0}, {1: 1, max_rows: 1}, 1.0
+            self.shape = {1: 1.0, max_rows: 1.0}
+            self.points, self._envelope = {m: [t] for m, t in self.shape.items()}, None
             return
 
         def run(m):
@@ -601,6 +618,8 @@ class Speculation:
     `room` (tokens it may still make), `guesser`, `sampler`; the plan sets its `guesses`.
     `rule`: accept (tests plant wrong ones); `seed`: the accept-rate draws are reproducible."""
 
+    CHARGE = 2.0              # a step's charge within [0, price x CHARGE]: as far either side of its price
+
     def __init__(self, n_ctx: int, draft_max: int = DRAFT_MAX, time: StepTime | None = None, rule=accept,
                  n_max: int = LOOKUP_NGRAM[1], seed: int = 0):
         self.n_ctx, self.draft_max, self.rule, self.n_max = n_ctx, draft_max, rule, n_max
@@ -608,6 +627,7 @@ class Speculation:
         self.pooled = AcceptCounts()
         self.rng = np.random.default_rng(seed)
         self.guessed: list[Guesser] = []        # who guessed in the last step planned
+        self.priced, self.made = 0.0, 0         # the price of its guesses when planned (tokens), how many
 
     def guesser(self) -> Guesser:
         """One sequence's part (app/serve/sequence.py: Sequence.guesser; Speculator's one)."""
@@ -615,33 +635,51 @@ class Speculation:
 
     def plan(self, decoding: list, rows: int):
         """Set each decoding sequence's `guesses` for the next step, whose other rows number
-        `rows` (the module docstring's rule); first the last step's guesses are charged."""
+        `rows` (the module docstring's rule), each offer cut to what its ledger can pay at the
+        step times' price; first the last step's guesses are charged what they cost."""
         self.charge()
         offers = []
         for seq in decoding:
             cap = min(self.draft_max, seq.room - 1, self.n_ctx - len(seq.context))
-            offers.append(seq.guesser.offer(seq.context, cap, self.rng) if cap > 0 and seq.guesser else (0, 0.0))
+            n, a = seq.guesser.offer(seq.context, cap, self.rng) if cap > 0 and seq.guesser else (0, 0.0)
+            while n and self.price(rows, n) > seq.guesser.credit:
+                n -= 1
+            offers.append((n, a))
         ks = allot([(a, n) for n, a in offers], rows, self.cost(rows, sum(n > 0 for n, _ in offers)))
         self.fill(decoding, ks)
+        made = sum(len(seq.guesses) for seq in decoding)
         self.guessed = [seq.guesser for seq in decoding if seq.guesses]
-        self.time.planned(sum(len(seq.guesses) for seq in decoding))
+        self.priced, self.made = (self.price(rows, made) if made else 0.0), made
+        self.time.planned(made)
+
+    def price(self, rows: int, extra: int) -> float:
+        """What `extra` guess rows would cost a step of `rows` other rows, in tokens, by the step
+        times: the time they add, at the rate the step without them makes its rows."""
+        cost = self.cost(rows, 1)
+        plain = cost(0)
+        return (cost(extra) - plain) * rows / plain
 
     def charge(self):
         """The last step's guess rows, measured (StepTime.extra of the step last observed),
-        charged to the sequences that guessed in it, by the guesses each made."""
+        charged to the sequences that guessed in it, by the guesses each made. What a step is
+        charged stays between nothing and CHARGE times its price when planned, as far below it
+        as above (a burst of other work costs a sequence no more than twice what its guesses
+        should have; a price the step times got wrong is still corrected, up to twice over each
+        step, while they learn)."""
         guessed, self.guessed = self.guessed, []
         step, self.time.last = self.time.last, None
-        made = sum(g.last_drafted for g in guessed)
+        made = sum(g.last_drafted for g in guessed)           # (guesses without pages were dropped)
         if step is None or not made or step[0] <= made:
             return
         rows, ms = step
-        tokens = self.time.extra(rows - made, ms)
+        priced = self.priced * made / self.made
+        tokens = min(max(self.time.extra(rows - made, ms), 0.0), priced * self.CHARGE)
         for g in guessed:
             g.charge(tokens * g.last_drafted / made)
 
     def cost(self, rows: int, guessing: int):
         """cost(extra): a step of rows + extra rows (prompt lookup costs nothing more)."""
-        return lambda extra: self.time(rows + extra, extra)
+        return lambda extra: self.time(rows + extra)
 
     def fill(self, decoding: list, ks: list[int]):
         """Each sequence's guesses for the step: the first k of what it found."""
@@ -673,7 +711,7 @@ class DraftSpeculation(Speculation):
     def cost(self, rows: int, guessing: int):
         def cost(extra: int) -> float:
             steps = -(-extra // max(guessing, 1))
-            return self.time(rows + extra, extra) + steps * (self.draft_time(guessing)
+            return self.time(rows + extra) + steps * (self.draft_time(guessing)
                                                              if self.draft_time.calibrated else 0)
         return cost
 

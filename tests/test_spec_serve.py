@@ -61,6 +61,14 @@ def free_rows() -> StepTime:
     return FreeRows()
 
 
+class Calibrated(StepTime):
+    """Step times that are the shape given, whatever the steps take (the planner's decisions
+    then do not depend on this machine's speed)."""
+
+    def observe(self, rows, forward_ms, step_ms):
+        self.guess_rows = 0
+
+
 def lookup(rule=sp.accept, draft_max: int = 8) -> Speculation:
     return Speculation(4096, draft_max, free_rows(), rule)
 
@@ -494,12 +502,22 @@ def test_step_time_pads_to_the_row_block_interpolates_and_follows_the_steps():
     t = StepTime({1: 10.0, 8: 10.0, 16: 18.0, 32: 34.0}, row_block=8)
     assert t.forward_ms(1) == t.forward_ms(8) == 10.0 and t.forward_ms(9) == 18.0      # rows padded to 8
     assert t.forward_ms(24) == pytest.approx(26.0) and t.forward_ms(64) == pytest.approx(66.0)
-    t.observe(16, 36.0, 40.0)                       # a plain step: the machine got twice as slow, the shape scales
-    assert t.scale == pytest.approx(1.1) and t.outside_ms() == pytest.approx(4.0)
+    t.observe(16, 36.0, 40.0)                       # a plain step twice as slow: the shape scales
+    assert t.scale == pytest.approx(2.0) and t.outside == pytest.approx(4.0)
+    for ms in (35.0, 90.0):                         # the median of the last plain steps: a burst counts for nothing
+        t.observe(16, ms, ms + 4.0)
+    assert t.scale == pytest.approx(36.0 / 18.0)
     t.planned(8)
-    t.observe(24, 33.0, 43.0)                       # a step with 8 guess rows: the shape at 24 learns (30 at 1.1)
-    assert t.shape[24] == pytest.approx((26.0 + 30.0) / 2) and t.scale == pytest.approx(1.1)
-    assert t.outside_ms(8) > t.outside_ms(0) and t.last == (24, 43.0)
+    t.observe(24, 2.0 * 30.0, 2.0 * 30.0 + 4.0)     # 24 rows with guesses: 30 at this scale, not 26: its point learns
+    assert t.shape[24] == pytest.approx(28.0) and t.scale == pytest.approx(2.0)
+    t.planned(8)
+    t.observe(24, 2.0 * 30.0, 2.0 * 30.0 + 4.0)
+    assert t.shape[24] == pytest.approx(30.0) and t.shape[32] == pytest.approx(34.0)
+    for _ in range(2):                              # 10 rows (16, padded) dearer than 24 and 32 were:
+        t.planned(2)                                # more rows never cost less
+        t.observe(10, 2.0 * 40.0, 2.0 * 40.0 + 4.0)
+    assert t.shape[16] == pytest.approx(40.0) and t.shape[24] == pytest.approx(30.0)
+    assert t.shape_at(16) == t.shape_at(24) == t.shape_at(32) == pytest.approx(40.0) and t.shape_at(8) == 10.0
     assert StepTime()(5) == 5.0                     # nothing measured: every row a step (nothing guessed)
 
 
@@ -586,7 +604,7 @@ def plan_problems(make) -> list[str]:
     the knee of a memory-bound step for a sequence alone, none once 64 prompt rows ride in the
     step; never past max_tokens (the step's own token counts) or the context's end."""
     def planned(shape, seqs, rows, n_ctx=4096):
-        spec = make(StepTime(shape), n_ctx)
+        spec = make(Calibrated(shape), n_ctx)
         for seq in seqs:
             seq.guesser = Offers(spec.pooled, seq.guesser.n, seq.guesser.a)
         spec.plan(seqs, rows)
@@ -634,8 +652,8 @@ def draft_plan_problems(spec_class=DraftSpeculation, plan=None) -> list[str]:
     ms against a 1 ms step: no guesses pay; of 0.01 ms: they do. `spec_class`, `plan`: planted."""
     out = []
     for draft_ms, want in ((0.5, [0, 0, 0, 0]), (0.01, [8, 8, 0, 0])):
-        spec = spec_class(4096, CopyingDraft(copies=5), 64, 8, StepTime({1: 1.0, 256: 1.0}),
-                          draft_time=StepTime({1: draft_ms, 256: draft_ms}))
+        spec = spec_class(4096, CopyingDraft(copies=5), 64, 8, Calibrated({1: 1.0, 256: 1.0}),
+                          draft_time=Calibrated({1: draft_ms, 256: draft_ms}))
         seqs = [offering(spec, n=8 if i < 2 else 0, a=0.95) for i in range(4)]
         ks = []
         spec.fill = lambda decoding, given: ks.extend(given)        # the decision; no draft model run
@@ -762,7 +780,7 @@ def prompt_rows_problems(plan=None) -> list[str]:
     """A decodes alone over KNEE's step times (free up to 8 rows): it guesses 7. Then B arrives with
     a prompt of 64 + 66 tokens: in the step that admits B with its first 64 rows, and in the next
     with its other 64, A guesses nothing. `plan`: planted, a wrapper of Speculation.plan."""
-    spec = Recorded(4096, 8, StepTime(KNEE))
+    spec = Recorded(4096, 8, Calibrated(KNEE))
     if plan:
         spec.plan = plan(spec.plan)
     loop = EngineLoop(StubEngine(), kv_pages=100, max_batch=4, prefill_chunk=64, speculation=spec)
@@ -854,3 +872,18 @@ def dropped_problems(scheduler) -> list[str]:
 def test_guesses_without_pages_are_dropped_never_a_reason_to_preempt():
     assert dropped_problems(Watches) == []
     assert dropped_problems(PreemptsForGuesses) != []
+
+
+# ---- the record's page -------------------------------------------------------------------------------
+
+def test_the_page_holds_every_level_to_never_below_plain():
+    """The lowest lookup / plain of the levels (free at 8 clients: 0.95x) is held to NEVER_BELOW,
+    and named; the twin, every round of it at 1.0, meets it."""
+    from app.measure import spec_serve
+    from tests.test_generators import spec_record, spec_round
+    rec = spec_record()
+    text = spec_serve.page(rec, "r.json")
+    assert "| every level: the lowest lookup / plain, decode (free, 8 client(s)) | 0.95x | >= 0.97x | no |" in text
+    rec["levels"][1]["rounds"] = [spec_round(100, 100)] * 3
+    text = spec_serve.page(rec, "r.json")
+    assert "| every level: the lowest lookup / plain, decode (free, 8 client(s)) | 1.00x | >= 0.97x | yes |" in text

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from app import ROOT
+from app.args import chosen_stage
 from app.measure import roofline
 from app.measure.machine import machine_id
 from app.measure.protocol import BENCH_DIR, add_options, alternating, header, load_average, order
@@ -122,13 +123,12 @@ def roofline_prediction(engine, context_len: int, k_max: int, ceil: dict) -> dic
 # ---- generation: plain against prompt lookup ---------------------------------------------------
 
 def run_ours(engine, ids, n: int, spec: sp.Speculator | None = None) -> dict:
-    """Greedy, exactly n tokens; decode = the tokens after the first, and their time. With a
-    Speculator, as `run --spec` runs it: its step times measured before the prompt, untimed."""
+    """Greedy, exactly n tokens; decode = the tokens after the first, and their time (a
+    Speculator whose step times are not measured yet measures them first, untimed)."""
     gen = generate(engine, ids, n, Sampler(), ignore_eos=True, step=spec)
     seconds = sum(gen.decode_ms) / 1e3
     return {"tokens": gen.tokens, "decode_s": seconds, "tokens_per_s": (len(gen.tokens) - 1) / seconds,
-            "drafted": gen.drafted if spec else 0, "accepted": gen.accepted if spec else 0,
-            "calibrate_s": spec.speculation.time.calibrate_s if spec else 0.0}
+            "drafted": gen.drafted if spec else 0, "accepted": gen.accepted if spec else 0}
 
 
 def parting(engine, ids, plain, other) -> dict | None:
@@ -214,6 +214,9 @@ def measure_threads(args, model, stage: str, threads: int, prompts: dict, bar) -
         del llama
     engines = None if args.no_llama else llama_engines(model, threads, args.draft_max)
     names = [OURS, OURS_LOOKUP] + ([LLAMA, LLAMA_LOOKUP] if engines else [])
+    step_time = sp.StepTime()                           # measured once, followed by every run after
+    step_time.calibrate_arena(engine, args.draft_max + 1)
+    out["calibrated"] = {"shape": step_time.shape, "seconds": step_time.calibrate_s}
     for r in range(args.rounds):
         names_now = order(names, r, rotate=True)
         for set_name, texts in prompts.items():
@@ -224,7 +227,8 @@ def measure_threads(args, model, stage: str, threads: int, prompts: dict, bar) -
                     if name == OURS:
                         res = run_ours(engine, ids, args.n_predict)
                     elif name == OURS_LOOKUP:
-                        res = run_ours(engine, ids, args.n_predict, sp.from_flags("lookup", args.draft_max))
+                        spec = sp.Speculator(sp.Speculation(engine.n_ctx, args.draft_max, step_time))
+                        res = run_ours(engine, ids, args.n_predict, spec)
                     else:
                         res = run_llama(engines[name], ids, args.n_predict)
                     out["runs"].append({"round": r, "set": set_name, "prompt": i, "engine": name,
@@ -264,7 +268,6 @@ def records(args):
 
     from app.measure.bench import model_summary
     from app.models import resolve
-    from app.run import chosen_stage
     from common.cpu import physical_cores
     from common.gguf import GGUFFile
     for name in ("rounds", "n_predict", "draft_max", "k_max", "context"):

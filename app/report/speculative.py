@@ -13,7 +13,7 @@ from app.report.lessons import Row, verdict
 
 CLAIM_K = 4                 # "k guesses": the k the claim is read at
 CLAIM_BAND = [1 / 1.5, 1.5]  # "about one step": within 1.5x of it
-TARGETS = {("copy", OURS_LOOKUP, OURS): 2.0, ("free", OURS_LOOKUP, OURS): 0.95,
+TARGETS = {("copy", OURS_LOOKUP, OURS): 2.0, ("free", OURS_LOOKUP, OURS): 0.97,   # never below 0.97x plain
            ("copy", OURS_LOOKUP, LLAMA_LOOKUP): 1.0, ("free", OURS_LOOKUP, LLAMA_LOOKUP): 1.0}
 
 
