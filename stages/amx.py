@@ -37,7 +37,6 @@ import numpy as np
 from stages.kernels import amx_steps
 from stages.kernels.amx_steps import Amx, HeadAmx
 from stages.kernels.amx_tiles import AMX_TYPES, amx_ready, tile_layout, tiled_bytes
-from stages.kernels.pair_gemm import new_pairs
 from stages.kernels.repacked import repack, unpack
 from stages.prefill import LOGIT_TOLERANCE, PrefillBackend
 from stages.repack import RepackedMatrix
@@ -76,6 +75,7 @@ class TiledMatrix(RepackedMatrix):
 class AmxBackend(PrefillBackend):
     name = "amx"
     stack = amx_steps.STACK             # prefill's, with the matmuls of many rows on the matrix unit
+    records = (Amx, HeadAmx)            # prefill's records' fields: a type of the stage's own
 
     @staticmethod
     def unavailable_reason() -> str | None:
@@ -111,13 +111,3 @@ class AmxBackend(PrefillBackend):
             o += m.nbytes
             if m.source is not model.token_embd:
                 model.gguf.release(m.tensor)
-
-    def _ops(self, model, rows, cache):
-        return Amx(*super()._ops(model, rows, cache))
-
-    def _head_ops(self, M, K):
-        ops = self._head_pairs.get((M, K))
-        if ops is None:
-            x32, xk = new_pairs(M, K)
-            ops = self._head_pairs[(M, K)] = HeadAmx(*x32, *xk)
-        return ops

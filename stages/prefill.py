@@ -110,6 +110,7 @@ class PrefillBackend(RepackBackend):
     name = "prefill"
     max_batch = PIECE_ROWS
     stack = prefill_steps.STACK          # repack's, with this stage's matmuls and attention
+    records = (Prefill, HeadPairs)       # its ops records: a call of the stack, of the output head
 
     def __init__(self, threads: int | None = None, kv_type: str | None = None):
         super().__init__(threads, kv_type)
@@ -137,7 +138,7 @@ class PrefillBackend(RepackBackend):
         part = (len(alone), cfg.n_head_kv, chunks, groups, LANES)
         K = max(cfg.n_embd, cfg.n_ff, cfg.n_head * cfg.head_dim)
         x32, xk = new_pairs(len(rows.positions), K)
-        return Prefill(self.caches["L2"] // ACT_SHARE, tiles, alone, decode_of,
+        return self.records[0](self.caches["L2"] // ACT_SHARE, tiles, alone, decode_of,
                        *self._workspace(self._threads(), model, tile_rows),
                        np.empty(part, np.float32), np.empty(part, np.float32),
                        np.empty((*part, cfg.head_dim), np.float32), *x32, *xk)
@@ -147,5 +148,5 @@ class PrefillBackend(RepackBackend):
         ops = self._head_pairs.get((M, K))
         if ops is None:
             x32, xk = new_pairs(M, K)
-            ops = self._head_pairs[(M, K)] = HeadPairs(*x32, *xk)
+            ops = self._head_pairs[(M, K)] = self.records[1](*x32, *xk)
         return ops

@@ -41,8 +41,8 @@ def _group_values(tiles, kind, rows, nb):
     tiles undone: row k of a tile is values 4k..4k+3 of the 16 rows in turn)."""
     at, sub, subs = A.TILE_AT[kind], A.SUB[kind], A.SUBS[kind]
     groups = tiles.reshape(-1, nb, at["size"])[:, :, :subs * A.B_BYTES[kind]].view(np.int8)
-    g = groups.reshape(len(groups), nb, subs, sub // 4, A.TILE, 4).transpose(0, 4, 1, 2, 3, 5)
-    return g.reshape(len(groups) * A.TILE, nb * subs * sub)[:rows]
+    g = groups.reshape(len(groups), nb, subs, sub // 4, A.AMX_TILE, 4).transpose(0, 4, 1, 2, 3, 5)
+    return g.reshape(len(groups) * A.AMX_TILE, nb * subs * sub)[:rows]
 
 
 def _group_field(tiles, kind, nb, name, dtype):
@@ -51,8 +51,8 @@ def _group_field(tiles, kind, nb, name, dtype):
     at = A.TILE_AT[kind]
     ends = sorted(v for k, v in at.items() if v > at[name])
     raw = tiles.reshape(-1, nb, at["size"])[:, :, at[name]:ends[0]].copy().view(dtype)
-    per_row = raw.reshape(raw.shape[0], nb, -1, A.TILE)             # [groups, nb, subs, 16]
-    rows = np.moveaxis(per_row, 3, 1).reshape(raw.shape[0] * A.TILE, nb, -1)
+    per_row = raw.reshape(raw.shape[0], nb, -1, A.AMX_TILE)             # [groups, nb, subs, 16]
+    rows = np.moveaxis(per_row, 3, 1).reshape(raw.shape[0] * A.AMX_TILE, nb, -1)
     return rows[..., 0] if rows.shape[-1] == 1 else rows
 
 

@@ -1,7 +1,8 @@
 """One name per thing: a module-level constant name (UPPER_CASE) means one value across common/ and
 stages/, written the same way wherever it is defined, so that a reader who has met a name once
-knows it everywhere. A stage's LOGIT_TOLERANCE is the exception: a stage that rounds differently
-declares its own, which its backend's logit_tolerance carries (later stages inherit it)."""
+knows it everywhere. Two names are a stage's own by design: LOGIT_TOLERANCE (a stage that rounds
+differently declares its own, which its backend's logit_tolerance carries; later stages inherit it)
+and STACK (each steps module's layer stack: the one before it with that stage's steps swapped in)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STAGE_FACTS = {"LOGIT_TOLERANCE"}
+STAGE_FACTS = {"LOGIT_TOLERANCE", "STACK"}
 
 
 def constants(source: str) -> dict[str, str]:

@@ -99,8 +99,10 @@ for kind in (amx_tiles.Q4_0, amx_tiles.Q4_K):
     asm = nb.amx_kernel_asm(kind)
     ops = Counter(line.split()[0] for line in asm.splitlines() if line.startswith("\t"))
     counts[GGMLType(kind).name] = ops
-names = ["ldtilecfg", "tilezero", "tileloadd", "tdpbssd", "tilestored", "tilerelease", "vcvtdq2ps", "vfmadd231ps"]
-nb.show_table(["instruction"] + list(counts), [(n, *(c[n] for c in counts.values())) for n in names])
+names = ["ldtilecfg", "tilezero", "tileloadd", "tdpbssd", "tilestored", "tilerelease", "vcvtdq2ps", "vfmadd*ps"]
+fmas = {k: sum(v for op, v in c.items() if op.startswith("vfmadd") and op.endswith("ps")) for k, c in counts.items()}
+nb.show_table(["instruction"] + list(counts),
+              [(n, *(fmas[k] if n == "vfmadd*ps" else c[n] for k, c in counts.items())) for n in names])
 findings["kernel"] = ", ".join(f"{k}: {c['tdpbssd']} tdpbssd, {c['tileloadd']} tileloadd" for k, c in counts.items()) \
     + " (compiled for sapphirerapids; loops unrolled by LLVM)"
 

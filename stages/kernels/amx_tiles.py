@@ -6,11 +6,12 @@ instruction that multiplies two of them into a third: TDPBSSD C, A, B, for m < r
 
     C[m][n] += sum over k < K/4, i < 4 of A[m][4k + i] * B[k][4n + i]        (signed bytes, int32 sums)
 
-16 x 16 x K multiply-adds (K <= 64 bytes of A's rows): A holds activation rows as the 8-bit packs
-already store them (q8.py: one row after another, tileloadd with the packs' row stride), B holds 16
-weight rows "VNNI-style": row k of B is 4 values (4k .. 4k + 3) of each of the 16 weight rows in
-turn. The weights are laid out that way once, at load, in groups of TILE (16) rows and one block
-of ggml's at a time, every value a signed byte (its offset folded in: Q4_0's q - 8, Q6_K's q - 32):
+That is rows(A) by 16 by K multiply-adds per instruction (K <= 64 bytes of A's rows): A holds
+activation rows as the 8-bit packs already store them (q8.py: one row after another, tileloadd
+with the packs' row stride), B holds 16 weight rows "VNNI-style": row k of B is 4 values
+(4k .. 4k + 3) of each of the 16 weight rows in turn. The weights are laid out that way once, at
+load, in groups of AMX_TILE (16) rows and one block of ggml's at a time, every value a signed
+byte (its offset folded in: Q4_0's q - 8, Q6_K's q - 32):
 
     type   one block of a 16-row group                                     bytes
     Q4_0   B: 8 x 64 (K = 32) | d[16] f16                                   16 x 34
@@ -30,7 +31,7 @@ is repack's bits whichever unit computed it.
 
     tile_layout(raw, kind) / tiled_bytes(rows, row_bytes, kind)     numpy, at load
     amx_gemm(kind, w, toff, row_bytes, p32, pk, m0, m1, out, col, (r0, r1))
-        rows r0..r1 (r0 a multiple of TILE) of the matrix laid out at w[toff:] times activation
+        rows r0..r1 (r0 a multiple of AMX_TILE) of the matrix laid out at w[toff:] times activation
         rows m0..m1 of the 8-bit packs -> out[m, col + r], 16 activation rows to a tile
     amx_gemm_emulated(...)   the same kernel with every tile instruction replaced by loops over
                              memory that compute what the instruction computes (Tiles, Emulated):
@@ -52,9 +53,9 @@ from common.cpu import simd_features
 from common.quants import blocks_of, k4_scale_min
 from stages.kernels import vector_ir
 from stages.kernels.toolkit import BLOCK_BYTES, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, TYPES_K
-from stages.kernels.vector_ir import D16, FLOAT, FZ, HALF, I8, I16, I32, vector_intrinsic
+from stages.kernels.vector_ir import D16, FLOAT, FZ, HALF, I8, I16, I32, I64, Emit, vector_intrinsic
 
-TILE = 16                     # weight rows per group (B's 16 int32 columns) and activation rows per A tile
+AMX_TILE = 16                 # weight rows per group (B's 16 int32 columns) and activation rows per A tile
 AMX_TYPES = (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)
 SUB = {Q4_0: 32, Q4_1: 32, Q8_0: 32, Q4_K: 32, Q6_K: 16}     # values per tile product (a block or sub-block)
 SUBS = {Q4_0: 1, Q4_1: 1, Q8_0: 1, Q4_K: 8, Q6_K: 16}        # products per ggml block
@@ -102,32 +103,32 @@ def _integers(b, kind) -> np.ndarray:
 
 
 def tiled_bytes(rows: int, row_bytes: int, kind: int) -> int:
-    """Bytes of a matrix's tile layout: its rows in groups of TILE (the last padded with zeros)."""
-    return -(-rows // TILE) * (row_bytes // BLOCK_BYTES[kind]) * TILE_AT[kind]["size"]
+    """Bytes of a matrix's tile layout: its rows in groups of AMX_TILE (the last padded with zeros)."""
+    return -(-rows // AMX_TILE) * (row_bytes // BLOCK_BYTES[kind]) * TILE_AT[kind]["size"]
 
 
 def tile_layout(raw: np.ndarray, kind: int, out: np.ndarray | None = None) -> np.ndarray:
     """The file's rows raw [rows, row_bytes] uint8 in the tile layout (the module docstring):
     uint8 [tiled_bytes], written into out when given."""
     rows, row_bytes = raw.shape
-    n_groups = -(-rows // TILE)
+    n_groups = -(-rows // AMX_TILE)
     size = tiled_bytes(rows, row_bytes, kind)
     out = np.zeros(size, np.uint8) if out is None else out
     out[:] = 0
     b = blocks_of(raw, kind).reshape(rows, -1)                  # [rows, blocks]
     nb = b.shape[1]
-    pad = np.zeros((n_groups * TILE, nb), b.dtype)
+    pad = np.zeros((n_groups * AMX_TILE, nb), b.dtype)
     pad[:rows] = b
-    b = pad.reshape(n_groups, TILE, nb)
+    b = pad.reshape(n_groups, AMX_TILE, nb)
     groups = out.reshape(n_groups, nb, TILE_AT[kind]["size"])
-    q = _integers(b.reshape(-1), kind).reshape(n_groups, TILE, nb, SUBS[kind], SUB[kind] // 4, 4)
-    q.reshape(n_groups * TILE, -1)[rows:] = 0                  # the padding rows: zeros, not a block's offset
+    q = _integers(b.reshape(-1), kind).reshape(n_groups, AMX_TILE, nb, SUBS[kind], SUB[kind] // 4, 4)
+    q.reshape(n_groups * AMX_TILE, -1)[rows:] = 0                  # the padding rows: zeros, not a block's offset
     # B tile of sub-block s: [k, row, 4 values]: row k of B is value group k of the 16 rows in turn
     tiles = q.transpose(0, 2, 3, 4, 1, 5).reshape(n_groups, nb, -1).view(np.uint8)
     groups[:, :, :SUBS[kind] * B_BYTES[kind]] = tiles
     at = TILE_AT[kind]
 
-    def put(name, values):                  # values [groups, TILE, nb, ...]: the 16 rows side by side
+    def put(name, values):                  # values [groups, AMX_TILE, nb, ...]: the 16 rows side by side
         v = np.ascontiguousarray(np.moveaxis(values, 1, -1))
         groups[:, :, at[name]:at[name] + v[0, 0].nbytes] = v.reshape(n_groups, nb, -1).view(np.uint8)
 
@@ -135,7 +136,7 @@ def tile_layout(raw: np.ndarray, kind: int, out: np.ndarray | None = None) -> np
         if name in at:
             put(name, b[name].view(np.uint16))              # float16 scales, as stored
     if kind == Q4_K:
-        sc, mn = k4_scale_min(b["scales"])                      # [groups, TILE, nb, 8]
+        sc, mn = k4_scale_min(b["scales"])                      # [groups, AMX_TILE, nb, 8]
         put("sc", sc.astype(np.uint8))
         put("m", mn.astype(np.uint8))
     if kind == Q6_K:
@@ -187,7 +188,9 @@ class Tiles:
 
 class Emulated(Tiles):
     """The same instructions as loops over 1 KiB buffers, one per tile `name`: what they compute,
-    for the kernel's checks on a CPU without the unit (slow; never the stage's)."""
+    for the kernel's checks on a CPU without the unit (slow; never the stage's). Each instruction
+    is a function of its own in the module, called, not inlined: unrolled into every block of every
+    type, the loops took minutes to compile."""
 
     def __init__(self, g):
         super().__init__(g)
@@ -199,33 +202,58 @@ class Emulated(Tiles):
                                                   I8.as_pointer())
         return self.buffers[name]
 
+    def _function(self, name, params, emit):
+        """The module's function `name` (i8* and i64 parameters, params its count of each), its body
+        written by emit(g, args) the first time: marked noinline."""
+        module = self.g.b.module
+        fn = module.globals.get(name)
+        if fn is None:
+            ptr = I8.as_pointer()
+            fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [ptr] * params[0] + [I64] * params[1]), name)
+            fn.linkage = "internal"
+            fn.attributes.add("noinline")
+            builder = ir.IRBuilder(fn.append_basic_block("entry"))
+            emit(Emit(self.g.c, builder), fn.args)
+            builder.ret_void()
+        return fn
+
     def zero(self, name, rows, colsb):
-        t = self._buffer(name)
-        with self.g.loop(self.g.const(1024)) as i:
-            self.g.store(t, i, ir.Constant(I8, 0))
+        def emit(g, args):
+            with g.loop(g.const(1024)) as i:
+                g.store(args[0], i, ir.Constant(I8, 0))
+        self.g.b.call(self._function("amx_twin_zero", (1, 0), emit), [self._buffer(name)])
         return name
 
     def load(self, name, rows, colsb, p, stride):
-        g, t = self.g, self._buffer(name)
-        with g.loop(rows) as r, g.loop(g.const(colsb)) as c:
-            g.store(t, g.b.add(g.b.mul(r, g.const(64)), c), g.load(p, g.b.add(g.b.mul(r, stride), c), I8))
+        def emit(g, args):
+            t, src, rows, colsb, stride = args
+            with g.loop(rows) as r, g.loop(colsb) as c:
+                g.store(t, g.b.add(g.b.mul(r, g.const(64)), c), g.load(src, g.b.add(g.b.mul(r, stride), c), I8))
+        self.g.b.call(self._function("amx_twin_load", (2, 3), emit),
+                      [self._buffer(name), p, rows, self.g.const(colsb), stride])
         return name
 
     def dot(self, c, a, bt, rows, k):
-        g, b = self.g, self.g.b
-        tc, ta, tb = self._buffer(c), self._buffer(a), self._buffer(bt)
-        with g.loop(rows) as m, g.loop(g.const(16)) as n:
-            at = b.add(b.mul(m, g.const(64)), b.mul(n, g.const(4)))
-            with g.loop(g.const(k // 4)) as kq, g.loop(g.const(4)) as i:
-                x = b.sext(g.load(ta, b.add(b.mul(m, g.const(64)), b.add(b.mul(kq, g.const(4)), i)), I8), I32)
-                y = b.sext(g.load(tb, b.add(b.mul(kq, g.const(64)), b.add(b.mul(n, g.const(4)), i)), I8), I32)
-                g.store(tc, at, b.add(g.load(tc, at, I32), b.mul(x, y)))
+        def emit(g, args):
+            tc, ta, tb, rows, k = args
+            b = g.b
+            with g.loop(rows) as m, g.loop(g.const(16)) as n:
+                at = b.add(b.mul(m, g.const(64)), b.mul(n, g.const(4)))
+                with g.loop(b.udiv(k, g.const(4))) as kq, g.loop(g.const(4)) as i:
+                    x = b.sext(g.load(ta, b.add(b.mul(m, g.const(64)), b.add(b.mul(kq, g.const(4)), i)), I8), I32)
+                    y = b.sext(g.load(tb, b.add(b.mul(kq, g.const(64)), b.add(b.mul(n, g.const(4)), i)), I8), I32)
+                    g.store(tc, at, b.add(g.load(tc, at, I32), b.mul(x, y)))
+        self.g.b.call(self._function("amx_twin_dot", (3, 2), emit),
+                      [self._buffer(c), self._buffer(a), self._buffer(bt), rows, self.g.const(k)])
         return c
 
     def store(self, t, rows, colsb, p, stride):
-        g, src = self.g, self._buffer(t)
-        with g.loop(rows) as r, g.loop(g.const(colsb)) as c:
-            g.store(p, g.b.add(g.b.mul(r, stride), c), g.load(src, g.b.add(g.b.mul(r, g.const(64)), c), I8))
+        def emit(g, args):
+            src, dst, rows, colsb, stride = args
+            with g.loop(rows) as r, g.loop(colsb) as c:
+                g.store(dst, g.b.add(g.b.mul(r, stride), c), g.load(src, g.b.add(g.b.mul(r, g.const(64)), c), I8))
+        self.g.b.call(self._function("amx_twin_store", (2, 3), emit),
+                      [self._buffer(t), p, rows, self.g.const(colsb), stride])
 
 
 # ---- the kernel -------------------------------------------------------------------------------------
@@ -245,11 +273,11 @@ def _row(g, m):
 
 
 def _halves16(g, p, off):
-    return g.b.fpext(g.load(p, off, ir.VectorType(HALF, TILE)), FZ)
+    return g.b.fpext(g.load(p, off, ir.VectorType(HALF, AMX_TILE)), FZ)
 
 
 def _bytes16(g, p, off, signed):
-    v = g.load(p, off, ir.VectorType(I8, TILE))
+    v = g.load(p, off, ir.VectorType(I8, AMX_TILE))
     return g.b.sext(v, D16) if signed else g.b.zext(v, D16)
 
 
@@ -293,14 +321,14 @@ def _block_k(g, T, a, kind, gb, blk, mt, mr, bufs, qstride):
     for s in range(SUBS[kind]):
         _product(g, T, a.pk, qstride, mt, mr, b.add(b.mul(blk, g.const(256)), g.const(k * s)), gb,
                  s * B_BYTES[kind], k, bufs.c)
-        scale = _bytes16(g, gb, g.const(at["sc" if kind == Q4_K else "scales"] + TILE * s), kind == Q6_K)
+        scale = _bytes16(g, gb, g.const(at["sc" if kind == Q4_K else "scales"] + AMX_TILE * s), kind == Q6_K)
         with g.loop(mr) as m:
             isum = b.add(g.load(bufs.i, _row(g, m), D16), b.mul(g.load(bufs.c, _row(g, m), D16), scale))
             g.store(bufs.i, _row(g, m), isum)
     dw = _halves16(g, gb, g.const(at["d"]))
     if kind == Q4_K:
         dmin = b.fneg(_halves16(g, gb, g.const(at["dmin"])))
-        mins = [_bytes16(g, gb, g.const(at["m"] + TILE * s), False) for s in range(8)]
+        mins = [_bytes16(g, gb, g.const(at["m"] + AMX_TILE * s), False) for s in range(8)]
     with g.loop(mr) as m:
         row = b.add(mt, m)
         da = g.splat(FZ, _act(g, a.pk, "d", row, blk, FLOAT))
@@ -318,11 +346,11 @@ def _store(g, a, m, n, lanes, value):
     """out[m, n .. n + lanes] = the first `lanes` lanes of value (16: one vector store)."""
     b = g.b
     base = b.add(b.mul(m, g.stride0(a.arrays["out"])), b.mul(n, g.const(4)))
-    with b.if_else(b.icmp_unsigned("==", lanes, g.const(TILE))) as (full, part):
+    with b.if_else(b.icmp_unsigned("==", lanes, g.const(AMX_TILE))) as (full, part):
         with full:
             g.store(a.out, base, value)
         with part:
-            for i in range(TILE):
+            for i in range(AMX_TILE):
                 with b.if_then(b.icmp_unsigned("<", g.const(i), lanes)):
                     g.store(a.out, b.add(base, g.const(4 * i)), b.extract_element(value, ir.Constant(I32, i)))
 
@@ -338,15 +366,15 @@ def _gemm_body(g, a, kind, T):
     nb = b.udiv(a.row_bytes, g.const(BLOCK_BYTES[kind]))
     r0, r1 = a.rows._0, a.rows._1
     block = _block_k if kind in TYPES_K else _block_32
-    with g.loop(b.udiv(b.add(b.sub(r1, r0), g.const(TILE - 1)), g.const(TILE))) as gi:
-        r = b.add(r0, b.mul(gi, g.const(TILE)))
+    with g.loop(b.udiv(b.add(b.sub(r1, r0), g.const(AMX_TILE - 1)), g.const(AMX_TILE))) as gi:
+        r = b.add(r0, b.mul(gi, g.const(AMX_TILE)))
         lanes = b.sub(r1, r)
-        lanes = b.select(b.icmp_unsigned("<", lanes, g.const(TILE)), lanes, g.const(TILE))
-        base = g.at(a.w, b.add(a.toff, b.mul(b.udiv(r, g.const(TILE)), b.mul(nb, size))))
-        with g.loop(b.udiv(b.add(b.sub(a.m1, a.m0), g.const(TILE - 1)), g.const(TILE))) as ti:
-            mt = b.add(a.m0, b.mul(ti, g.const(TILE)))
+        lanes = b.select(b.icmp_unsigned("<", lanes, g.const(AMX_TILE)), lanes, g.const(AMX_TILE))
+        base = g.at(a.w, b.add(a.toff, b.mul(b.udiv(r, g.const(AMX_TILE)), b.mul(nb, size))))
+        with g.loop(b.udiv(b.add(b.sub(a.m1, a.m0), g.const(AMX_TILE - 1)), g.const(AMX_TILE))) as ti:
+            mt = b.add(a.m0, b.mul(ti, g.const(AMX_TILE)))
             mr = b.sub(a.m1, mt)
-            mr = b.select(b.icmp_unsigned("<", mr, g.const(TILE)), mr, g.const(TILE))
+            mr = b.select(b.icmp_unsigned("<", mr, g.const(AMX_TILE)), mr, g.const(AMX_TILE))
             with g.loop(mr) as m:
                 g.store(bufs.acc, _row(g, m), ir.Constant(FZ, None))
             with g.loop(nb) as blk:
@@ -387,7 +415,7 @@ def target_has_amx() -> bool:
 
 @vector_intrinsic
 def amx_gemm(typingctx, kind, w, toff, row_bytes, p32, pk, m0, m1, out, col, rows):
-    """Rows r0..r1 (rows: the tuple (r0, r1); r0 a multiple of TILE) of the matrix laid out at
+    """Rows r0..r1 (rows: the tuple (r0, r1); r0 a multiple of AMX_TILE) of the matrix laid out at
     w[toff:] (tile_layout; row_bytes the file's bytes per row) times activation rows m0..m1 of the
     8-bit packs -> out[m, col + r], on the matrix unit. kind: a literal (amx_matmul passes one)."""
     if not target_has_amx():
@@ -418,7 +446,7 @@ def tile_products(typingctx, reps, buf):
         raise errors.TypingError("the matrix unit's peak needs a CPU with AMX (amx_tile, amx_int8)")
 
     def body(g, a):
-        T, full, stride = Tiles(g), g.const(TILE), g.const(64)
+        T, full, stride = Tiles(g), g.const(AMX_TILE), g.const(64)
         with g.loop(a.reps):
             ta = T.load("a", full, 64, a.buf, stride)
             tb = T.load("b", full, 64, g.at(a.buf, g.const(1024)), stride)
@@ -460,6 +488,6 @@ def amx_matmul(kind, w, toff, row_bytes, p32, pk, m0, m1, out, col, rows):
         _one_type(Q6_K, w, toff, row_bytes, p32, pk, m0, m1, out, col, rows)
 
 
-__all__ = ["TILE", "AMX_TYPES", "TILE_AT", "amx_ready", "tile_layout", "tiled_bytes", "amx_gemm", "amx_matmul",
+__all__ = ["AMX_TILE", "AMX_TYPES", "TILE_AT", "amx_ready", "tile_layout", "tiled_bytes", "amx_gemm", "amx_matmul",
            "amx_gemm_emulated", "emulated_rows", "Tiles", "Emulated", "target_has_amx", "tile_products", "PEAK_CHAINS",
            "PEAK_DEPTH"]

@@ -426,14 +426,14 @@ def _group_block(g, kind, gb, blk, acts, accs):
 
 
 def _store(g, a, m, n, lanes, value):
-    """out[m, n .. n + lanes] = the first `lanes` lanes of value (8: one vector store)."""
+    """out[m, n .. n + lanes] = the first `lanes` lanes of value (all of them: one vector store)."""
     b = g.b
     base = b.add(b.mul(m, g.stride0(a.arrays["out"])), b.mul(n, g.const(4)))
-    with b.if_else(b.icmp_unsigned("==", lanes, g.const(GROUP))) as (full, part):
+    with b.if_else(b.icmp_unsigned("==", lanes, g.const(value.type.count))) as (full, part):
         with full:
             g.store(a.out, base, value)
         with part:
-            for i in range(GROUP):
+            for i in range(value.type.count):
                 with b.if_then(b.icmp_unsigned("<", g.const(i), lanes)):
                     g.store(a.out, b.add(base, g.const(4 * i)), b.extract_element(value, ir.Constant(I32, i)))
 
