@@ -18,6 +18,8 @@ from urllib.parse import unquote, urldefrag, urlparse
 
 import pytest
 
+from app.report import browser as headless
+
 ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("myst_nb", reason="the book's tools are in requirements-book.txt (`make setup` installs them)")
 
@@ -34,30 +36,12 @@ CHAPTERS = {p.stem: p for p in build.sources()}          # name -> committed not
 IMAGE_MIMES = ("image/png", "image/jpeg", "image/svg+xml", "image/gif")
 
 
-def browser_missing() -> str | None:
-    for exe in ("chromium", "chromedriver"):
-        if shutil.which(exe) is None:
-            return f"{exe} is not installed"
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        return "selenium is not installed (requirements-test.txt)"
-    return None
-
-
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    reason = browser_missing()
+    reason = headless.missing()
     if reason:
         pytest.skip(f"no headless browser: {reason} (`make browser` installs Debian's chromium and chromium-driver)")
-    from selenium import webdriver
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium")
-    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--allow-file-access-from-files",
-                "--window-size=1400,1000", f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(shutil.which("chromedriver")))
+    driver = headless.chromium(tmp_path_factory.mktemp("chromium"), flags=["--allow-file-access-from-files"])
     driver.set_script_timeout(30)
     try:
         yield driver

@@ -342,7 +342,7 @@ findings.show()
 # ```
 #
 # (or `.venv/bin/python -m exercises.check 13`, or as a test: `.venv/bin/python -m pytest
-# exercises/test_yours.py -k 13`). The check runs your code and the stage's own,
+# exercises/test_yours.py -k 14`). The check runs your code and the stage's own,
 # [`app/serve/scheduler.py`](../app/serve/scheduler.py) (`Scheduler._reserve, Scheduler._admit`), on
 # 6 seeded cases of awkward shapes, holding yours to the stage's: the same rows, preemptions and
 # queue, step for step, as the server's scheduler on the same traffic. It stops at the first case

@@ -21,8 +21,8 @@
 # %%
 import numpy as np
 
+from app.args import fastest_stage
 from app.measure import speculative as ms
-from app.run import fastest_stage
 from common import speculative as sp
 from common.generate import Sampler, SamplingParams
 
@@ -216,7 +216,7 @@ findings.show()
 # ```
 #
 # (or `.venv/bin/python -m exercises.check 14`, or as a test: `.venv/bin/python -m pytest
-# exercises/test_yours.py -k 14`). The check runs your code and the stage's own,
+# exercises/test_yours.py -k 15`). The check runs your code and the stage's own,
 # [`common/speculative.py`](../common/speculative.py) (`accept`), on 8 seeded cases of awkward
 # shapes, holding yours to the stage's: greedy choices token for token, sampled ones by their
 # distribution over thousands of seeded draws (the stage's rule beside yours). It stops at the first
