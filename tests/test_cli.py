@@ -171,8 +171,8 @@ def test_n_minus_one_prints_no_timing():
 
 
 def test_good_values_parse_to_the_engines_settings():
+    from app.args import sampling_params
     from app.cli import build_parser
-    from app.run import sampling_params
     args = build_parser().parse_args(["run", "-t", "2", "-c", "512", "-n", "8", "--temp", "0.7", "--top-k", "0",
                                       "--top-p", "1", "--min-p", "0", "--repeat-last-n", "-1", "--seed", "3",
                                       "--frequency-penalty", "0.5", "--presence-penalty", "-1", "--special"])

@@ -3,7 +3,7 @@
 The machine id names a folder of records (profiles/results/ID/): two CPUs that differ in what
 decides the speed (vendor, design, vector ISA level, cores) must never share one. `make run`
 and `serve` pick their stage from this machine's records, but only from those measured on this
-CPU with the code checked out now (app/run.py: recorded_decode_ms)."""
+CPU with the code checked out now (app/args.py: recorded_decode_ms)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from app import run
+from app import args
 from app.measure.machine import cpu_signature, machine_id, machine_info
 from app.measure.provenance import provenance
 from common.cpu import cpuinfo, isa_level, physical_cores, simd_features
@@ -216,35 +216,35 @@ def folder(tmp_path):
 
 
 def test_only_records_of_this_cpu_and_this_code_are_counted(folder):
-    assert run.recorded_decode_ms(folder) == {"kv_cache": 9.0}
+    assert args.recorded_decode_ms(folder) == {"kv_cache": 9.0}
 
 
 def cpu_only(monkeypatch):
     """fastest_stage as on a machine without a GPU: where cuda runs it wins before any record is
     read, and these checks are about the records."""
-    cpu = [s for s in run.runnable_stages() if not run.info(s).gpu]
-    monkeypatch.setattr(run, "runnable_stages", lambda: cpu)
+    cpu = [s for s in args.runnable_stages() if not args.info(s).gpu]
+    monkeypatch.setattr(args, "runnable_stages", lambda: cpu)
     return cpu
 
 
 def with_cuda(monkeypatch):
     """runnable_stages as on a machine that can run the cuda stage."""
     from stages import STAGES
-    here = set(run.runnable_stages()) | {"cuda"}
-    monkeypatch.setattr(run, "runnable_stages", lambda: [s for s in STAGES if s in here])
+    here = set(args.runnable_stages()) | {"cuda"}
+    monkeypatch.setattr(args, "runnable_stages", lambda: [s for s in STAGES if s in here])
 
 
 @pytest.mark.parametrize("gpu", [False, True], ids=["this machine", "a machine that runs cuda"])
 def test_a_stale_record_does_not_choose_the_stage(folder, monkeypatch, gpu):
     if gpu:
         with_cuda(monkeypatch)
-        assert run.fastest_stage() == "cuda", "the scene: cuda wins before any record is read"
+        assert args.fastest_stage() == "cuda", "the scene: cuda wins before any record is read"
     cpu = cpu_only(monkeypatch)
-    counted = run.recorded_decode_ms
-    monkeypatch.setattr(run, "recorded_decode_ms", lambda: counted(folder))
-    assert run.fastest_stage() == "kv_cache"
-    monkeypatch.setattr(run, "recorded_decode_ms", lambda: {})
-    assert run.fastest_stage() == [s for s in cpu if not run.info(s).ranks][-1]    # no valid record: the registry
+    counted = args.recorded_decode_ms
+    monkeypatch.setattr(args, "recorded_decode_ms", lambda: counted(folder))
+    assert args.fastest_stage() == "kv_cache"
+    monkeypatch.setattr(args, "recorded_decode_ms", lambda: {})
+    assert args.fastest_stage() == [s for s in cpu if not args.info(s).ranks][-1]    # no valid record: the registry
 
 
 def test_the_planted_stale_record_would_have_won(folder, monkeypatch):
@@ -252,5 +252,5 @@ def test_the_planted_stale_record_would_have_won(folder, monkeypatch):
     stale records are faster, so the test above would see them win."""
     cpu_only(monkeypatch)
     every = {json.loads(p.read_text())["stage"]: json.loads(p.read_text())["decode_ms"] for p in folder.glob("*.json")}
-    monkeypatch.setattr(run, "recorded_decode_ms", lambda: every)
-    assert run.fastest_stage() != "kv_cache"
+    monkeypatch.setattr(args, "recorded_decode_ms", lambda: every)
+    assert args.fastest_stage() != "kv_cache"

@@ -613,15 +613,15 @@ def test_serve_picks_the_stage_run_picks_among_those_that_can_serve(monkeypatch)
     """`serve` with no --stage batches through the stage `make run` picks (the best decode
     recorded here, else the last CPU stage), restricted to CPU stages with a KV cache; a
     stage without one is refused by name."""
-    from app import run
+    from app import args
     from app.serve.command import serving_stage
     from stages import StageError, info
     picked = serving_stage("fastest")
-    assert info(picked).kv_cache and not info(picked).gpu and picked == run.fastest_stage(serving=True)
+    assert info(picked).kv_cache and not info(picked).gpu and picked == args.fastest_stage(serving=True)
     cpu = [s for s in runnable_stages() if info(s).kv_cache and not info(s).gpu and not info(s).ranks]
-    monkeypatch.setattr(run, "recorded_decode_ms", lambda: {s: 10.0 for s in cpu} | {cpu[0]: 1.0})
+    monkeypatch.setattr(args, "recorded_decode_ms", lambda: {s: 10.0 for s in cpu} | {cpu[0]: 1.0})
     assert serving_stage("fastest") == cpu[0]              # measured, not assumed
-    monkeypatch.setattr(run, "recorded_decode_ms", lambda: {})
+    monkeypatch.setattr(args, "recorded_decode_ms", lambda: {})
     assert serving_stage("fastest") == cpu[-1]
     with pytest.raises(StageError, match="needs a CPU stage with a KV cache"):
         serving_stage("naive")

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.run import one_line_errors
+from app.args import one_line_errors
 
 
 @dataclass(frozen=True)

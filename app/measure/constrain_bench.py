@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from app.args import chosen_stage, fastest_stage
 from app.measure.protocol import BENCH_DIR, add_options, header, load_average, median, order
 from app.serve.engine_loop import EngineLoop
 from app.serve.sequence import Ask, Sequence
@@ -282,7 +283,6 @@ def records(args):
     """Measure (the module docstring); yields (where, record): settings, machine, code and the load
     average before and after beside every measurement."""
     from app.models import resolve
-    from app.run import chosen_stage, fastest_stage
     from stages import load
     if args.quick:
         args.rounds, args.n_predict = 1, 24

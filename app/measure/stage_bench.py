@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
+from app.args import add_model_args, checked, chosen_stage, print_stats
 from app.measure import bench
-from app.run import add_model_args, checked, chosen_stage, print_stats
 from common.generate import check_count, check_n_predict
 
 

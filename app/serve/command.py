@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+from app.args import add_model_args, add_spec_args, checked, chosen_stage, fastest_stage, one_line_errors, spec_mode
 from app.models import DEFAULT_MODEL, resolve
 from app.serve import speculation as serve_speculation
 from app.serve.engine_loop import EngineLoop
@@ -70,8 +71,7 @@ def build(stage: str, model, ctx_size=None, threads=None, max_batch=32, kv_pages
 
 def serving_stage(name: str) -> str:
     """The stage to serve with: as named, or for 'fastest' the one `make run` picks among those
-    that keep a KV cache on the CPU to hold pages (app/run.py: fastest_stage)."""
-    from app.run import chosen_stage, fastest_stage
+    that keep a KV cache on the CPU to hold pages (app/args.py: fastest_stage)."""
     stage = chosen_stage(fastest_stage(serving=True) if name == "fastest" else name)
     if not info(stage).kv_cache or info(stage).gpu:
         raise StageError(f"stage '{stage}' cannot serve: the server needs a CPU stage with a KV cache "
@@ -112,7 +112,6 @@ class Drain:
 def cmd_serve(args):
     import uvicorn
 
-    from app.run import spec_mode
     from app.serve import ranks
     from app.serve.routes import create_app
     mode = spec_mode(args)                          # contradictions refused before anything loads
@@ -164,7 +163,6 @@ def cmd_serve(args):
 
 
 def add_commands(sub):
-    from app.run import add_model_args, add_spec_args, one_line_errors
     p = one_line_errors(sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (continuous batching, paged KV cache)",
         description="Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions "
@@ -173,19 +171,15 @@ def add_commands(sub):
                     "share forward steps (continuous batching) and a pool of KV pages. response_format "
                     "(json_object, json_schema) and tools (tool_choice, parallel_tool_calls) constrain the "
                     "reply with llguidance, each request its own grammar in the shared step."))
-    add_model_args(p)
+    add_model_args(p, stage_help="a CPU stage with a KV cache (default: fastest, the stage `make run` picks: "
+                                 "the best decode recorded on this machine, else the last CPU stage)")
     p.set_defaults(model=str(DEFAULT_MODEL.path), stage="fastest", func=cmd_serve)
-    for action in p._actions:
-        if action.dest == "stage":
-            action.help = "a CPU stage with a KV cache (default: fastest, the stage `make run` picks: " \
-                          "the best decode recorded on this machine, else the last CPU stage)"
     engine_args(p.add_argument_group("the engine"))
     add_spec_args(p)
     operator_args(p.add_argument_group("the operator's"))
 
 
 def count(flag, minimum=1):
-    from app.run import checked
     from common.generate import check_count
     return checked(lambda n: check_count(f"{flag.lstrip('-').replace('-', '_')} ({flag})", n, minimum))
 

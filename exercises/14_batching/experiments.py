@@ -13,7 +13,7 @@ def batch_rows(quick):
     """a decode step reads every weight once whatever the rows; while the rows stay under the ridge
     point (peak FLOP/s over bandwidth, in multiply-adds per byte) a pass of 8 rows costs about one
     of 1, so 8 users are served for the price of one; past it, each row adds its own time"""
-    from app.run import fastest_stage
+    from app.args import fastest_stage
     stage = fastest_stage(serving=True)
     model = engine(stage, n_ctx=160)
     model.reset()

@@ -170,8 +170,8 @@ class Speculative(Exercise):
                       f"{np.abs(stage_freq - p0).max():.4f}); kept {keep:.3f}, expected {want:.3f}")
 
     def timings(self, sol, quick):
+        from app.args import fastest_stage
         from app.measure.speculative import prompt_sets, run_ours
-        from app.run import fastest_stage
         from common.tokenizer import Tokenizer
         stage = fastest_stage()
         engine = harness_engine(stage)                  # FileNotFoundError naming `make model` if it is missing

@@ -19,8 +19,8 @@ def draft_max(quick):
     """on text that copies its prompt, prompt lookup's guesses are mostly right: each pass of K + 1
     rows, costing about one step, yields up to K + 1 tokens. Tokens/s should rise from K = 0 and
     flatten once the guesses run past what the text repeats or the pass's rows pass the ridge"""
+    from app.args import fastest_stage
     from app.measure.speculative import run_ours
-    from app.run import fastest_stage
     from common.speculative import accept
     stage = fastest_stage()
     model = engine(stage)
@@ -39,7 +39,7 @@ def draft_max(quick):
 def verify_cost(quick):
     """under the ridge point a pass of m rows reads the same weights as one row: about 1 step for m up
     to a handful, then rising by a step per few rows as the multiply-adds take over"""
-    from app.run import fastest_stage
+    from app.args import fastest_stage
     stage = fastest_stage()
     model = engine(stage)
     model.reset()
