@@ -1,6 +1,7 @@
 """The application on top of the stages, grouped by what a user does:
 
     cli.py, run.py, chat.py      `python -m app run | chat | stages | ...`: generate with one stage
+    args.py                      the flags every command shares (stage, model, sampling) and their checks
     models.py, inspect_gguf.py   fetch a model once; look inside a GGUF file
     serve/                       the OpenAI-compatible server: HTTP, continuous batching, metrics, page
     measure/                     the one measurement harness, counters, machine, roofline, llama.cpp
