@@ -76,8 +76,8 @@ if live:
 #
 # The int8 stages' multiply-adds are integer ones, so their ceiling is not the float peak of the
 # roofline but the peak of the dot-product instruction they use: `vpdpbusd` (four byte products into
-# each int32 lane) where the CPU has VNNI, on 512-bit registers where it has AVX512-VNNI; `vpmaddubsw`
-# + `vpmaddwd` with AVX2 alone. `app/measure/roofline.py` runs it back to back on registers; the
+# each int32 lane) where the CPU has VNNI, on 512-bit registers where it has AVX512-VNNI;
+# `vpmaddubsw` then `vpmaddwd` with AVX2 alone. `app/measure/roofline.py` runs it back to back on registers; the
 # prompt's matmuls are 2 integer operations per multiply-add of every layer matrix with every row.
 
 # %%
