@@ -17,13 +17,13 @@ a benchmark cannot see. Same seed, same bytes.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from common.gguf import GGMLType, GGUFFile, GGUFWriter, ValueType, type_nbytes
+from common.model import LlamaConfig
 from common.quants import quantize
 
 SEED = 20231231          # the date TinyLlama-1.1B-Chat-v1.0 was released
@@ -45,24 +45,9 @@ CHAT_TEMPLATE = (
 )
 
 
-@dataclass(frozen=True)
-class Geometry:
-    n_layer: int = 22
-    n_embd: int = 2048
-    n_ff: int = 5632
-    n_head: int = 32
-    n_head_kv: int = 4
-    n_vocab: int = 32000
-    n_ctx: int = 2048
-    rope_freq_base: float = 10000.0
-    rms_eps: float = 1e-5
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-
-TINYLLAMA = Geometry()
+# TinyLlama 1.1B's geometry in the engine's own terms: what LlamaConfig.from_gguf reads from its file.
+TINYLLAMA = LlamaConfig(n_layer=22, n_embd=2048, n_ff=5632, n_head=32, n_head_kv=4, head_dim=64, n_rot=64,
+                        rope_base=10000.0, rope_freq_scale=1.0, eps=1e-5, n_ctx_train=2048, n_vocab=32000)
 
 
 def use_more_bits(i_layer: int, n_layer: int) -> bool:
@@ -72,10 +57,10 @@ def use_more_bits(i_layer: int, n_layer: int) -> bool:
     return i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8 or (i_layer - n_layer // 8) % 3 == 2
 
 
-def tensor_plan(g: Geometry = TINYLLAMA) -> list[tuple[str, tuple, GGMLType]]:
+def tensor_plan(g: LlamaConfig = TINYLLAMA) -> list[tuple[str, tuple, GGMLType]]:
     """(name, numpy shape, ggml type) of every tensor, in file order, as Q4_K_M lays them out:
     F32 norms, Q6_K output.weight, Q6_K attn_v / ffn_down where use_more_bits, Q4_K the rest."""
-    kv = g.n_head_kv * g.head_dim
+    kv = g.kv_dim
     plan = [("token_embd.weight", (g.n_vocab, g.n_embd), GGMLType.Q4_K)]
     for i in range(g.n_layer):
         more = GGMLType.Q6_K if use_more_bits(i, g.n_layer) else GGMLType.Q4_K
@@ -116,22 +101,22 @@ def _tensor_bytes(index: int, shape: tuple, ggml_type: GGMLType, pools: dict, se
     return make
 
 
-def _metadata(w: GGUFWriter, vocab: GGUFFile, g: Geometry):
+def _metadata(w: GGUFWriter, vocab: GGUFFile, g: LlamaConfig):
     """TinyLlama 1.1B Chat v1.0 Q4_K_M's keys, in its order; the tokenizer from `vocab`."""
     U32, F32 = ValueType.UINT32, ValueType.FLOAT32
     w.add("general.architecture", "llama")
     w.add("general.name", NAME)
     w.add("general.description", "SYNTHETIC: TinyLlama 1.1B Chat v1.0 shapes, metadata and Q4_K_M "
           "type mix with random weights (for benchmarking; it is not a language model)")
-    w.add("llama.context_length", g.n_ctx, U32)
+    w.add("llama.context_length", g.n_ctx_train, U32)
     w.add("llama.embedding_length", g.n_embd, U32)
     w.add("llama.block_count", g.n_layer, U32)
     w.add("llama.feed_forward_length", g.n_ff, U32)
-    w.add("llama.rope.dimension_count", g.head_dim, U32)
+    w.add("llama.rope.dimension_count", g.n_rot, U32)
     w.add("llama.attention.head_count", g.n_head, U32)
     w.add("llama.attention.head_count_kv", g.n_head_kv, U32)
-    w.add("llama.attention.layer_norm_rms_epsilon", g.rms_eps, F32)
-    w.add("llama.rope.freq_base", g.rope_freq_base, F32)
+    w.add("llama.attention.layer_norm_rms_epsilon", g.eps, F32)
+    w.add("llama.rope.freq_base", g.rope_base, F32)
     w.add("general.file_type", 15, U32)                     # LLAMA_FTYPE_MOSTLY_Q4_K_M
     for key, value in vocab.metadata.items():
         if key.startswith("tokenizer."):
