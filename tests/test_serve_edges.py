@@ -66,24 +66,13 @@ HOLD_CASES = [
 ]
 
 
-class FirstTailOnly(StopMatcher):
-    """A planted bug: the hold-back looks at the first stop string that the tail could begin."""
+class PlantedHold(StopMatcher):
+    """StopMatcher's push with another rule for how much of the text's tail is held back: `pick`
+    chooses among the lengths n whose tail begins a stop string (each stop string in turn, its
+    longest first); the real rule takes the largest."""
 
-    def push(self, text):
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[:min(hits)], ""
-            return out, True
-        keep = next((n for s in self.stops for n in range(min(len(s) - 1, len(self.pending)), 0, -1)
-                     if self.pending.endswith(s[:n])), 0)
-        out = self.pending[:len(self.pending) - keep]
-        self.pending = self.pending[len(out):]
-        return out, False
-
-
-class ShortestTail(StopMatcher):
-    """A planted bug: of the stop strings the tail could begin, the shortest such tail is held."""
+    def pick(self, tails: list[int]) -> int:
+        raise NotImplementedError
 
     def push(self, text):
         self.pending += text
@@ -93,10 +82,24 @@ class ShortestTail(StopMatcher):
             return out, True
         tails = [n for s in self.stops for n in range(min(len(s) - 1, len(self.pending)), 0, -1)
                  if self.pending.endswith(s[:n])]
-        keep = min(tails, default=0)
+        keep = self.pick(tails) if tails else 0
         out = self.pending[:len(self.pending) - keep]
         self.pending = self.pending[len(out):]
         return out, False
+
+
+class FirstTailOnly(PlantedHold):
+    """A planted bug: the hold-back looks at the first stop string that the tail could begin."""
+
+    def pick(self, tails):
+        return tails[0]
+
+
+class ShortestTail(PlantedHold):
+    """A planted bug: of the stop strings the tail could begin, the shortest such tail is held."""
+
+    def pick(self, tails):
+        return min(tails)
 
 
 def hold_problems(matcher) -> list[str]:
