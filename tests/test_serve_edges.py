@@ -30,6 +30,7 @@ from app.serve import server as server_module
 from app.serve.text import StopMatcher, TextStream
 from tests.stub_engine import StubServer
 from tests.stub_engine import tokenizer as stub_tokenizer
+from tests.util import sent_until_stop
 
 N_CTX, MAX_BATCH = 512, 8
 
@@ -134,12 +135,7 @@ def empty_stop_problems(stop_strings, tok) -> list[str]:
     problems = []
     for stop in ("", ["", "never"]):
         stream = TextStream(tok, stop_strings({"stop": stop}))
-        sent, hit = "", False
-        for t in ids:
-            text, _, hit = stream.push(t)
-            sent += text
-            if hit:
-                break
+        sent, _, hit = sent_until_stop(stream, ids)
         sent += stream.flush()[0]
         if (sent, hit) != (" one two three", False):
             problems.append(f"stop {stop!r}: sent {sent!r}, stopped {hit}")
@@ -186,13 +182,7 @@ def entry_problems(stream_class, tok) -> list[str]:
     problems = []
     for stops, want_text, want_entries, want_stop, want_rest in ENTRY_CASES:
         stream = stream_class(tok, stops)
-        sent, entries, hit = "", [], False
-        for t in ids:
-            text, out, hit = stream.push(t, -1.0, [])
-            sent += text
-            entries += out
-            if hit:
-                break
+        sent, entries, hit = sent_until_stop(stream, ids, -1.0, [])
         rest = ("", []) if hit else stream.flush()
         got = (sent, [ids.index(e[0]) for e in entries], hit, (rest[0], [ids.index(e[0]) for e in rest[1]]))
         if got != (want_text, want_entries, want_stop, want_rest):

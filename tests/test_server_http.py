@@ -42,6 +42,7 @@ from common.tokenizer import Tokenizer
 from tests.conftest import ROOT
 from tests.stub_engine import StubServer
 from tests.stub_engine import tokenizer as stub_tokenizer
+from tests.util import sent_until_stop
 
 openai = pytest.importorskip("openai", reason="openai is in requirements.txt")
 
@@ -1258,14 +1259,7 @@ def test_a_stop_string_split_over_pieces_is_never_sent():
 def test_log_probability_entries_go_out_with_the_text_they_begin(srv):
     tok = srv.engine.tokenizer
     ids = tok.encode(" one two three four")
-    stream = TextStream(tok, ["three"])
-    sent, entries = "", []
-    for t in ids:
-        text, more, hit = stream.push(t, -1.0, [])
-        sent += text
-        entries += more
-        if hit:
-            break
+    sent, entries, hit = sent_until_stop(TextStream(tok, ["three"]), ids, -1.0, [])
     assert [tok.decode([t]) for t in ids] == [" one", " two", " three", " four"]
     assert sent == " one two " and hit
     # " three" begins with the space that was sent: its entry goes with it; " four" never comes

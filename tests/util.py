@@ -1,7 +1,8 @@
 """Helpers shared by the stage tests: tensors from bytes, the CPU stages, numpy oracles, the
 thread counts a "1 thread and N agree" test compares, what this CPU offers numba (decided apart
 from the probes under test), a check that a mask selects something, what mpiexec says of a killed
-rank, and llama.cpp's recorded departure from the float64 reference."""
+rank, llama.cpp's recorded departure from the float64 reference, and what the server's text stream
+sends for a run of token ids."""
 
 from __future__ import annotations
 
@@ -235,3 +236,16 @@ def llama_cpp_departure(model_path) -> float:
     golden prompt: how far 8-bit activations (llama.cpp's) move the default model's logits."""
     golden = np.load(GOLDEN_LOGITS)
     return max(departure(golden_reference(p, str(model_path)), golden, p) for p in golden_prompts())
+
+
+def sent_until_stop(stream, ids, logprob=None, top=None) -> tuple[str, list, bool]:
+    """Token ids pushed through a TextStream (app/serve/text.py) until a stop string is found:
+    (the text sent, the log-probability entries sent with it, whether a stop string was found)."""
+    sent, entries, hit = "", [], False
+    for t in ids:
+        text, out, hit = stream.push(t, logprob, top)
+        sent += text
+        entries += out
+        if hit:
+            break
+    return sent, entries, hit
