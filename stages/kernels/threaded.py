@@ -91,49 +91,62 @@ def prefill_parallel(x, w, kind, f16, n_chunks, panel_rows, x_chunk):
 
 # ---- attention: one kernel per layer, query heads spread over the threads ---------------------
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
-def attention_parallel(q, k, v, n_head, n_head_kv, start_pos, scale):
-    """Causal grouped-query attention, fused: q [M, H*hd] at positions start_pos..,
-    k, v [T, Hkv*hd] -> [M, H*hd]. One iteration of the parallel loop is one (query row, head)
-    pair: the scores against every visible key (one dot product each), their softmax, and the
-    probability-weighted sum of the value rows, accumulated row by row so V is read in the
-    order it lies in memory (the inherited composite read it through a transposed view)."""
-    M = q.shape[0]
-    hd = q.shape[1] // n_head
-    group = n_head // n_head_kv
-    T = k.shape[0]
-    out = np.empty((M, n_head * hd), dtype=np.float32)
-    for item in prange(M * n_head):
-        i = item // n_head
-        h = item - i * n_head
-        kvh = h // group
-        qh = q[i, h * hd:(h + 1) * hd]                    # row views: contiguous, and indices
-        n_vis = min(T, start_pos + i + 1)                 # LLVM can see are never negative
-        scores = np.empty(n_vis, dtype=np.float32)        # causal: keys 0 .. start_pos + i
-        mx = np.float32(-np.inf)
-        for t in range(n_vis):
-            kt = k[t, kvh * hd:(kvh + 1) * hd]
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def attention_row_head(qh, k_pages, v_pages, table, n_vis, col, scale, o):
+    """One query row's head, qh [hd], over the positions 0 .. n_vis - 1 it sees, into o [hd]:
+    position t lies in page table[t // P], slot t % P of k_pages, v_pages [n_pages, P, Hkv*hd],
+    in the columns col .. col + hd of its KV head. The scores against every visible key (one
+    dot product each), their softmax, and the probability-weighted sum of the value rows,
+    accumulated row by row so V is read in the order it lies in memory (the inherited
+    composite read it through a transposed view). Page by page: a page's slots lie together."""
+    hd = qh.shape[0]
+    P = k_pages.shape[1]
+    scores = np.empty(n_vis, dtype=np.float32)
+    mx = np.float32(-np.inf)
+    for t0 in range(0, n_vis, P):
+        keys = k_pages[table[t0 // P]]
+        for slot in range(min(P, n_vis - t0)):
+            kt = keys[slot, col:col + hd]                 # row views: contiguous
             s = np.float32(0.0)
             for d in range(hd):
                 s += qh[d] * kt[d]
             s *= scale
-            scores[t] = s
+            scores[t0 + slot] = s
             mx = max(mx, s)
-        total = np.float32(0.0)
-        for t in range(n_vis):
-            e = np.exp(scores[t] - mx)                    # minus the max: exp never overflows
-            scores[t] = e
-            total += e
-        acc = np.zeros(hd, dtype=np.float32)
-        for t in range(n_vis):                            # V row by row, as it lies in memory
-            p = scores[t]
-            vt = v[t, kvh * hd:(kvh + 1) * hd]
+    total = np.float32(0.0)
+    for t in range(n_vis):
+        e = np.exp(scores[t] - mx)                        # minus the max: exp never overflows
+        scores[t] = e
+        total += e
+    acc = np.zeros(hd, dtype=np.float32)
+    for t0 in range(0, n_vis, P):                         # V row by row, as it lies in memory
+        values = v_pages[table[t0 // P]]
+        for slot in range(min(P, n_vis - t0)):
+            p = scores[t0 + slot]
+            vt = values[slot, col:col + hd]
             for d in range(hd):
                 acc[d] += p * vt[d]
-        inv = np.float32(1.0) / total
-        o = out[i, h * hd:(h + 1) * hd]
-        for d in range(hd):
-            o[d] = acc[d] * inv
+    inv = np.float32(1.0) / total
+    for d in range(hd):
+        o[d] = acc[d] * inv
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def attention_parallel(q, k, v, n_head, n_head_kv, start_pos, scale):
+    """Causal grouped-query attention, fused: q [M, H*hd] at positions start_pos..,
+    k, v [T, Hkv*hd] -> [M, H*hd]. One iteration of the parallel loop is one (query row, head)
+    pair: attention_row_head over keys 0 .. start_pos + i (causal), K and V being one page."""
+    M = q.shape[0]
+    hd = q.shape[1] // n_head
+    group = n_head // n_head_kv
+    T = k.shape[0]
+    k_page, v_page, table = k[None], v[None], np.zeros(1, dtype=np.int64)      # one page: all T positions
+    out = np.empty((M, n_head * hd), dtype=np.float32)
+    for item in prange(M * n_head):
+        i = item // n_head
+        h = item - i * n_head
+        attention_row_head(q[i, h * hd:(h + 1) * hd], k_page, v_page, table, min(T, start_pos + i + 1),
+               h // group * hd, scale, out[i, h * hd:(h + 1) * hd])
     return out
 
 
@@ -142,47 +155,19 @@ def attention_parallel(q, k, v, n_head, n_head_kv, start_pos, scale):
 @njit(cache=True, parallel=True, fastmath=FASTMATH)
 def attention_paged_parallel(q, k_pages, v_pages, tables, row_seq, positions, n_rows, n_head, n_head_kv, scale):
     """attention_parallel for rows of many sequences: q [M, H*hd], row i at position
-    positions[i] of sequence row_seq[i], whose position t lies in page tables[row_seq[i],
-    t // P], slot t % P of k_pages, v_pages [n_pages, P, Hkv*hd] (one layer of the pool).
-    Rows from n_rows on are padding and come back 0. Per (row, head) the loops are
-    attention_parallel's, in the same order, so a row gets the bits it would get there."""
+    positions[i] of sequence row_seq[i], whose pages are tables[row_seq[i]] in k_pages,
+    v_pages [n_pages, P, Hkv*hd] (one layer of the pool). Rows from n_rows on are padding and
+    come back 0. Per (row, head) it is the same attention_row_head, so a row gets the bits it
+    would get there."""
     M = q.shape[0]
     hd = q.shape[1] // n_head
     group = n_head // n_head_kv
-    P = k_pages.shape[1]
     out = np.zeros((M, n_head * hd), dtype=np.float32)
     for item in prange(n_rows * n_head):
         i = item // n_head
         h = item - i * n_head
-        kvh = h // group
-        qh = q[i, h * hd:(h + 1) * hd]
-        table = tables[row_seq[i]]
-        n_vis = positions[i] + 1                          # causal: its own positions 0 .. pos
-        scores = np.empty(n_vis, dtype=np.float32)
-        mx = np.float32(-np.inf)
-        for t in range(n_vis):
-            kt = k_pages[table[t // P], t % P, kvh * hd:(kvh + 1) * hd]
-            s = np.float32(0.0)
-            for d in range(hd):
-                s += qh[d] * kt[d]
-            s *= scale
-            scores[t] = s
-            mx = max(mx, s)
-        total = np.float32(0.0)
-        for t in range(n_vis):
-            e = np.exp(scores[t] - mx)
-            scores[t] = e
-            total += e
-        acc = np.zeros(hd, dtype=np.float32)
-        for t in range(n_vis):
-            p = scores[t]
-            vt = v_pages[table[t // P], t % P, kvh * hd:(kvh + 1) * hd]
-            for d in range(hd):
-                acc[d] += p * vt[d]
-        inv = np.float32(1.0) / total
-        o = out[i, h * hd:(h + 1) * hd]
-        for d in range(hd):
-            o[d] = acc[d] * inv
+        attention_row_head(q[i, h * hd:(h + 1) * hd], k_pages, v_pages, tables[row_seq[i]], positions[i] + 1,
+               h // group * hd, scale, out[i, h * hd:(h + 1) * hd])
     return out
 
 
