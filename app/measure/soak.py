@@ -53,14 +53,25 @@ KINDS = {                                   # kind: weight
 EXPECTED = {"bad_json": 400, "unknown_field": 400, "oversized": 413}
 DETERMINISTIC = ("greedy", "chat_stream", "slow_reader", "n2", "echo", "seeded")
 RETRY_AFTER_S = 1.0                         # what a client waits after a 503 (the server's Retry-After)
+# The server's flags the soak sets (flag, default, why that value): each an option of its own,
+# passed to `serve` as given and written in the record.
+SERVER_FLAGS = (("--kv-pages", 16, "the server's pool, small enough to preempt"),
+                ("--max-batch", 8, ""),
+                ("--max-queue", 4, "small, so some requests meet a full queue"),
+                ("--ctx-size", 512, ""),
+                ("--max-body-bytes", 16384, ""))
+
+
+def server_settings(args) -> dict:
+    """SERVER_FLAGS as parsed, by their names in args (kv_pages, max_batch, ...)."""
+    return {name: getattr(args, name) for name in (flag[2:].replace("-", "_") for flag, _, _ in SERVER_FLAGS)}
 
 
 def start(args, log: Path) -> LocalServer:
     """The server under test, on the loopback address."""
+    flags = [x for name, value in server_settings(args).items() for x in ("--" + name.replace("_", "-"), value)]
     return LocalServer([sys.executable, "-m", "app", "serve", "-m", args.model, "--stage", args.stage,
-                        "--host", "127.0.0.1", "--ctx-size", args.ctx_size, "--max-batch", args.max_batch,
-                        "--max-queue", args.max_queue, "--kv-pages", args.kv_pages,
-                        "--max-body-bytes", args.max_body_bytes, "--request-timeout", 300], log, stop_timeout=60)
+                        "--host", "127.0.0.1", *flags, "--request-timeout", 300], log, stop_timeout=60)
 
 
 def request_for(kind: str, rng: random.Random) -> dict:
@@ -260,13 +271,8 @@ def add_arguments(p):
     p.add_argument("--seconds", type=float, default=180, help="how long the traffic runs (default: %(default)s)")
     p.add_argument("--max-requests", type=int, default=5000, help="at most this many requests (default: %(default)s)")
     p.add_argument("--clients", type=int, default=12, help="concurrent clients (default: %(default)s)")
-    p.add_argument("--kv-pages", type=int, default=16,
-                   help="the server's pool, small enough to preempt (default: %(default)s)")
-    p.add_argument("--max-batch", type=int, default=8, help="(default: %(default)s)")
-    p.add_argument("--max-queue", type=int, default=4, help="small, so some requests meet a full queue "
-                                                            "(default: %(default)s)")
-    p.add_argument("--ctx-size", type=int, default=512, help="(default: %(default)s)")
-    p.add_argument("--max-body-bytes", type=int, default=16384, help="(default: %(default)s)")
+    for flag, default, why in SERVER_FLAGS:
+        p.add_argument(flag, type=int, default=default, help=f"{why} (default: %(default)s)".lstrip())
     p.add_argument("--rss-bound-mb", type=float, default=48.0,
                    help="how far resident memory may move after the warm-up (default: %(default)s)")
     p.add_argument("--seed", type=int, default=1, help="(default: %(default)s)")
@@ -303,9 +309,8 @@ def records(args):
            "distinct": found["distinct"], "mismatches": found["mismatches"][:20],
            "n_mismatches": len(found["mismatches"])}
     rec.update(header({"model": args.model.name, "stage": args.stage, "seconds": args.seconds,
-                       "max_requests": args.max_requests, "clients": args.clients, "kv_pages": args.kv_pages,
-                       "max_batch": args.max_batch, "max_queue": args.max_queue, "ctx_size": args.ctx_size,
-                       "max_body_bytes": args.max_body_bytes, "rss_bound_mb": args.rss_bound_mb,
+                       "max_requests": args.max_requests, "clients": args.clients, **server_settings(args),
+                       "rss_bound_mb": args.rss_bound_mb,
                        "warmup_share": 0.25, "seed": args.seed, "kinds": KINDS}, args.command_line))
     rec["checks"] = checks(rec)
     yield args.out, rec
