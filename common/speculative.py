@@ -456,8 +456,12 @@ class StepTime:
                   each, and a pass of more rows never counted cheaper; padded to the row block:
                   a stage that pads rows costs the same for every M in a block), then learned
                   from the steps with guesses: each row count a point of its own, the median of
-                  its calibration and its last steps, and no more rows cheaper than it; between
-                  points interpolated, past the last by its slope
+                  its calibration and its last steps but never below the calibration, and no more
+                  rows cheaper than it; between points interpolated, past the last by its slope.
+                  (The calibration is the best of a quiet moment: a pass takes no less. A step
+                  below it was divided by a scale that a busier moment left too high; learned,
+                  it would flatten the shape, price guess rows at nothing, and a guess priced at
+                  nothing is charged nothing: nothing would stop it.)
         scale     what a step takes now against the shape (the machine may be busier): the
                   median of the last steps without guesses
         outside   the step's time outside its pass (planning, sampling, events): the median of
@@ -531,7 +535,7 @@ class StepTime:
         if guess_rows:                          # a point of the shape, against what the plain step takes now
             seen = self.points.setdefault(m, [self.shape_at(m)])
             keep(seen, forward_ms / self.scale, self.RECENT + 1, first=1)      # its calibration stays
-            self.shape[m], self._envelope = statistics.median(seen), None
+            self.shape[m], self._envelope = max(statistics.median(seen), seen[0]), None
         else:
             keep(self.scales, forward_ms / self.shape_at(m), self.RECENT)
             self.scale = statistics.median(self.scales)

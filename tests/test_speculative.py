@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import numpy as np
 import pytest
@@ -333,6 +334,37 @@ def test_step_time_learns_a_dear_guess_row_and_weighs_it_against_the_plain_step(
             assert price == pytest.approx(0.5, rel=0.02)
         else:
             assert price < 0.35
+
+
+
+class LearnsBelowCalibration(sp.StepTime):
+    """The WRONG rule, planted: a point of the shape learned from the steps may fall below its
+    calibration (the median of its calibration and its last steps, whatever they say)."""
+
+    def observe(self, rows, forward_ms, step_ms):
+        guess_rows = self.guess_rows
+        super().observe(rows, forward_ms, step_ms)
+        m = sp.padded(max(rows, 1), self.row_block)
+        if guess_rows and self.calibrated:
+            self.shape[m], self._envelope = statistics.median(self.points[m]), None
+
+
+def test_a_busy_moment_never_prices_a_guess_row_at_nothing():
+    """Calibrated (a quiet moment): 1 row 10 ms, 2 rows 11. Five plain steps in a busy moment
+    (16 ms) leave the scale at 1.6; then the machine is quiet again and the sequence guesses
+    every step, so no plain step corrects the scale: its 2-row steps (11 ms) read 6.9 ms of
+    shape, below the calibration. The shape keeps 11 at 2 rows, so a guess row still costs a
+    tenth of a token. The planted rule learns 6.9: the shape flat, the guess priced at nothing,
+    and then charged nothing, whatever it takes."""
+    for time_class, right in ((sp.StepTime, True), (LearnsBelowCalibration, False)):
+        t = time_class({1: 10.0, 2: 11.0, 4: 13.0})
+        for _ in range(5):
+            t.observe(1, 16.0, 16.0)
+        for _ in range(10):
+            t.planned(1)
+            t.observe(2, 11.0, 11.0)
+        price = sp.Speculation(4096, 8, t).price(1, 1)
+        assert (price == pytest.approx(0.1)) if right else price == 0.0, (time_class.__name__, price)
 
 
 # ---- the rule keeps the distribution: a tiny model, many draws, a chi-square test -----------------
