@@ -31,10 +31,11 @@ repack stage's prompt is taken apart in two:
   by its rows, so a long prompt needs the KV cache and one piece's scratch (scratch_bytes), not
   scratch for every row at once; the weights are read again per piece, which at a thousand
   multiply-adds per byte costs nothing the chapter can see.
-
-Without AVX512-VNNI (AVX2, or AVX-VNNI on 256-bit registers) the matmuls are repack's kernel in
-those row blocks; the attention is the same. Numerics: int8's (LOGIT_TOLERANCE); the matmuls are
-repack's bits; attention sums in another order than repack's (a tile's softmax is online).
+* On AVX2 alone (a Zen 3) the same row blocks go through stages/kernels/tile_gemm.py: repack's
+  lanes, a tile of prompt rows per unpacked 256-bit piece, each row's products summed in int16 in
+  the order written (Q4_0, Q4_1, Q8_0, Q4_K; other types, and AVX-VNNI, keep repack's kernel).
+Numerics: int8's (LOGIT_TOLERANCE); the matmuls are repack's bits on every path; attention sums
+in another order than repack's (a tile's softmax is online).
 What limits it: the integer sums of a K-quant block are scaled per sub-block (one vpmulld per 8
 vpdpbusd), and attention, whose multiply-adds are float, grows with the prompt's square.
 """

@@ -117,7 +117,8 @@ REGISTRY = {s.name: s for s in (
           "the prompt is compute-bound: more multiply-adds per loaded byte (attention in tiles, two rows "
           "per register)",
           kv_cache=True, chapter="12_prefill", parallel=True,
-          kernels=("kernels/pair_gemm.py", "kernels/tiled_attention.py", "kernels/prefill_steps.py")),
+          kernels=("kernels/pair_gemm.py", "kernels/tile_gemm.py", "kernels/tiled_attention.py",
+                   "kernels/prefill_steps.py")),
     Stage("amx", 13, "stages.amx", "AmxBackend", "prefill",
           "the prompt on the CPU's matrix unit: 16 x 16 x 64 int8 multiply-adds an instruction (AMX tiles)",
           kv_cache=True, chapter="13_amx", parallel=True, kernels=("kernels/amx_tiles.py", "kernels/amx_steps.py")),

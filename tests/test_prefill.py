@@ -1,8 +1,9 @@
 """The prefill stage: the tiled attention against numpy's softmax (grouped heads, chunks, a page
-table), a row alone and in a tile the same bits; the pair kernel against repack's kernel, bit for
-bit, for every type it takes; the stage within int8's tolerance of the reference, decode rows =
-prompt rows, 1 thread = N, a prompt in pieces = whole, a batch's rows = alone (with a planted tile
-that crosses sequences caught); the scratch a prompt needs bounded by one piece's rows.
+table), a row alone and in a tile the same bits; the pair kernel and the tile kernel (AVX2)
+against repack's kernel, bit for bit, for every type each takes; the stage within int8's
+tolerance of the reference, decode rows = prompt rows, 1 thread = N, a prompt in pieces = whole, a
+batch's rows = alone (with a planted tile that crosses sequences caught); the scratch a prompt
+needs bounded by one piece's rows.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from common import reference
 from common.gguf import GGMLType, GGUFFile
 from stages import load
 from stages.kernels import layer_stack as L
-from stages.kernels import pair_gemm, prefill_steps, repack_steps, repacked, tiled_attention
+from stages.kernels import pair_gemm, prefill_steps, repack_steps, repacked, tile_gemm, tiled_attention
 from stages.kernels.layer_ops import CHUNK, chunks_of
 from stages.kernels.pair_gemm import new_pairs
 from stages.kernels.prefill_steps import HeadPairs, block_rows
@@ -155,16 +156,25 @@ def test_pairs_are_repacks_bits(ggml_type):
     """19 weight rows (two groups and part of one) times activation rows m0..m1 of 12: whole
     tiles, every narrower tile of the pairs left over, and an odd last row, give repack's kernel's
     bits, row by row, and write no row outside m0..m1."""
-    raw, K, rng = _weights(ggml_type, 19, 500 + int(ggml_type))
-    x = activations(rng, 12, K)
-    p32, pk, x32, xk = _packs(x, K, K % 256 == 0)
+    _against_repack(ggml_type, 500, 12, [(2, 10), (0, 12), (2, 11), (0, 3), (4, 9), (0, 2), (2, 7), (0, 1), (0, 7),
+                                         (0, 11)],
+                    lambda kind, w, rb, p32, pk, x32, xk, m0, m1, got: _pair(kind, w, rb, x32, xk, m0, m1, got, 19))
+
+
+def _against_repack(ggml_type, seed, M, cases, kernel):
+    """19 weight rows of ggml_type times M activation rows: for each (m0, m1) of cases,
+    kernel(kind, w, row_bytes, p32, pk, x32, xk, m0, m1, got) writes rows m0..m1 of got (the 8-bit
+    packs and the pair packs of all M rows given); they must be repack's kernel's bits, row by row,
+    and no row outside m0..m1 may be written."""
+    raw, K, rng = _weights(ggml_type, 19, seed + int(ggml_type))
+    p32, pk, x32, xk = _packs(activations(rng, M, K), K, K % 256 == 0)
     w = repacked.repack(raw, int(ggml_type))
-    want = np.zeros((12, 19), F32)
+    want = np.zeros((M, 19), F32)
     _group(int(ggml_type), w, raw.shape[1], p32, pk, want, 19)
-    for m0, m1 in [(2, 10), (0, 12), (2, 11), (0, 3), (4, 9), (0, 2), (2, 7), (0, 1), (0, 7), (0, 11)]:
-        got = np.full((12, 19), np.nan, F32)
-        _pair(int(ggml_type), w, raw.shape[1], x32, xk, m0, m1, got, 19)
-        outside = [m for m in range(12) if not m0 <= m < m1]
+    for m0, m1 in cases:
+        got = np.full((M, 19), np.nan, F32)
+        kernel(int(ggml_type), w, raw.shape[1], p32, pk, x32, xk, m0, m1, got)
+        outside = [m for m in range(M) if not m0 <= m < m1]
         assert np.isnan(got[outside]).all(), (m0, m1)
         assert np.array_equal(got[m0:m1], want[m0:m1]), (m0, m1)
 
@@ -185,6 +195,32 @@ def test_the_head_in_pairs_is_repacks_bits(ggml_type):
         want = repack_steps.STACK.matmul_rows(x, blob, mat, nt, Repacked())
         got = prefill_steps.STACK.matmul_rows(x, blob, mat, nt, HeadPairs(*x32, *xk))
         assert np.array_equal(got, want), M
+
+
+# ---- the tile kernel (AVX2 without VNNI) -----------------------------------------------------------
+
+NO_YMM_TILES = None if expected_isa() == "avx2" else (
+    lacks("avx2", "f16c", then="the tile kernel needs them") or
+    "numba compiles for a CPU with VNNI, where the stage keeps repack's kernel (vpdpbusd is one instruction): "
+    "`make test-avx2` runs this compiled for haswell")
+
+
+@numba.njit
+def _tiles(kind, w, rb, p32, pk, m0, m1, out, r1):
+    x32, xk = L.rows_of(p32, pk, m0, m1)
+    tile_gemm.tile_gemm(kind, w, 0, rb, x32, xk, m1 - m0, out[m0:m1], 0, 0, r1)
+
+
+@pytest.mark.isa_paths
+@pytest.mark.skipif(NO_YMM_TILES is not None, reason=str(NO_YMM_TILES))
+@pytest.mark.parametrize("ggml_type", [GGMLType(t) for t in tile_gemm.TILE_TYPES], ids=lambda t: t.name)
+def test_tiles_are_repacks_bits(ggml_type):
+    """19 weight rows (two groups and part of one) times activation rows m0..m1 of 14: two whole
+    tiles and every narrower tile left over give repack's kernel's bits, row by row, and write no
+    row outside m0..m1."""
+    assert tile_gemm.TILE_ROWS == 6                     # the cases below: 2 tiles and 1, 6 tiles, 5 .. 1 left
+    _against_repack(ggml_type, 900, 14, [(0, 14), (1, 14), (2, 13), (3, 12), (4, 11), (5, 10), (3, 4), (0, 6), (6, 8)],
+                    lambda kind, w, rb, p32, pk, x32, xk, m0, m1, got: _tiles(kind, w, rb, p32, pk, m0, m1, got, 19))
 
 
 def test_the_prefill_stage_asks_for_the_head_in_pairs(monkeypatch):

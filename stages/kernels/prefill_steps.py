@@ -2,7 +2,8 @@
 STACK is the repack stage's stack with these changed.
 
     matmul_chunk      two activation rows or more of a type pair_gemm takes: two rows to a 512-bit
-                      register (pair_gemm.py), where the CPU has them (vector_ir.ZMM); else repack's
+                      register (pair_gemm.py), where the CPU has them (vector_ir.ZMM); on AVX2
+                      without VNNI, C rows per unpacked 256-bit piece (tile_gemm.py); else repack's
     round_row         each rounded row also into its pair's packs (the pair kernel reads those)
     activation_block  a matmul work item's rows: a block whose 8-bit values stay in L2 (block_rows)
     attend, merge     the tiled attention (tiled_attention.py): query tiles against blocks of keys,
@@ -30,11 +31,12 @@ from numba import njit
 
 from stages.kernels import repack_steps, toolkit
 from stages.kernels.layer_ops import chunks_of
-from stages.kernels.layer_stack import MATS_PER_LAYER, WO, packs_needed, with_steps
+from stages.kernels.layer_stack import MATS_PER_LAYER, WO, packs_needed, rows_of, with_steps
 from stages.kernels.pair_gemm import Pairs32, PairsK, pair_gemm, pair_row, pairs_take
 from stages.kernels.q8 import quantize_row
 from stages.kernels.repack_steps import REPACKED, group_chunk
 from stages.kernels.sync import next_item
+from stages.kernels.tile_gemm import YMM_TILES, tile_gemm, tiles_take
 from stages.kernels.tiled_attention import LANES, Workspace, attend_rows, finish_rows, merge_parts
 from stages.kernels.toolkit import per_phase
 from stages.kernels.vector_ir import ZMM
@@ -63,11 +65,17 @@ def _workspace(ops, t):
 @njit(cache=True, inline="always")
 def pair_chunk(ops, mat, blob, r0, r1, m0, m1, xf, s, out, col, fs):
     """Two rows or more of a repacked matrix of a type pair_gemm takes: two to a register (a decode
-    row alone stays on repack's kernel: the same bits); anything else as the repack stage does."""
+    row alone stays on repack's kernel: the same bits); on AVX2 without VNNI, of a type tile_gemm
+    takes, in its tiles; anything else as the repack stage does."""
     if ZMM:                     # a constant: without 512-bit vpdpbusd the pair kernel is not compiled
         if mat.layout == REPACKED and pairs_take(mat.kind) and m1 - m0 > 1:
             x32, xk = _pairs(ops)
             pair_gemm(mat.kind, blob, mat.offset, mat.row_bytes, x32, xk, m0, m1, out, col, (r0, r1))
+            return
+    if YMM_TILES:               # AVX2 without VNNI: the same rows in tiles on 256-bit registers
+        if mat.layout == REPACKED and tiles_take(mat.kind) and m1 - m0 > 1:
+            p32, pk = rows_of(s.p32, s.pk, m0, m1)
+            tile_gemm(mat.kind, blob, mat.offset, mat.row_bytes, p32, pk, m1 - m0, out[m0:m1], col, r0, r1)
             return
     group_chunk(ops, mat, blob, r0, r1, m0, m1, xf, s, out, col, fs)
 

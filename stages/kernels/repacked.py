@@ -310,9 +310,17 @@ def _block_k4(g, kind, gb, blk, acts, accs):
             a_hi = [_splat_q(g, acts, c, b.add(k, g.const(64 * ch + 32 + 4 * j))) for j in range(8)]
             isum[c] = g.scaled_dots(isum[c], lo, a_lo, sc[2 * ch], most)
             isum[c] = g.scaled_dots(isum[c], hi, a_hi, sc[2 * ch + 1], most)
+    finish_k4(g, kind, gb, blk, acts, accs, isum, mn)
+
+
+def finish_k4(g, kind, gb, blk, acts, accs, isum, mn):
+    """Q4_K / Q5_K's float steps, per row lane, after the block's isum: msum = sum_s m_s b32_s (mn:
+    group_k4_scales' mins), acc += float(isum) * d_a * d_w - float(msum) * d_a * dmin_w."""
+    b = g.b
+    lay = GROUP_AT[kind]
     dw, dmin = g.halves(gb, g.const(lay["d"])), b.fneg(g.halves(gb, g.const(lay["dmin"])))
     mins = [b.or_(mn[2 * u], b.shl(mn[2 * u + 1], g.splat_const(D8, 16))) for u in range(4)]   # int16 pairs
-    for c in range(C):
+    for c in range(acts.C):
         msum = ir.Constant(D8, None)
         for u in range(4):                  # sub-blocks 2u, 2u + 1: their b32 side by side, one dpwssd
             b32 = g.splat_i32(acts.b32[c], b.mul(b.add(b.mul(blk, g.const(4)), g.const(u)), g.const(4)))
@@ -377,18 +385,10 @@ def _block_32(g, kind, gb, blk, acts, accs):
     """The 32-value types: acc += float(isum) * d_a * d_w (+ m_w * s_a for Q4_1/Q5_1), the
     offsets (-8, -16, Q8_0's -128 of q + 128) started in the integer sum as -offset * sum(q_a)."""
     b, C = g.b, acts.C
-    with_m = kind in (Q4_1, Q5_1)
     lay = GROUP_AT[kind]
     qh_at, qs = lay.get("qh"), lay["qs"]
-    offset = OFFSETS.get(kind, 0)
     k = b.mul(blk, g.const(32))
-    isum = []
-    for c in range(C):
-        if offset:
-            total = g.load(acts.sums[c], b.mul(blk, g.const(4)), I32)
-            isum.append(g.splat(D8, b.mul(total, ir.Constant(I32, -offset))))
-        else:
-            isum.append(ir.Constant(D8, None))
+    isum = start_32(g, kind, blk, acts)
     if kind == Q8_0:
         for j in range(8):
             w = g.load(gb, g.const(qs + 32 * j), B32)
@@ -407,11 +407,28 @@ def _block_32(g, kind, gb, blk, acts, accs):
         for c in range(C):
             isum[c] = g.scaled_dots(isum[c], values, [_splat_q(g, acts, c, b.add(k, g.const(o))) for o in at],
                                     most=31 if qh_at else 15)
+    finish_32(g, kind, gb, blk, acts, accs, isum)
+
+
+def start_32(g, kind, blk, acts):
+    """Each activation row's isum at the start of a block of a 32-value type: -offset * sum(q_a)."""
+    b, offset = g.b, OFFSETS.get(kind, 0)
+    if not offset:
+        return [ir.Constant(D8, None)] * acts.C
+    return [g.splat(D8, b.mul(g.load(acts.sums[c], b.mul(blk, g.const(4)), I32), ir.Constant(I32, -offset)))
+            for c in range(acts.C)]
+
+
+def finish_32(g, kind, gb, blk, acts, accs, isum):
+    """A 32-value type's float steps after the block's isum: acc += float(isum) * d_a * d_w
+    (+ m_w * s_a for Q4_1/Q5_1)."""
+    b = g.b
+    lay = GROUP_AT[kind]
     dw = g.halves(gb, g.const(lay["d"]))
-    mw = g.halves(gb, g.const(lay["m"])) if with_m else None
-    for c in range(C):
+    mw = g.halves(gb, g.const(lay["m"])) if kind in (Q4_1, Q5_1) else None
+    for c in range(acts.C):
         acc = g.fma(b.fmul(g.to_float(isum[c]), _splat_f32(g, acts.d[c], blk)), dw, b.load(accs[c]))
-        if with_m:
+        if mw is not None:
             acc = g.fma(mw, _splat_f32(g, acts.s[c], blk), acc)
         b.store(acc, accs[c])
 
@@ -439,10 +456,15 @@ def _store(g, a, m, n, lanes, value):
 
 
 def _group_gemm_body(g, a, kind):
+    group_tiles(g, a, kind, tile_rows(kind, g.isa), _group_block)
+
+
+def group_tiles(g, a, kind, C, block):
     """Every group of rows r0..r1, every block, C activation rows at a time, the rows left over in
-    one narrower tile (each tile unpacks the group block once; a group's later tiles find it in L1)."""
+    one narrower tile (each tile unpacks the group block once; a group's later tiles find it in L1):
+    block(g, kind, gb, blk, acts, accs) emits one group block's work for a tile (a group_gemm's
+    arguments in a)."""
     b = g.b
-    C = tile_rows(kind, g.isa)
     gbytes = g.const(GROUP * BLOCK_BYTES[kind])
     nb = b.udiv(a.row_bytes, g.const(BLOCK_BYTES[kind]))
     n_groups = b.udiv(b.add(b.sub(a.r1, a.r0), g.const(GROUP - 1)), g.const(GROUP))
@@ -458,7 +480,7 @@ def _group_gemm_body(g, a, kind):
             with g.loop(nb) as blk:
                 gb = g.at(base, b.mul(blk, gbytes))
                 prefetch_group_block(g, gb, kind)
-                _group_block(g, kind, gb, blk, acts, accs)
+                block(g, kind, gb, blk, acts, accs)
             for c in range(width):
                 _store(g, a, acts.rows[c], b.add(a.col, r), lanes, b.load(accs[c]))
 
