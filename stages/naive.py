@@ -46,18 +46,16 @@ def matmul_textbook(A, B):
 @njit(cache=True)
 def add(a, b):
     out = np.empty_like(a)
-    for i in range(a.shape[0]):
-        for j in range(a.shape[1]):
-            out[i, j] = a[i, j] + b[i, j]
+    for ij in np.ndindex(a.shape):          # every (i, j), row by row
+        out[ij] = a[ij] + b[ij]
     return out
 
 
 @njit(cache=True)
 def mul(a, b):
     out = np.empty_like(a)
-    for i in range(a.shape[0]):
-        for j in range(a.shape[1]):
-            out[i, j] = a[i, j] * b[i, j]
+    for ij in np.ndindex(a.shape):
+        out[ij] = a[ij] * b[ij]
     return out
 
 

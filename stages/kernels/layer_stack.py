@@ -294,13 +294,18 @@ def packs_needed(mats, j0, j1):
     return n32, nk
 
 
+@njit(cache=True, inline="always")
+def layer_packs(mats, il, j0, j1):
+    """packs_needed for matrices j0..j1-1 of layer il (WQ .. DOWN)."""
+    return packs_needed(mats, il * MATS_PER_LAYER + j0, il * MATS_PER_LAYER + j1)
+
+
 @per_phase
 def _norm_rows(h, il, which, eps, weights, s, ph, t, nt, ops):
     """x = rms_norm(h) * norm `which` of layer il, row by row, rounded for the matrices after it."""
     M, D = h.shape
-    base = il * MATS_PER_LAYER
     j0, j1 = (WQ, WO) if which == 0 else (GATE, DOWN)
-    n32, nk = packs_needed(weights.mats, base + j0, base + j1)
+    n32, nk = layer_packs(weights.mats, il, j0, j1)
     while True:
         m = next_item(s.counters, ph, t, nt, M)
         if m < 0:
@@ -313,8 +318,7 @@ def _norm_rows(h, il, which, eps, weights, s, ph, t, nt, ops):
 def _round_f(il, weights, s, ph, t, nt, ops):
     """f = silu(gate) * up, rounded for W_down."""
     M, n_ff = s.fbuf.shape
-    j = il * MATS_PER_LAYER + DOWN
-    n32, nk = packs_needed(weights.mats, j, j + 1)
+    n32, nk = layer_packs(weights.mats, il, DOWN, DOWN + 1)
     while True:
         m = next_item(s.counters, ph, t, nt, M)
         if m < 0:
@@ -428,8 +432,7 @@ def _merge(il, weights, cache, rows, dims, s, ops, ph, t, nt):
     """Each row's heads: its own chunks merged in order (flash-decoding's reduction), then rounded for Wo."""
     M, H = s.part.shape[0], s.part.shape[1]
     hd = cache.k.shape[2] // dims.n_head_kv
-    j = il * MATS_PER_LAYER + WO
-    n32, nk = packs_needed(weights.mats, j, j + 1)
+    n32, nk = layer_packs(weights.mats, il, WO, WO + 1)
     while True:
         m = next_item(s.counters, ph, t, nt, M)
         if m < 0:
@@ -668,7 +671,7 @@ def with_steps(base: Stack, records: tuple, **steps) -> Stack:
 __all__ = ["Stack", "STACK", "STEPS", "with_steps", "matrix_table", "read_only", "Weights", "Cache", "Rows", "Dims",
            "Span", "Scratch", "Work", "MATRIX", "ROWS", "OPS_PER_LAYER", "PHASES", "CHUNK", "matmul_chunk",
            "rows_multiple", "round_row", "activation_block", "attend", "merge", "part_shape", "rows_of",
-           "packs_needed", "is_k", "is_float", "rows_per_item"]
+           "packs_needed", "layer_packs", "is_k", "is_float", "rows_per_item"]
 
 # A later stage's steps compile into these functions (with_steps): every kernel file of this folder
 # is one they may inline.

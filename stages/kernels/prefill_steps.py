@@ -31,7 +31,7 @@ from numba import njit
 
 from stages.kernels import repack_steps, toolkit
 from stages.kernels.layer_ops import chunks_of
-from stages.kernels.layer_stack import MATS_PER_LAYER, WO, packs_needed, rows_of, with_steps
+from stages.kernels.layer_stack import WO, layer_packs, rows_of, with_steps
 from stages.kernels.pair_gemm import Pairs32, PairsK, pair_gemm, pair_row, pairs_take
 from stages.kernels.q8 import quantize_row
 from stages.kernels.repack_steps import REPACKED, group_chunk
@@ -152,8 +152,7 @@ def _merge_tiles(il, weights, cache, rows, dims, s, ops, ph, t, nt):
     Hkv = dims.n_head_kv
     hd = cache.k.shape[2] // Hkv
     G = dims.n_head // Hkv
-    j = il * MATS_PER_LAYER + WO
-    n32, nk = packs_needed(weights.mats, j, j + 1)
+    n32, nk = layer_packs(weights.mats, il, WO, WO + 1)
     w = _workspace(ops, t)
     while True:
         m = next_item(s.counters, ph, t, nt, M)
