@@ -19,8 +19,10 @@ runs and pieces, loaded and stored again). Here the order is fixed:
 
 and every sum passes through an empty inline asm (`_kept`), which LLVM cannot look through, so
 it adds each product into its run as it comes (a chain, not a tree), and the 2C runs and the
-piece mostly stay in registers. A K-quant block's 6-bit scales are unpacked again per sub-block pair (`_fresh`)
-rather than held through the block.
+piece mostly stay in registers. A Q4_K block's 4 sub-block pairs are a loop at run time, not
+unrolled: unrolled, the loop over a group block was 4 times longer, and its speed then depended
+on the caller (in one process the same kernel ran slower called from inside another loop than
+alone, the same instructions at other addresses): the front end, not the vector units, set its pace.
 
 Every (weight row, activation row) pair gets repack's integer sums (exact: no int16 run
 overflows: 8 pair sums of at most 2 x 15 x 127) and then repack's float steps in repack's order
@@ -37,11 +39,12 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 
 from stages.kernels import vector_ir
 from stages.kernels.repacked import GROUP_AT, _splat_q, finish_32, finish_k4, group_k4_scales, group_tiles, start_32
 from stages.kernels.toolkit import Q4_0, Q4_1, Q4_K, Q8_0
-from stages.kernels.vector_ir import B32, W16, vector_intrinsic
+from stages.kernels.vector_ir import B32, D8, I32, W16, vector_intrinsic
 
 TILE_TYPES = (Q4_0, Q4_1, Q8_0, Q4_K)
 # Activation rows per tile: 2C runs and a piece's two halves in 16 registers (the tile's isums
@@ -60,17 +63,12 @@ def tiles_take(kind):
 
 
 def _kept(g, v):
-    """v through an empty inline asm in a vector register: LLVM cannot see that the result is v,
-    so it adds in the order written and cannot turn a chain of adds into a tree."""
+    """v through an empty inline asm, in a vector register (or, an integer, a general one): LLVM
+    cannot see that the result is v, so it adds in the order written (a chain, not a tree), and a
+    loop that counts to a kept number is not unrolled."""
     ft = ir.FunctionType(v.type, [v.type])
-    return g.b.call(ir.InlineAsm(ft, "", "=x,0", side_effect=False), [v])
-
-
-def _fresh(g, p):
-    """Pointer p through an empty inline asm with a side effect: what is loaded through it is
-    loaded there again, not kept in registers from an earlier load of the same bytes."""
-    ft = ir.FunctionType(p.type, [p.type])
-    return g.b.call(ir.InlineAsm(ft, "", "=r,0", side_effect=True), [p])
+    where = "=r,0" if isinstance(v.type, ir.IntType) else "=x,0"
+    return g.b.call(ir.InlineAsm(ft, "", where, side_effect=False), [v])
 
 
 class _Run:
@@ -95,26 +93,32 @@ def _both(g, scale):
 
 
 def _block_q4k(g, kind, gb, blk, acts, accs):
-    """Q4_K: isum = sum_s sc_s (dot of sub-block s), sub-blocks 2ch and 2ch + 1 (the low and high
-    nibbles of the same 8 pieces) in two runs per row; then repack's float steps."""
+    """Q4_K: isum = sum_s sc_s (dot of sub-block s); sub-blocks 2ch and 2ch + 1 (the low and high
+    nibbles of the same 8 pieces) in two runs per row, a loop over ch at run time (unrolled, the
+    block's loop would be 4 times longer); then repack's float steps."""
     b, C = g.b, acts.C
     lay = GROUP_AT[Q4_K]
+    sc, mn = group_k4_scales(g, gb)
+    both = cgutils.alloca_once(b, ir.ArrayType(W16, 8))         # the 8 sub-blocks' scales, vpmaddwd's operand
+    for s in range(8):
+        b.store(_both(g, sc[s]), b.gep(both, [ir.Constant(I32, 0), ir.Constant(I32, s)]))
     k = b.mul(blk, g.const(256))
-    isum = [ir.Constant(vector_ir.D8, None)] * C
-    for ch in range(4):
-        sc, _ = group_k4_scales(g, _fresh(g, gb))
-        both = [_both(g, sc[2 * ch]), _both(g, sc[2 * ch + 1])]
+    isum = [g.slot(D8) for _ in range(C)]
+    with g.loop(_kept(g, g.const(4))) as ch:
+        pieces = g.at(gb, b.add(g.const(lay["qs"]), b.mul(ch, g.const(256))))
+        at = b.add(k, b.mul(ch, g.const(64)))
         runs = [[_Run(g), _Run(g)] for _ in range(C)]
         for j in range(8):
-            w = g.load(gb, g.const(lay["qs"] + (ch * 8 + j) * 32), B32)
+            w = g.load(pieces, g.const(32 * j), B32)
             lo, hi = g.nibbles(w, False), g.nibbles(w, True)
             for c in range(C):
-                runs[c][0].add(lo, _splat_q(g, acts, c, b.add(k, g.const(64 * ch + 4 * j))))
-                runs[c][1].add(hi, _splat_q(g, acts, c, b.add(k, g.const(64 * ch + 32 + 4 * j))))
-        for c in range(C):
-            for h in range(2):
-                isum[c] = runs[c][h].into(isum[c], both[h])
-    finish_k4(g, Q4_K, gb, blk, acts, accs, isum, group_k4_scales(g, _fresh(g, gb))[1])
+                runs[c][0].add(lo, _splat_q(g, acts, c, b.add(at, g.const(4 * j))))
+                runs[c][1].add(hi, _splat_q(g, acts, c, b.add(at, g.const(32 + 4 * j))))
+        for h in range(2):
+            scale = b.load(b.gep(both, [ir.Constant(I32, 0), b.trunc(b.add(b.mul(ch, g.const(2)), g.const(h)), I32)]))
+            for c in range(C):
+                b.store(runs[c][h].into(b.load(isum[c]), scale), isum[c])
+    finish_k4(g, Q4_K, gb, blk, acts, accs, [b.load(v) for v in isum], mn)
 
 
 def _block_32(g, kind, gb, blk, acts, accs):
