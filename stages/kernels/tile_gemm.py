@@ -50,7 +50,7 @@ TILE_TYPES = (Q4_0, Q4_1, Q8_0, Q4_K)
 # Activation rows per tile: 2C runs and a piece's two halves in 16 registers (the tile's isums
 # spill to L1, touched once per sub-block pair). Of 4, 6 and 8 rows, 6 timed best where this was
 # measured (Q4_K, one thread, a matrix streamed from memory); 8 spills the runs.
-TILE_ROWS = 6
+ROWS_PER_TILE = 6
 # Whether the stage takes this kernel: AVX2 with neither AVX-VNNI nor AVX512-VNNI (a constant
 # when a kernel is compiled, like vector_ir.ISA).
 YMM_TILES = vector_ir.ISA == "avx2"
@@ -166,9 +166,9 @@ def tile_gemm(typingctx, kind, w, off, row_bytes, p32, pk, M, out, col, r0, r1):
     vector_ir.need_isa("the tile kernel")
 
     def body(g, a):
-        g.switch(a.kind, {k: (lambda k=k: group_tiles(g, a, k, TILE_ROWS, _block)) for k in TILE_TYPES})
+        g.switch(a.kind, {k: (lambda k=k: group_tiles(g, a, k, ROWS_PER_TILE, _block)) for k in TILE_TYPES})
         return g.c.get_dummy_value()
     return types.none(kind, w, off, row_bytes, p32, pk, M, out, col, r0, r1), body
 
 
-__all__ = ["TILE_TYPES", "TILE_ROWS", "YMM_TILES", "tiles_take", "tile_gemm"]
+__all__ = ["TILE_TYPES", "ROWS_PER_TILE", "YMM_TILES", "tiles_take", "tile_gemm"]
