@@ -146,7 +146,7 @@ def attention_parallel(q, k, v, n_head, n_head_kv, start_pos, scale):
         i = item // n_head
         h = item - i * n_head
         attention_row_head(q[i, h * hd:(h + 1) * hd], k_page, v_page, table, min(T, start_pos + i + 1),
-               h // group * hd, scale, out[i, h * hd:(h + 1) * hd])
+                           h // group * hd, scale, out[i, h * hd:(h + 1) * hd])
     return out
 
 
@@ -167,7 +167,7 @@ def attention_paged_parallel(q, k_pages, v_pages, tables, row_seq, positions, n_
         i = item // n_head
         h = item - i * n_head
         attention_row_head(q[i, h * hd:(h + 1) * hd], k_pages, v_pages, tables[row_seq[i]], positions[i] + 1,
-               h // group * hd, scale, out[i, h * hd:(h + 1) * hd])
+                           h // group * hd, scale, out[i, h * hd:(h + 1) * hd])
     return out
 
 
