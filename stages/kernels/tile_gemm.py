@@ -9,8 +9,8 @@ added in int16 (a "run": as many as cannot overflow), then widened, scaled and a
 vpmaddwd: scaled_dots in vector_ir.py. Repack's kernel writes the same integers as separate sums
 per activation row over a list of a sub-block's unpacked pieces (16 registers of pieces before
 the first product), and LLVM is free to reassociate each run's adds: compiled for haswell, its
-loop over a group block for 6 rows touches the stack about twice as often as this one (spilled
-runs and pieces, loaded and stored again). Here the order is fixed:
+loop over a group block spills runs and pieces to the stack and loads them again (count the
+stack operands in its assembly, as chapter 12 counts the pair kernel's). Here the order is fixed:
 
     for each piece j of a sub-block pair:      load, low nibbles, high nibbles     (3 instructions)
         for each of the tile's C rows:          run_lo[c] += vpmaddubsw(lo, x_c)    (a broadcast
