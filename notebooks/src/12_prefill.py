@@ -125,8 +125,10 @@ if vector_ir.ZMM:
     nb.show_table(["instruction", "in the hot block"], ops.most_common(10))
     findings["pair kernel"] = ", ".join(f"{op} {k}" for op, k in ops.most_common(4))
 else:
-    nb.md("_This CPU has no AVX512-VNNI: on AVX2 alone the prefill stage's matmuls run stages/kernels/tile_gemm.py (repack's lanes, a tile of "
-          f"{tile_gemm.ROWS_PER_TILE} prompt rows per unpacked 256-bit piece), elsewhere repack's kernel in row blocks._")
+    nb.md("_This CPU has no AVX512-VNNI: on AVX2 alone the prefill stage's matmuls run "
+          "stages/kernels/tile_gemm.py (repack's lanes, a tile of "
+          f"{tile_gemm.ROWS_PER_TILE} prompt rows per unpacked 256-bit piece), "
+          "elsewhere repack's kernel in row blocks._")
 
 # %% [markdown]
 # ## A long prompt's memory
