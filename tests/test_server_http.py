@@ -134,6 +134,48 @@ def test_n_choices_stream_each_with_its_index(srv):
     assert len(texts) == 3, "seeded choices are drawn apart, each its own"
 
 
+def paced_stream_problems(s, monkeypatch) -> list[str]:
+    """A stream on a server whose --stream-interval no decode outlasts: its first token wakes the
+    handler at once, the others wait for the end's wake-up and go out together in one event, with
+    their log-probability entries; the text is the whole reply's, and a request with a stop string
+    still wakes the handler per token (a stop string is looked for as the text grows)."""
+    wakes = []
+    send = server_module.Mail.send
+    monkeypatch.setattr(server_module.Mail, "send", lambda self, inbox: wakes.append(inbox) or send(self, inbox))
+    kw = dict(model=MODEL, prompt="Once", max_tokens=12, temperature=0, logprobs=1)
+    c = client(s)
+    whole = c.completions.create(**kw).choices[0]
+    wakes.clear()
+    chunks = list(c.completions.create(stream=True, **kw))
+    problems = []
+    pieces = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].text]
+    if "".join(p.text for p in pieces) != whole.text:
+        problems.append("the streamed text is not the whole reply's")
+    if [t for p in pieces for t in p.logprobs.tokens] != whole.logprobs.tokens:
+        problems.append("the entries did not go out with their text")
+    if len(wakes) != 2:
+        problems.append(f"{len(wakes)} wake-ups of the handler for 12 tokens, not 2 (the first token, the end)")
+    if len(pieces) > 2:
+        problems.append(f"{len(pieces)} events of text, not at most 2")
+    wakes.clear()
+    list(c.completions.create(stream=True, stop=["never there"], **kw))
+    if len(wakes) < 12:
+        problems.append(f"a request with a stop string woke its handler {len(wakes)} times for 12 tokens")
+    return problems
+
+
+@pytest.mark.parametrize("planted", [None, "each token wakes", "one event per token"])
+def test_a_paced_stream_sends_the_tokens_made_between_two_wake_ups_together(default_model_path, monkeypatch,
+                                                                             planted):
+    if planted == "each token wakes":
+        monkeypatch.setattr(server_module.Inbox, "put_paced", lambda self, event: self.put(event))
+    elif planted == "one event per token":
+        monkeypatch.setattr(server_module.Inbox, "take_ready", lambda self: [])
+    with StubServer(default_model_path, stream_interval=1e6) as s:
+        problems = paced_stream_problems(s, monkeypatch)
+    assert (problems == []) == (planted is None), problems
+
+
 def test_logit_bias_moves_the_greedy_token(srv):
     tok = srv.engine.tokenizer
     ids = tok.encode("Water boils at")

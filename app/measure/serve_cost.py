@@ -8,6 +8,11 @@ text decoded, a chunk formatted and written), which runs beside the step on the 
 between the two is the server's own cost.
 
     python -m app bench serve-cost [-m MODEL] [--stage S] [--threads 2] [--tokens 256] [--rounds 5]
+                                   [--stream-interval MS]
+
+--stream-interval passes the server its own: the tokens made within MS milliseconds of a stream go
+out in one event, so the HTTP thread and the client handle fewer events on the cores the steps
+run on (0, the server's default: an event per token, as OpenAI's API and llama-server send them).
 
 The server is started once; each round measures, in an order that alternates (protocol.py):
 
@@ -38,6 +43,7 @@ from pathlib import Path
 from app.measure.local_server import LocalServer
 from app.measure.protocol import BENCH_DIR, add_options, header, load_average, median, order, run_child
 from app.models import resolve
+from app.serve.server import STREAM_INTERVAL_S
 
 RECORD = BENCH_DIR / "serve_cost.json"
 PROMPT = "The history of the printing press begins in the workshops of"
@@ -102,7 +108,8 @@ def measure(args) -> dict:
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         server = LocalServer([sys.executable, "-m", "app", "serve", "-m", args.model, "--stage", args.stage,
-                              "-t", args.threads], Path(tmp) / "serve.log", name="serve")
+                              "-t", args.threads, "--stream-interval", args.stream_interval],
+                             Path(tmp) / "serve.log", name="serve")
         try:
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
             model = client.models.list().data[0].id
@@ -124,7 +131,8 @@ def measure(args) -> dict:
         finally:
             server.close()
     return {"kind": "serve_cost", "model": Path(args.model).name, "stage": args.stage, "threads": args.threads,
-            "tokens": args.tokens, "target": TARGET, "load_average": load_average(), **summary(rounds),
+            "tokens": args.tokens, "stream_interval_ms": args.stream_interval, "target": TARGET,
+            "load_average": load_average(), **summary(rounds),
             **header(command=args.command_line)}
 
 
@@ -142,6 +150,13 @@ def summary(rounds: list[dict]) -> dict:
             "outside_forward": median(r["outside_forward"] for r in rounds)}
 
 
+def paced(record: dict) -> str:
+    """How the stream's events went out (records before --stream-interval: one per token)."""
+    ms = record.get("stream_interval_ms", 0)
+    return f"the stream at most one event per {ms:g} ms (`serve --stream-interval {ms:g}`)" if ms else \
+        "the stream an event per token"
+
+
 def page(record: dict, source: str) -> str:
     rounds = record["rounds"]
 
@@ -153,8 +168,8 @@ def page(record: dict, source: str) -> str:
     return "\n".join([
         f"Measured by `python -m app bench serve-cost` on {m['cpu']} ({m['physical_cores']} cores, "
         f"{m.get('isa', '?')}; load average {record['load_average']}), {record['model']}, stage {record['stage']}, "
-        f"{record['threads']} threads, {record['tokens']} tokens greedy, medians of {len(rounds)} alternating "
-        f"rounds; code {record['provenance']['code_hash']}. Record: `{source}`.", "",
+        f"{record['threads']} threads, {record['tokens']} tokens greedy, {paced(record)}, medians of "
+        f"{len(rounds)} alternating rounds; code {record['provenance']['code_hash']}. Record: `{source}`.", "",
         "| one client | tokens/s (median) | ÷ `run` (median of the rounds' ratios) | each round |",
         "|---|---:|---:|---|",
         f"| `run` alone: decode | {run_decode:.1f} | 1 | |",
@@ -181,6 +196,9 @@ def add_arguments(p):
                    help="the stage both use (default: fastest, the one `serve` and `make run` pick on this machine)")
     p.add_argument("-t", "--threads", type=int, default=2, help="(default: %(default)s)")
     p.add_argument("--tokens", type=int, default=256, help="tokens each request decodes (default: %(default)s)")
+    p.add_argument("--stream-interval", type=float, default=STREAM_INTERVAL_S * 1e3, metavar="MS",
+                   help="the server's --stream-interval: at most one event of the stream per MS milliseconds "
+                        "(default: the server's, %(default)g)")
 
 
 def records(args):

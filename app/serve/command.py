@@ -22,7 +22,7 @@ from app.models import DEFAULT_MODEL, resolve
 from app.serve import speculation as serve_speculation
 from app.serve.engine_loop import EngineLoop
 from app.serve.sequence import Ask, Sequence
-from app.serve.server import MAX_BODY_BYTES, REQUEST_TIMEOUT_S, Server
+from app.serve.server import MAX_BODY_BYTES, REQUEST_TIMEOUT_S, STREAM_INTERVAL_S, Server
 from common.gguf import GGUFFile
 from common.speculative import DRAFT_MAX, check_vocabulary
 from stages import StageError, info
@@ -123,7 +123,8 @@ def cmd_serve(args):
                    kv_pages=args.kv_pages, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
                    progress=True, spec=mode, draft_max=args.draft_max, model_draft=args.model_draft,
                    api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                   request_timeout=args.request_timeout or None, special=args.special, cors_origins=origins)
+                   request_timeout=args.request_timeout or None, special=args.special, cors_origins=origins,
+                   stream_interval=args.stream_interval / 1e3)
     lead = ranks.Lead(server)                      # over N ranks: each step to every rank
     pool = server.loop.pool
     spec = {"lookup": ", speculative: prompt lookup", "draft": f", speculative: draft model {args.model_draft}",
@@ -221,6 +222,10 @@ def operator_args(g):
     g.add_argument("--request-timeout", type=seconds, default=REQUEST_TIMEOUT_S,
                    help="seconds a request may take from arrival to its last token; 0: no limit "
                         "(default: %(default)s)")
+    g.add_argument("--stream-interval", type=float, default=STREAM_INTERVAL_S * 1e3, metavar="MS",
+                   help="a stream's tokens are sent at most every MS milliseconds, those made in between "
+                        "together in one event (the first at once; a request with stop strings: each token); "
+                        "0: an event per token (default: %(default)g)")
     g.add_argument("--drain-timeout", type=seconds, default=DRAIN_TIMEOUT_S,
                    help="on SIGTERM or Ctrl-C, seconds the running requests may take to finish "
                         "(default: %(default)s)")

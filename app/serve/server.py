@@ -38,6 +38,7 @@ from common.constrain import Constraint, ll_tokenizer
 
 MAX_BODY_BYTES = 1 << 20
 REQUEST_TIMEOUT_S = 600.0
+STREAM_INTERVAL_S = 0.0
 
 
 class EngineError(RuntimeError):
@@ -103,11 +104,27 @@ class Inbox:
         self.waiter: asyncio.Future | None = None   # the reader's, while it waits
         self.timer = None
         self.timeout: str | None = None             # RequestTimeout's message, once past the deadline
+        self.pace, self.woke = 0.0, float("-inf")   # put_paced: seconds between its wake-ups, its last
 
     def put(self, event: tuple, wake: bool = True):
         self.events.append(event)
         if wake:
             self.mail.send(self)
+
+    def put_paced(self, event: tuple):
+        """A token's event that wakes the reader only if `pace` seconds have passed since this
+        kind of wake-up last did (else the next wake-up finds it): a reader woken per token costs
+        the HTTP thread and the client their work per token, on the cores the engine computes on."""
+        self.events.append(event)
+        if event[3] - self.woke >= self.pace:
+            self.woke = event[3]
+            self.mail.send(self)
+
+    def take_ready(self) -> list:
+        """Every event in the inbox now, without waiting."""
+        ready = list(self.events)
+        self.events.clear()
+        return ready
 
     def wake(self):
         if self.waiter is not None and not self.waiter.done():
@@ -143,7 +160,7 @@ class Server:
 
     def __init__(self, engine, stage: str, loop: EngineLoop, model_id: str, api_key: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES, request_timeout: float | None = REQUEST_TIMEOUT_S,
-                 special: bool = False, cors_origins=()):
+                 special: bool = False, cors_origins=(), stream_interval: float = STREAM_INTERVAL_S):
         self.engine, self.stage, self.loop = engine, stage, loop
         self.tokenizer = engine.tokenizer
         self.model_id = model_id
@@ -151,6 +168,7 @@ class Server:
         self.created = int(time.time())
         self.api_key, self.max_body_bytes, self.request_timeout = api_key, max_body_bytes, request_timeout
         self.special, self.cors_origins = special, list(cors_origins)
+        self.stream_interval = stream_interval
         self.tool_form = tool_form(self.tokenizer)  # how this model's calls are written (app/structured/form.py)
         self._ll = None
         self.metrics = Metrics(loop)
@@ -172,10 +190,14 @@ class Server:
         arrive in the returned inbox, from the engine thread, as (choice, kind, value, when)."""
         inbox = self.inbox()
         every = wakes_per_token(job)
+        inbox.pace = self.stream_interval if job.stream and not job.stops else 0.0
 
         def listener(i):
             def on_event(kind, value):
-                inbox.put((i, kind, value, time.perf_counter()), every or kind != "token")
+                if kind == "token" and every:
+                    inbox.put_paced((i, kind, value, time.perf_counter()))
+                else:
+                    inbox.put((i, kind, value, time.perf_counter()), kind != "token")
             return on_event
 
         seqs = [Sequence(Ask(job.prompt, job.max_tokens, job.params, job.stop_ids, job.logprobs,
@@ -226,26 +248,36 @@ class Server:
                     return
             last = [None] * len(seqs)
             while not all(done):
-                i, kind, value, when = await inbox.get()
-                if done[i]:
-                    continue                        # a choice already ended by its stop string
-                if kind == "error":
-                    raise EngineError(value)
-                if kind == "done":
-                    text, entries = streams[i].flush()
-                    if text or entries:
-                        yield "text", i, text, entries
+                # a wake-up's events: one piece of text per choice, whatever number of tokens
+                events = [await inbox.get()] + inbox.take_ready()
+                pieces = {}                         # choice -> [text, entries] not yet yielded
+                for i, kind, value, when in events:
+                    if done[i]:
+                        continue                    # a choice already ended by its stop string
+                    if kind == "error":
+                        raise EngineError(value)
+                    piece = pieces.setdefault(i, ["", []])
+                    if kind == "done":
+                        text, entries = streams[i].flush()
+                        piece[0] += text
+                        piece[1] += entries
+                    else:
+                        self._timed(i, last, t0, when)
+                        text, entries, hit = streams[i].push(value.id, value.logprob, value.top)
+                        piece[0] += text
+                        piece[1] += entries
+                        if not hit:
+                            continue
+                        self.loop.cancel(seqs[i])
+                        value = "stop"
+                    if piece[0] or piece[1]:
+                        yield "text", i, piece[0], piece[1]
+                    del pieces[i]
                     done[i] = True
                     yield "done", i, value, None
-                    continue
-                self._timed(i, last, t0, when)
-                text, entries, hit = streams[i].push(value.id, value.logprob, value.top)
-                if text or entries:
-                    yield "text", i, text, entries
-                if hit:
-                    self.loop.cancel(seqs[i])
-                    done[i] = True
-                    yield "done", i, "stop", None
+                for i, (text, entries) in pieces.items():
+                    if text or entries:
+                        yield "text", i, text, entries
         finally:
             inbox.close()
             for i, seq in enumerate(seqs):
