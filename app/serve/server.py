@@ -14,8 +14,11 @@ loop's pipe from the engine thread and a pass of its loop, and on a machine whos
 engine's threads fill, that thread's every wake-up takes a core from a step in flight. So the
 engine thread wakes the HTTP loop once for all the events of a step (Mail), and only for what a
 handler must act on now: a stream's every event, but a whole reply's tokens only where a stop
-string must be looked for (otherwise they wait in the inbox for its end). Each event carries the
-time it was made, so /metrics times tokens when the engine made them, woken or not.
+string must be looked for (otherwise they wait in the inbox for its end). A stream served with
+--stream-interval MS wakes its handler at most once in MS milliseconds (Inbox.put_paced), and the
+handler sends the tokens it finds as one event: the client, too, then reads and parses one event
+where it read several. Each event carries the time it was made, so /metrics times tokens when the
+engine made them, woken or not.
 
 A request under a grammar (its response_format or tools: app/serve/api.py) gets a Constraint
 (common/constrain/) on its first choice's sampler; the other choices fork it when they fork
@@ -50,9 +53,10 @@ class RequestTimeout(RuntimeError):
 
 
 def wakes_per_token(job: Job) -> bool:
-    """Whether each token of the job must wake its handler: a stream sends it, and a stop string
-    must be looked for as the text grows (the request is cancelled where one is found); a whole
-    reply without stop strings reads its tokens at its end. Other events always wake it."""
+    """Whether each token of the job must wake its handler: a stream sends it (at most once per
+    --stream-interval, where one is set and there is no stop string), and a stop string must be
+    looked for as the text grows (the request is cancelled where one is found); a whole reply
+    without stop strings reads its tokens at its end. Other events always wake it."""
     return job.stream or bool(job.stops)
 
 
