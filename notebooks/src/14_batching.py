@@ -326,6 +326,36 @@ if nb.show_image(chart):
 else:
     nb.md("_No load test recorded on this machine yet: `make loadtest` writes it._")
 
+# %% [markdown]
+# ## What one user pays for the stream
+#
+# `python -m app bench serve-cost` sets one streamed client against `run`, on the same prompt, stage
+# and threads (its page: `profiles/bench/serve_cost.md`). A whole request
+# goes through the server at nearly `run`'s rate; a stream falls behind, and not because of the
+# engine loop. Each token is an event: the HTTP thread formats and writes it, the client reads and
+# parses it, both on the cores the step runs on, and a step's thread that loses its core makes the
+# others wait at the next barrier. `serve --stream-interval MS` sends the tokens made within MS
+# milliseconds as one event: the same text, fewer events, each token at most MS late
+# (`profiles/bench/serve_cost_interval50.md`). The two records, each the median of its rounds'
+# ratios:
+
+# %%
+import json
+
+stream_rows = []
+for name, how in (("serve_cost.json", "an event per token (the default)"),
+                  ("serve_cost_interval50.json", "`--stream-interval 50`")):
+    path = nb.ROOT / "profiles" / "bench" / name
+    if path.exists():
+        r = json.loads(path.read_text())
+        on = f"{r['machine']['cpu']}, {r['threads']} threads, stage {r['stage']}"
+        stream_rows.append([how, f"{r['ratio_stream']:.2f}x", f"{r['ratio_whole']:.2f}x", on])
+if stream_rows:
+    nb.show_table(["the stream", "streamed decode / `run`'s", "whole request / `run`'s",
+                   "measured on"], stream_rows)
+else:
+    nb.md("_No serve-cost record yet: `python -m app bench serve-cost` writes it._")
+
 # %%
 findings.show()
 
