@@ -141,6 +141,7 @@ BAD_VALUES = [
     ("serve", ["--kv-pages", "0"], "--kv-pages", "kv_pages (--kv-pages) = 0: must be an integer >= 1"),
     ("serve", ["--max-queue", "-1"], "--max-queue", "max_queue (--max-queue) = -1: must be an integer >= 0"),
     ("serve", ["--drain-timeout", "-3"], "--drain-timeout", "'-3': must be a number of seconds >= 0"),
+    ("serve", ["--stream-interval", "-5"], "--stream-interval", "'-5': must be a number of milliseconds >= 0"),
     ("bench", ["-n", "0"], "-n/--n-predict", "n_predict (-n, max_tokens) = 0"),
     ("bench", ["--prompt-tokens", "0"], "--prompt-tokens", "prompt_tokens (--prompt-tokens) = 0"),
     ("bench", ["--profile-n", "-1"], "--profile-n", "profile_n (--profile-n) = -1: must be an integer >= 0"),

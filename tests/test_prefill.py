@@ -218,7 +218,7 @@ def test_tiles_are_repacks_bits(ggml_type):
     """19 weight rows (two groups and part of one) times activation rows m0..m1 of 14: two whole
     tiles and every narrower tile left over give repack's kernel's bits, row by row, and write no
     row outside m0..m1."""
-    assert tile_gemm.ROWS_PER_TILE == 6                     # the cases below: 2 tiles and 1, 6 tiles, 5 .. 1 left
+    assert tile_gemm.ROWS_PER_TILE == 6                 # the cases below: 2 tiles and 1, 6 tiles, 5 .. 1 left
     _against_repack(ggml_type, 900, 14, [(0, 14), (1, 14), (2, 13), (3, 12), (4, 11), (5, 10), (3, 4), (0, 6), (6, 8)],
                     lambda kind, w, rb, p32, pk, x32, xk, m0, m1, got: _tiles(kind, w, rb, p32, pk, m0, m1, got, 19))
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from app.measure.local_server import LocalServer
 from app.measure.protocol import BENCH_DIR, add_options, header, load_average, median, order, run_child
 from app.models import resolve
+from app.serve.command import milliseconds
 from app.serve.server import STREAM_INTERVAL_S
 
 RECORD = BENCH_DIR / "serve_cost.json"
@@ -196,7 +197,7 @@ def add_arguments(p):
                    help="the stage both use (default: fastest, the one `serve` and `make run` pick on this machine)")
     p.add_argument("-t", "--threads", type=int, default=2, help="(default: %(default)s)")
     p.add_argument("--tokens", type=int, default=256, help="tokens each request decodes (default: %(default)s)")
-    p.add_argument("--stream-interval", type=float, default=STREAM_INTERVAL_S * 1e3, metavar="MS",
+    p.add_argument("--stream-interval", type=milliseconds, default=STREAM_INTERVAL_S * 1e3, metavar="MS",
                    help="the server's --stream-interval: at most one event of the stream per MS milliseconds "
                         "(default: the server's, %(default)g)")
 

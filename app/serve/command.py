@@ -185,15 +185,21 @@ def count(flag, minimum=1):
     return checked(lambda n: check_count(f"{flag.lstrip('-').replace('-', '_')} ({flag})", n, minimum))
 
 
-def seconds(text):
-    import argparse
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a number of seconds >= 0")
-    return value
+def at_least_0(unit: str):
+    """An argparse type: a number of `unit` >= 0, or a message that says so."""
+    def parse(text):
+        import argparse
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not value >= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be a number of {unit} >= 0")
+        return value
+    return parse
+
+
+seconds, milliseconds = at_least_0("seconds"), at_least_0("milliseconds")
 
 
 def engine_args(g):
@@ -222,7 +228,7 @@ def operator_args(g):
     g.add_argument("--request-timeout", type=seconds, default=REQUEST_TIMEOUT_S,
                    help="seconds a request may take from arrival to its last token; 0: no limit "
                         "(default: %(default)s)")
-    g.add_argument("--stream-interval", type=float, default=STREAM_INTERVAL_S * 1e3, metavar="MS",
+    g.add_argument("--stream-interval", type=milliseconds, default=STREAM_INTERVAL_S * 1e3, metavar="MS",
                    help="a stream's tokens are sent at most every MS milliseconds, those made in between "
                         "together in one event (the first at once; a request with stop strings: each token); "
                         "0: an event per token (default: %(default)g)")
