@@ -20,10 +20,19 @@ Q4_1 = GGMLType.Q4_1
 
 def q4_1_weight(rng, N, K, scale=0.05, zero_blocks=0) -> np.ndarray:
     """uint8 [N, K/32 * 20]: random values quantized by common/quants.py (gguf-py's Q4_1, byte
-    for byte); `zero_blocks` blocks of all zeros (d = m = 0) at the front of row 0."""
+    for byte); `zero_blocks` blocks of all zeros (d = m = 0) at the front of row 0. Read-only."""
     raw = quantize((rng.standard_normal((N, K)) * scale).astype(np.float32), Q4_1)
     for b in range(zero_blocks):
         raw[0, 20 * b:20 * b + 20] = 0
+    return read_only(raw)
+
+
+def read_only(raw: np.ndarray) -> np.ndarray:
+    """Weights as the stages hold them, mapped read-only from the file. numba types a read-only
+    array apart from a writable one and compiles a kernel once for each: given read-only
+    weights, the stages' kernels this chapter and the later ones run (threads, int8, repack)
+    are the ones `make compile` cached, not compiled again (seconds each; the int8 kernels tens)."""
+    raw.flags.writeable = False
     return raw
 
 
@@ -70,7 +79,7 @@ class Quantized(Exercise):
         out = []
         for (N, K), opt, why in plans:
             if opt.get("offset"):
-                raw = quantize((rng.uniform(3.0, 3.5, (N, K))).astype(np.float32), Q4_1)
+                raw = read_only(quantize((rng.uniform(3.0, 3.5, (N, K))).astype(np.float32), Q4_1))
             else:
                 raw = q4_1_weight(rng, N, K, opt.get("scale", 0.05), opt.get("zero_blocks", 0))
             x = rng.standard_normal(K).astype(np.float32) * np.float32(opt.get("scale", 1.0))
