@@ -147,8 +147,11 @@ def test_a_preempted_sequence_goes_on_with_the_logits_it_would_have_had(default_
     request completes with the logits, bit for bit, and so the tokens, it has alone;
     preemptions are counted; every page comes back."""
     engine = load("threads" if "threads" in STAGES else STAGES[-1], default_model_path)
-    texts = [f"Request {i}: the sea is" for i in range(4)]
-    n = 40
+    # prompts of 16 tokens: admitted with one page of room beyond them (2 pages), a sequence wants
+    # a third after 17 tokens, when the pool has none left for the second one: that one is
+    # preempted with 17 tokens generated, recomputed, and generates 7 more
+    texts = [f"Request {i}: the sea is wide and deep, and the ships on it" for i in range(4)]
+    n = 24
 
     def run(pages, texts):
         sched = EngineLoop(engine, kv_pages=pages, max_batch=len(texts), prefill_chunk=16)
