@@ -126,13 +126,27 @@ def test_parse_into_a_pydantic_model(server):
         City.model_validate_json(free)
 
 
-def test_every_schema_feature_claimed_validates(server):
+def features_request(server) -> dict:
+    """The request of every schema feature: the preemption scene below asks it again."""
+    return dict(model=server["model"], temperature=0, max_tokens=200,
+                messages=[{"role": "user", "content": "Write a JSON record for Ada, a mathematician from London."}],
+                response_format=schema_format("person", FEATURES))
+
+
+@pytest.fixture(scope="module")
+def features_alone(server):
+    """The reply to features_request with the server to itself: asked once for the module (a
+    reply of a hundred tokens and more, on one thread), by the tests that judge it."""
+    return client(server).chat.completions.create(**features_request(server))
+
+
+def test_every_schema_feature_claimed_validates(server, features_alone):
     """One schema with every feature claimed: the reply validates (jsonschema), whole and
     streamed alike; the same prompt without the schema does not."""
     c = client(server)
-    kw = dict(model=server["model"], temperature=0, max_tokens=200,
-              messages=[{"role": "user", "content": "Write a JSON record for Ada, a mathematician from London."}])
-    r = c.chat.completions.create(response_format=schema_format("person", FEATURES), **kw)
+    kw = features_request(server)
+    del kw["response_format"]
+    r = features_alone
     text = r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop" and valid(text, FEATURES), text
     streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
@@ -287,7 +301,7 @@ def test_four_constrained_requests_in_one_batch_beside_free_ones(server):
     assert settled(server)["preemptions"] == before, "the pool was meant to hold them all"
 
 
-def test_a_constrained_request_preempted_mid_reply_gives_its_reply_alone(server):
+def test_a_constrained_request_preempted_mid_reply_gives_its_reply_alone(server, features_alone):
     """Two long free requests hold most of the pool (HOG_REPEATS: their prompts take 2 x 19 of
     the 48 pages, and they grow a page every 16 tokens); a constrained one (every schema
     feature) joins, and while it decodes the pool runs out: the newest, the constrained one, is
@@ -295,16 +309,13 @@ def test_a_constrained_request_preempted_mid_reply_gives_its_reply_alone(server)
     are then closed; the constrained one is readmitted, recomputes its prompt and what it had
     written (its matcher kept its place in its sampler), and its reply is the one it has alone."""
     hog = "The history of the printing press is long and full of surprises. " * HOG_REPEATS
-    kw = dict(model=server["model"], temperature=0, max_tokens=200,
-              messages=[{"role": "user", "content": "Write a JSON record for Ada, a mathematician from London."}],
-              response_format=schema_format("person", FEATURES))
+    kw = features_request(server)
 
     state = {"text": "", "seen": None}
 
     async def main():
         c = aclient(server)
-        first = await c.chat.completions.create(**kw)
-        alone, state["prompt"] = first.choices[0].message.content, first.usage.prompt_tokens
+        alone, state["prompt"] = features_alone.choices[0].message.content, features_alone.usage.prompt_tokens
         started, release = [asyncio.Event(), asyncio.Event()], asyncio.Event()
 
         async def hold(i):
