@@ -35,7 +35,7 @@ import functools
 import numpy as np
 
 from stages.kernels import amx_steps
-from stages.kernels.amx_steps import Amx, HeadAmx
+from stages.kernels.amx_steps import Amx
 from stages.kernels.amx_tiles import AMX_TYPES, amx_ready, tile_layout, tiled_bytes
 from stages.kernels.repacked import repack, unpack
 from stages.prefill import LOGIT_TOLERANCE, PrefillBackend
@@ -75,7 +75,7 @@ class TiledMatrix(RepackedMatrix):
 class AmxBackend(PrefillBackend):
     name = "amx"
     stack = amx_steps.STACK             # prefill's, with the matmuls of many rows on the matrix unit
-    records = (Amx, HeadAmx)            # prefill's records' fields: a type of the stage's own
+    records = (Amx,)                    # prefill's record's fields: a type of the stage's own
 
     @staticmethod
     def unavailable_reason() -> str | None:

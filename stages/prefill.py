@@ -48,7 +48,7 @@ from common.cpu import cache_sizes
 from stages.kernels import prefill_steps, tiled_attention
 from stages.kernels.layer_ops import chunks_of
 from stages.kernels.pair_gemm import new_pairs
-from stages.kernels.prefill_steps import HeadPairs, Prefill
+from stages.kernels.prefill_steps import Prefill, head_record
 from stages.kernels.tiled_attention import LANES
 from stages.repack import LOGIT_TOLERANCE, RepackBackend
 
@@ -111,13 +111,13 @@ class PrefillBackend(RepackBackend):
     name = "prefill"
     max_batch = PIECE_ROWS
     stack = prefill_steps.STACK          # repack's, with this stage's matmuls and attention
-    records = (Prefill, HeadPairs)       # its ops records: a call of the stack, of the output head
+    records = (Prefill,)                 # its ops record (a call of the layers, or of the output head)
 
     def __init__(self, threads: int | None = None, kv_type: str | None = None):
         super().__init__(threads, kv_type)
         self.caches = cache_sizes()
         self._work = None               # (threads, tile rows) -> the attention's per-thread arrays
-        self._head_pairs = {}           # (rows, K) -> the output head's pair packs
+        self._head_records = {}         # (rows, K) -> the output head's ops record
 
     def _workspace(self, nt: int, model, tile_rows: int):
         cfg = model.config
@@ -145,9 +145,8 @@ class PrefillBackend(RepackBackend):
                        np.empty((*part, cfg.head_dim), np.float32), *x32, *xk)
 
     def _head_ops(self, M, K):
-        """The output head's pair packs for M rows (two rows or more go two to a register)."""
-        ops = self._head_pairs.get((M, K))
+        """The output head's record for M rows: its pair packs (two rows or more go two to a register)."""
+        ops = self._head_records.get((M, K))
         if ops is None:
-            x32, xk = new_pairs(M, K)
-            ops = self._head_pairs[(M, K)] = self.records[1](*x32, *xk)
+            ops = self._head_records[(M, K)] = head_record(self.records[0], M, K)
         return ops

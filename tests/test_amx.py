@@ -143,7 +143,7 @@ def _emulated(kind, w, rb, p32, pk, M, N, col):
 
 def _repack_rows(x, raw, kind):
     mat = L.matrix_table([(0, raw.shape[0], raw.shape[1], kind, REPACKED)])
-    return repack_steps.STACK.matmul_rows(x, L.read_only(repacked.repack(raw, kind)), mat, 1, Repacked())
+    return repack_steps.STACK.matmul_rows(x, L.read_only(repacked.repack(raw, kind)), mat, 1, Repacked(), np.uint16)
 
 
 @needs_isa

@@ -19,7 +19,7 @@ from stages.kernels import layer_stack as L
 from stages.kernels import pair_gemm, prefill_steps, repack_steps, repacked, tile_gemm, tiled_attention
 from stages.kernels.layer_ops import CHUNK, chunks_of
 from stages.kernels.pair_gemm import new_pairs
-from stages.kernels.prefill_steps import HeadPairs, block_rows
+from stages.kernels.prefill_steps import Prefill, block_rows, head_record
 from stages.kernels.q8 import new_packs, quantize_row
 from stages.kernels.repack_steps import REPACKED, Repacked
 from tests.test_fused import _weights
@@ -183,17 +183,17 @@ def _against_repack(ggml_type, seed, M, cases, kernel):
 @pytest.mark.parametrize("ggml_type", [GGMLType(t) for t in pair_gemm.PAIR_TYPES], ids=lambda t: t.name)
 def test_the_head_in_pairs_is_repacks_bits(ggml_type):
     """The output head's rows through the pair kernel (matmul_rows with the prefill stage's
-    HeadPairs): 2, 5 and 12 rows of 19 weight rows (two work items, the last group part of one)
-    give repack's kernel's bits, and so does one row (which stays on repack's kernel)."""
+    record for the head, head_record): 2, 5 and 12 rows of 19 weight rows (two work items, the last
+    group part of one) give repack's kernel's bits, and so does one row (which stays on repack's
+    kernel). Both stacks as their stages call them: float16 K/V (uint16 bits)."""
     raw, K, rng = _weights(ggml_type, 19, 700 + int(ggml_type))
     mat = L.matrix_table([(0, 19, raw.shape[1], int(ggml_type), REPACKED)])
     blob = L.read_only(repacked.repack(raw, int(ggml_type)))
     nt = numba.get_num_threads()
     for M in (1, 2, 5, 12):
         x = np.ascontiguousarray(activations(rng, M, K))
-        x32, xk = new_pairs(M, K)
-        want = repack_steps.STACK.matmul_rows(x, blob, mat, nt, Repacked())
-        got = prefill_steps.STACK.matmul_rows(x, blob, mat, nt, HeadPairs(*x32, *xk))
+        want = repack_steps.STACK.matmul_rows(x, blob, mat, nt, Repacked(), np.uint16)
+        got = prefill_steps.STACK.matmul_rows(x, blob, mat, nt, head_record(Prefill, M, K), np.uint16)
         assert np.array_equal(got, want), M
 
 
@@ -224,18 +224,19 @@ def test_tiles_are_repacks_bits(ggml_type):
 
 
 def test_the_prefill_stage_asks_for_the_head_in_pairs(monkeypatch):
-    """The prefill stage's head passes its pair packs to matmul_rows; repack's does not (its lesson
-    is the one-row kernel)."""
+    """The prefill stage's head passes its pair packs, for its rows, to matmul_rows; repack's does
+    not (its lesson is the one-row kernel)."""
     import stages.fused as fused_stage
     from stages.prefill import PrefillBackend
     from stages.repack import RepackBackend
     seen = []
     for stack in (prefill_steps.STACK, repack_steps.STACK):
-        monkeypatch.setattr(stack, "matmul_rows", lambda x, blob, mat, nt, ops: seen.append(type(ops)) or x)
+        monkeypatch.setattr(stack, "matmul_rows", lambda x, blob, mat, nt, ops, kv, dims: seen.append(ops) or x)
     monkeypatch.setattr(fused_stage.FusedBackend, "_head", lambda self, w: (None, None))
     for backend in (PrefillBackend(threads=1), RepackBackend(threads=1)):
-        backend.matmul_blocks(np.zeros((3, 4), np.float32), None)
-    assert seen == [HeadPairs, Repacked]
+        backend.matmul_blocks(np.zeros((3, 64), np.float32), None)
+    assert [type(ops) for ops in seen] == [Prefill, Repacked]
+    assert seen[0].q32.shape == new_pairs(3, 64)[0].q.shape            # 3 rows of 64: two pairs
 
 
 # ---- the stage -------------------------------------------------------------------------------------

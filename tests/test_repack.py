@@ -19,7 +19,7 @@ from stages import load
 from stages.int8 import LOGIT_TOLERANCE as INT8_TOLERANCE
 from stages.kernels import repacked, vector_ir
 from stages.kernels.repack_steps import REPACKED
-from tests.test_fused import _int8_rows, _matmul, _weights, packs_of
+from tests.test_fused import _int8_rows, _weights, kernel_rows, packs_of
 from tests.test_int8 import activations
 from tests.test_quantized import MIXED_TYPES, stage_logits, write_tiny_llama
 from tests.util import expected_isa, greedy_at_clear_choices, lacks, lacks_vnni, thread_counts
@@ -48,16 +48,15 @@ def test_unpack_gives_the_files_bytes_back(ggml_type):
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_every_type_against_the_int8_loops(ggml_type):
     """Decode (1 row), and 3 and 7 rows (the tile's rows and the rest), for 21 weight rows (two
-    groups and a part): the same integer sums as the int8 stage's loops, scaled in another order;
-    1 thread and all give the same bits."""
+    groups and a part): the same integer sums as the int8 stage's loops, scaled in another order.
+    (1 thread and N: the model's test below.)"""
     raw, K, rng = _weights(ggml_type, 21, 100 + int(ggml_type))
     for M in (1, 3, 7):
         x = activations(rng, M, K)
         want, scale = _int8_rows(x, raw, ggml_type)
-        runs = [_matmul(x, raw, ggml_type, n, layout=REPACKED) for n in thread_counts()]
-        assert all(np.array_equal(r, runs[0]) for r in runs)
-        err = np.abs(runs[0] - want) / np.maximum(scale, 1e-30)
-        assert np.isfinite(runs[0]).all() and err.max() < 2e-6, f"{ggml_type.name} M={M}: {err.max():.2e}"
+        got = kernel_rows(x, raw, ggml_type, layout=REPACKED)
+        err = np.abs(got - want) / np.maximum(scale, 1e-30)
+        assert np.isfinite(got).all() and err.max() < 2e-6, f"{ggml_type.name} M={M}: {err.max():.2e}"
 
 
 def test_the_prefetch_follows_the_cpus_maker_and_the_type():
@@ -107,12 +106,12 @@ def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(ggml_type):
     promise it: its decode and its tiles sum in different orders, which the same comparison sees.)"""
     raw, K, rng = _weights(ggml_type, 16, 200 + int(ggml_type))
     x = activations(rng, 8, K)
-    alone = _matmul(x[:1], raw, ggml_type, 1, layout=REPACKED)[0]
+    alone = kernel_rows(x[:1], raw, ggml_type, layout=REPACKED)[0]
     for M in (3, 7):
-        assert np.array_equal(_matmul(x[:M], raw, ggml_type, 1, layout=REPACKED)[0], alone)
-    assert np.array_equal(_matmul(x[6:7], raw, ggml_type, 1, layout=REPACKED)[0],
-                          _matmul(x[:7], raw, ggml_type, 1, layout=REPACKED)[6])
-    fused = [_matmul(x[:M], raw, ggml_type, 1)[0] for M in (1, 8)]         # decode vs one 4x4 / 1x8 tile
+        assert np.array_equal(kernel_rows(x[:M], raw, ggml_type, layout=REPACKED)[0], alone)
+    assert np.array_equal(kernel_rows(x[6:7], raw, ggml_type, layout=REPACKED)[0],
+                          kernel_rows(x[:7], raw, ggml_type, layout=REPACKED)[6])
+    fused = [kernel_rows(x[:M], raw, ggml_type)[0] for M in (1, 8)]         # decode vs one 4x4 / 1x8 tile
     if ggml_type in (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q4_1):          # the negative control
         assert not np.array_equal(fused[0], fused[1])
 

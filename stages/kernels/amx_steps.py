@@ -9,7 +9,7 @@ is the prefill stage's stack with these changed.
 A matrix's tile copy sits right after its repacked bytes in the stage's one buffer (stages/amx.py
 lays them out so): at mat.offset + its repacked bytes, nothing else to look up.
 
-    Amx, HeadAmx    the stage's records: the prefill stage's fields (its steps still read them)
+    Amx             the stage's record: the prefill stage's fields (its steps still read them)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from numba import njit
 from stages.kernels import prefill_steps
 from stages.kernels.amx_tiles import AMX_TILE, amx_matmul
 from stages.kernels.layer_stack import with_steps
-from stages.kernels.prefill_steps import HeadPairs, Prefill, pair_chunk
+from stages.kernels.prefill_steps import Prefill, pair_chunk
 from stages.kernels.repack_steps import REPACKED, whole_groups
 from stages.kernels.repacked import GROUP
 from stages.kernels.toolkit import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
@@ -33,7 +33,6 @@ from stages.kernels.toolkit import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
 AMX_ROWS = 4
 
 Amx = namedtuple("Amx", Prefill._fields)
-HeadAmx = namedtuple("HeadAmx", HeadPairs._fields)
 
 
 @njit(cache=True, inline="always")
@@ -62,4 +61,4 @@ def tile_groups(ops, mat):
     return AMX_TILE if tiled(mat) else whole_groups(ops, mat)
 
 
-STACK = with_steps(prefill_steps.STACK, (Amx, HeadAmx), matmul_chunk=amx_chunk, rows_multiple=tile_groups)
+STACK = with_steps(prefill_steps.STACK, (Amx,), matmul_chunk=amx_chunk, rows_multiple=tile_groups)

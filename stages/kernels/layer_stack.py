@@ -6,7 +6,8 @@
     STACK.run_phases(..., span, ops, *STACK.scratch_for(...))
             the phases span.first..span.last-1 only, Wo and W_down adding into span.sums (the tp
             stage: it stops after each, to all-reduce)
-    STACK.matmul_rows(x, blob, mats, nt, ops)       one weight matrix (the output head)
+    STACK.matmul_rows(x, blob, mats, nt, ops, kv, dims)     one weight matrix (the output head): the
+            phases after the last layer, in a call of run_phases of their own
 
 The ops of one layer are the table PHASES (OPS_PER_LAYER of them, a barrier after each; the
 region's fork and join once per call). Each is split into work items that the threads take from
@@ -24,6 +25,11 @@ counters (stages/kernels/sync.py's next_item: each thread its own contiguous ran
     ROUND_F    rows of f, rounded for W_down
     DOWN       row chunks of W_down, added into h
 
+After the last layer's phases come the output head's two (HEAD_PHASES: its rows rounded, then
+its matrix, straight into Span.sums [M, vocab]). matmul_rows runs them alone, in a call of
+run_phases whose weights are the head's matrix (no layers): the layers' compiled code, not a
+parallel function of its own (each is one more compile of every kernel it calls).
+
 The rows of a call belong to one sequence or to many (a batched step, common/batch.py): every row
 has its own position, cache slot and sequence, and attends over its own sequence's positions
 through its page table (stages/kernels/layer_ops.py). One sequence's arena is one page.
@@ -40,9 +46,10 @@ What it reads, as named records (numba compiles named tuples of arrays):
                                  not stored, not attended) and sequence (its row of tables)
     Dims(n_head, n_head_kv, n_ff, eps, scale, cos, sin)   the model's shape, RoPE's tables
     Span(first, last, sums)      phases first..last-1, numbered il * OPS_PER_LAYER + i across the
-                                 layers, first a norm (the others read what the phase before left
-                                 in the call's scratch); sums [M, D]: where WO and DOWN add their
-                                 products (h itself, or a zeroed array that receives them)
+                                 layers, first a norm or the head's rounding (the others read what
+                                 the phase before left in the call's scratch); sums [M, D]: where
+                                 WO and DOWN add their products (h itself, or a zeroed array that
+                                 receives them); the head's output [M, vocab]
 sync may carry a clock per phase (sync.new_sync(phases=OPS_PER_LAYER)): thread 0's time-stamp
 counter at each barrier, summed per phase over the layers (where a call's time went).
 
@@ -92,7 +99,7 @@ from stages.kernels.layer_ops import (
     silu_mul,
 )
 from stages.kernels.q8 import Q8Blocks, Q8KBlocks, pack_arrays, quantize_row
-from stages.kernels.sync import CLOCK, barrier, cycles, next_item
+from stages.kernels.sync import CLOCK, barrier, cycles, new_sync, next_item
 from stages.kernels.toolkit import BF16, F16, F32, Q4_K, Q5_K, Q6_K, block_bytes, block_values, per_phase
 
 DECODE_WEIGHTS = 65536  # weights per decode work item: a few microseconds, many items per op
@@ -123,6 +130,10 @@ NORM_ATTN, QKV, ATTEND, MERGE, WO_OP, NORM_FFN, GATE_UP, ROUND_F, DOWN_OP = rang
 PHASES = (NORM_ATTN, QKV, ATTEND, MERGE, WO_OP, NORM_FFN, GATE_UP, ROUND_F, DOWN_OP)
 OPS_PER_LAYER = len(PHASES)
 _PHASES = np.array(PHASES, dtype=np.int64)
+# After the last layer's: the output head's phases, numbered on from the layers' (n_layer *
+# OPS_PER_LAYER + 0, + 1), and their ops: its rows rounded, its matrix (_matmul_op).
+HEAD_ROUND, HEAD_OP = OPS_PER_LAYER, OPS_PER_LAYER + 1
+HEAD_PHASES = 2
 
 
 def matrix_table(entries) -> np.ndarray:
@@ -326,6 +337,21 @@ def _round_f(il, weights, s, ph, t, nt, ops):
         round_row(ops, s.fbuf[m], m, n_ff, n32, nk, s)
 
 
+@per_phase
+def _round_head(h, weights, s, ph, t, nt, ops):
+    """The output head's rows h [M, D] (the final norm's output) into s.xin, rounded for its matrix
+    (the one after the layers')."""
+    M, D = h.shape
+    n32, nk = layer_packs(weights.mats, weights.norms.shape[0], WQ, WQ + 1)
+    while True:
+        m = next_item(s.counters, ph, t, nt, M)
+        if m < 0:
+            break
+        for k in range(D):                  # element by element: a slice assignment allocates (no NRT here)
+            s.xin[m, k] = h[m, k]
+        round_row(ops, s.xin[m], m, D, n32, nk, s)
+
+
 # error_model="numpy": no check for a zero divisor around silu's division, which otherwise keeps
 # LLVM from vectorizing the epilogue (one exp and one division per value, scalar).
 @per_phase(error_model="numpy")
@@ -339,11 +365,12 @@ def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ops, ph, t, nt):
         WO_OP    Wo rows -> y, added into sums [M, D] (h itself, or Span.sums)
         GATE_UP  W_gate and W_up rows r0..r1 -> y[:, r], y[:, n_ff + r]; fbuf = silu(gate) * up
         DOWN_OP  W_down rows -> y, added into sums
+        HEAD_OP  the output head's rows (the matrix after layer il - 1's) -> sums [M, vocab]
 
     One call per phase and thread, and one place that calls the matmul kernels: numba passes every
     array field by value to a function it does not inline, which costs about as much as a work
     item of decode if paid per item."""
-    M, D = sums.shape
+    M, D = sums.shape[0], weights.norms.shape[2]
     kv_dim = cache.k.shape[2]
     hd = kv_dim // dims.n_head_kv
     nq, nkv, n_ff = dims.n_head * hd, kv_dim, dims.n_ff
@@ -356,6 +383,12 @@ def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ops, ph, t, nt):
         nq_items, nkv_items = (nq + per - 1) // per, (nkv + per - 1) // per
         n_row_items = nq_items + 2 * nkv_items
         xf = s.xin[:, :D]
+    elif op == HEAD_OP:                     # the output head, the matrix after the layers': into sums itself
+        j, K, N = WQ, D, mats[base].rows
+        per = rows_per_item(K, M, rows_multiple(ops, mats[base]))
+        n_row_items = (N + per - 1) // per
+        xf = s.xin[:, :D]
+        y = sums
     else:
         j = WO if op == WO_OP else (GATE if op == GATE_UP else DOWN)
         K = nq if op == WO_OP else (D if op == GATE_UP else n_ff)
@@ -363,7 +396,7 @@ def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ops, ph, t, nt):
         per = rows_per_item(2 * K if op == GATE_UP else K, M, rows_multiple(ops, mats[base + j]))
         n_row_items = (N + per - 1) // per
         xf = s.xin[:, :nq] if op == WO_OP else (s.xin[:, :D] if op == GATE_UP else s.fbuf)
-    mb = activation_block(ops, K, M)
+    mb = M if op == HEAD_OP else activation_block(ops, K, M)     # the head's few rows: one block
     n_items = n_row_items * ((M + mb - 1) // mb)
     while True:
         item = next_item(s.counters, ph, t, nt, n_items)
@@ -399,7 +432,7 @@ def _matmul_op(op, il, sums, weights, cache, rows, dims, s, ops, ph, t, nt):
                 gate, up, f = y[m, r0:r1], y[m, n_ff + r0:n_ff + r1], s.fbuf[m, r0:r1]
                 for r in range(r1 - r0):
                     f[r] = silu_mul(gate[r], up[r])
-        else:
+        elif op != HEAD_OP:
             for m in range(m0, m1):
                 for r in range(r0, r1):
                     sums[m, r] += y[m, r]
@@ -471,13 +504,16 @@ def _worker(t, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, ops)
     barrier between two; thread 0 adds each phase's cycles to sync[CLOCK + i] where new_sync made
     room."""
     nt = scratch.counters.shape[1]
+    n_layer = weights.norms.shape[0]
     s = _work(scratch, p32, pk)
     timed = t == 0 and sync.shape[0] >= CLOCK + OPS_PER_LAYER
     bar = 0
     for ph in range(span.first, span.last):            # ph: also this phase's row of work counters
         start = cycles() if timed else 0
         il, i = ph // OPS_PER_LAYER, ph % OPS_PER_LAYER
-        op = _PHASES[i]
+        # after the last layer, the output head's. (One int64 op for every call of _matmul_op: a
+        # literal op would compile it a second time, kernels and all.)
+        op = _PHASES[i] if il < n_layer else HEAD_ROUND + i
         if op == NORM_ATTN or op == NORM_FFN:
             _norm_rows(h, il, 0 if op == NORM_ATTN else 1, dims.eps, weights, s, ph, t, nt, ops)
         elif op == ATTEND:
@@ -486,6 +522,8 @@ def _worker(t, h, weights, cache, rows, dims, scratch, p32, pk, sync, span, ops)
             merge(ops, il, weights, cache, rows, dims, s, ph, t, nt)
         elif op == ROUND_F:
             _round_f(il, weights, s, ph, t, nt, ops)
+        elif op == HEAD_ROUND:
+            _round_head(h, weights, s, ph, t, nt, ops)
         else:
             _matmul_op(op, il, span.sums, weights, cache, rows, dims, s, ops, ph, t, nt)
         if ph + 1 < span.last:
@@ -510,7 +548,7 @@ def scratch_for(h, weights, cache, rows, dims, nt, ops):
                 np.zeros((M, max(H * hd + 2 * kv_dim, 2 * n_ff, D)), np.float32),
                 np.zeros((part_rows, H, n_chunks, hd + 2), np.float32),
                 np.zeros((nt, CHUNK), np.float32),
-                np.zeros((nt, 1, K), np.float32), np.zeros((n_layer * OPS_PER_LAYER, nt), np.int64))
+                np.zeros((nt, 1, K), np.float32), np.zeros((n_layer * OPS_PER_LAYER + HEAD_PHASES, nt), np.int64))
     a = pack_arrays(M, K)
     return s, Q8Blocks(a[0], a[1], a[2], a[3]), Q8KBlocks(a[4], a[5], a[6], a[7])
 
@@ -536,50 +574,6 @@ def run_phases(h, weights, cache, rows, dims, sync, nt, span, ops, scratch, p32,
     return h
 
 
-# ---- one matrix: the output head ---------------------------------------------------------------
-
-@per_phase
-def _head_worker(x, blob, mats, scratch, p32, pk, ops, out, per, t, nt):
-    M = x.shape[0]
-    mat = mats[0]
-    s = _work(scratch, p32, pk)
-    n_items = (mat.rows + per - 1) // per
-    while True:
-        item = next_item(s.counters, 0, t, nt, n_items)
-        if item < 0:
-            break
-        r0 = item * per
-        matmul_chunk(ops, mat, blob, r0, min(mat.rows, r0 + per), 0, M, x, s, out, 0, s.fs[t])
-
-
-@njit(cache=True)
-def _round_rows(ops, x, n32, nk, s):
-    """Every row of x [M, K] into the packs of s. (A function of its own: inlined into matmul_rows,
-    a later stage's round_row trips numba's analysis of the parallel function's arrays.)"""
-    for m in range(x.shape[0]):
-        round_row(ops, x[m], m, x.shape[1], n32, nk, s)
-
-
-@njit(cache=True, parallel=True, nogil=True)
-def matmul_rows(x, blob, mats, nt, ops):
-    """x [M, K] times one weight (mats: one MATRIX record, in blob: read_only) -> [M, N]: the
-    activation rounded once, the rows in work items over nt threads (numba's thread count), each
-    through the stage's matmul_chunk (ops: its record, as for run_phases)."""
-    M, K = x.shape
-    mat = mats[0]
-    a = pack_arrays(M, K)
-    p32, pk = Q8Blocks(a[0], a[1], a[2], a[3]), Q8KBlocks(a[4], a[5], a[6], a[7])
-    out = np.empty((M, mat.rows), np.float32)
-    s = Scratch(x, x, out, np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1), np.float32),
-                np.zeros((nt, 1, K), np.float32), np.zeros((1, nt), np.int64))
-    if not is_float(mat.kind):
-        _round_rows(ops, x, not is_k(mat.kind), is_k(mat.kind), _work(s, p32, pk))
-    per = rows_per_item(K, M, rows_multiple(ops, mat))
-    for t in prange(nt):
-        _head_worker(x, blob, mats, s, p32, pk, ops, out, per, np.int64(t), nt)    # one type: see run_phases
-    return out
-
-
 # ---- a stage's stack: this one, or one with some steps changed -----------------------------------
 
 STEPS = ("matmul_chunk", "rows_multiple", "round_row", "activation_block", "attend", "merge", "part_shape")
@@ -592,7 +586,7 @@ class Stack:
         run_layers(h, weights, cache, rows, dims, sync, nt, ops)     every layer on h, in one call
         run_phases(h, weights, cache, rows, dims, sync, nt, span, ops, *scratch_for(...))
         scratch_for(h, weights, cache, rows, dims, nt, ops)          (Scratch, Q8Blocks, Q8KBlocks)
-        matmul_rows(x, blob, mats, nt, ops)                          one matrix (the output head)
+        matmul_rows(x, blob, mats, nt, ops, kv, dims)                one matrix (the output head)
     """
 
     def __init__(self, functions: dict, records: tuple):
@@ -619,9 +613,24 @@ class Stack:
         self._check(ops)
         return self.functions["scratch_for"](h, weights, cache, rows, dims, nt, ops)
 
-    def matmul_rows(self, x, blob, mats, nt, ops):
+    def matmul_rows(self, x, blob, mats, nt, ops, kv=np.float32, dims=None):
+        """x [M, K] times one matrix (mats: its one MATRIX record, its bytes in blob: read_only) ->
+        [M, N], the activation rounded once: the output head. It runs as the phases after the last
+        layer in a call of run_phases whose weights are that matrix alone, so it is the layers'
+        compiled code when its arguments have their types: kv the dtype of the layers' K/V arrays
+        (float32, or uint16: float16's bits) and dims their Dims (its values are not read). Other
+        types compile run_phases anew."""
         self._check(ops)
-        return self.functions["matmul_rows"](x, blob, mats, nt, ops)
+        M, K = x.shape
+        weights = Weights(blob, mats, np.zeros((0, 2, K), np.float32))      # no layers: the head's phases are 0, 1
+        cache = Cache(np.zeros((1, 1, 1), kv), np.zeros((1, 1, 1), kv), np.zeros((1, 1), np.int64), 1)
+        rows = Rows(np.zeros(M, np.int64), np.full(M, -1, np.int64), np.zeros(M, np.int64))
+        if dims is None:
+            dims = Dims(1, 1, 1, 1e-5, np.float32(1.0), np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32))
+        out = np.empty((M, int(mats[0]["rows"])), np.float32)
+        work = self.scratch_for(x, weights, cache, rows, dims, nt, ops)
+        self.run_phases(x, weights, cache, rows, dims, new_sync(), nt, Span(0, HEAD_PHASES, out), ops, *work)
+        return out
 
 
 STACK = Stack(dict(globals()), (type(None),))       # this stage's: its ops record is None
@@ -669,12 +678,12 @@ def with_steps(base: Stack, records: tuple, **steps) -> Stack:
 
 
 __all__ = ["Stack", "STACK", "STEPS", "with_steps", "matrix_table", "read_only", "Weights", "Cache", "Rows", "Dims",
-           "Span", "Scratch", "Work", "MATRIX", "ROWS", "OPS_PER_LAYER", "PHASES", "CHUNK", "matmul_chunk",
-           "rows_multiple", "round_row", "activation_block", "attend", "merge", "part_shape", "rows_of",
+           "Span", "Scratch", "Work", "MATRIX", "ROWS", "OPS_PER_LAYER", "PHASES", "HEAD_PHASES", "CHUNK",
+           "matmul_chunk", "rows_multiple", "round_row", "activation_block", "attend", "merge", "part_shape", "rows_of",
            "packs_needed", "layer_packs", "is_k", "is_float", "rows_per_item"]
 
 # A later stage's steps compile into these functions (with_steps): every kernel file of this folder
 # is one they may inline.
-toolkit.guard_cache(__name__, [run_phases, scratch_for, matmul_rows, _round_rows, _worker, _head_worker, _matmul_op,
-                               _attend, _merge, _norm_rows, _round_f, _chunk_float, _chunk_tiles, _chunk_loops],
+toolkit.guard_cache(__name__, [run_phases, scratch_for, _worker, _matmul_op, _attend, _merge, _norm_rows, _round_f,
+                               _round_head, _chunk_float, _chunk_tiles, _chunk_loops],
                     sorted(Path(__file__).parent.glob("*.py")))

@@ -19,7 +19,9 @@ composed from the records they carry:
                 tiled_attention.Workspace's arrays, one per thread (leading axis); pm, pl, po the
                 decode rows' chunk results [k, n_head_kv, chunks, groups, 8 (, hd)]; the pair packs
                 (PAIR_FIELDS: pair_gemm.Pairs32's fields + "32", PairsK's + "k")
-    HeadPairs   a call of the output head (STACK.matmul_rows): the pair packs alone
+
+    head_record(Prefill, M, K)   the same for a call of the output head (STACK.matmul_rows): its
+                pair packs, attention's arrays empty (the head's phases read none of them)
 """
 
 from __future__ import annotations
@@ -27,24 +29,33 @@ from __future__ import annotations
 from collections import namedtuple
 from pathlib import Path
 
+import numpy as np
 from numba import njit
 
 from stages.kernels import repack_steps, toolkit
 from stages.kernels.layer_ops import chunks_of
 from stages.kernels.layer_stack import WO, layer_packs, rows_of, with_steps
-from stages.kernels.pair_gemm import Pairs32, PairsK, pair_gemm, pair_row, pairs_take
+from stages.kernels.pair_gemm import Pairs32, PairsK, new_pairs, pair_gemm, pair_row, pairs_take
 from stages.kernels.q8 import quantize_row
 from stages.kernels.repack_steps import REPACKED, group_chunk
 from stages.kernels.sync import next_item
 from stages.kernels.tile_gemm import YMM_TILES, tile_gemm, tiles_take
-from stages.kernels.tiled_attention import LANES, Workspace, attend_rows, finish_rows, merge_parts
+from stages.kernels.tiled_attention import LANES, Workspace, attend_rows, finish_rows, merge_parts, workspace
 from stages.kernels.toolkit import per_phase
 from stages.kernels.vector_ir import ZMM
 
 PAIR_FIELDS = tuple(f + "32" for f in Pairs32._fields) + tuple(f + "k" for f in PairsK._fields)
 Prefill = namedtuple("Prefill", ("act_bytes", "tiles", "decode_rows", "decode_of") + Workspace._fields
                      + ("pm", "pl", "po") + PAIR_FIELDS)
-HeadPairs = namedtuple("HeadPairs", PAIR_FIELDS)
+
+
+def head_record(record, M: int, K: int):
+    """A record of class `record` (Prefill, or a later stage's of the same fields: the stack it
+    selects) for the output head's call of M rows of K values."""
+    x32, xk = new_pairs(M, K)
+    part = np.zeros((0, 1, 1, 1, LANES), np.float32)
+    return record(0, np.zeros((0, 2), np.int64), np.zeros(0, np.int64), np.full(M, -1, np.int64),
+                  *workspace(1, 1, 1), part, part, np.zeros((*part.shape, 1), np.float32), *x32, *xk)
 
 
 @njit(cache=True, inline="always")
@@ -179,7 +190,7 @@ def merge_tiles(ops, il, weights, cache, rows, dims, s, ph, t, nt):
     _merge_tiles(il, weights, cache, rows, dims, s, ops, ph, t, nt)
 
 
-STACK = with_steps(repack_steps.STACK, (Prefill, HeadPairs), matmul_chunk=pair_chunk, round_row=round_pair_row,
+STACK = with_steps(repack_steps.STACK, (Prefill,), matmul_chunk=pair_chunk, round_row=round_pair_row,
                    activation_block=l2_block, attend=attend_tiles, merge=merge_tiles, part_shape=no_parts)
 
 toolkit.guard_cache(__name__, [_attend_tiles, _merge_tiles], sorted(Path(__file__).parent.glob("*.py")))
