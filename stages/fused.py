@@ -124,7 +124,7 @@ class FusedBackend(Int8Backend):
         self.cores = CoreShare()        # all threads, or one while the cores are shared
         self.barriers = 0               # barriers crossed in the last call (counted by the threads)
         self.phase_seconds = np.zeros(OPS_PER_LAYER)    # time in each phase (layer_stack.PHASES), summed
-        self._layers_types = (np.float32, None)         # (K/V dtype, Dims) of the last call of the layers
+        self._layers_dims = None                        # the Dims of the last call of the layers
 
     def layout_of(self, w) -> int:
         """How a matrix's rows are stored (layer_stack.MATRIX.layout): as the file stores them."""
@@ -145,7 +145,7 @@ class FusedBackend(Int8Backend):
         """The layer stack over the rows `tokens` [M]: h [M, D] before the final norm."""
         h = self.embed(model.token_embd, tokens)
         weights, dims, nt = self._compiled(model)
-        self._layers_types = (cache.k.dtype, dims)          # the head's call takes the same (matmul_blocks)
+        self._layers_dims = dims            # the head's call takes the same types (matmul_blocks)
         sync = new_sync(phases=OPS_PER_LAYER)
         t0 = time.perf_counter()
         self.stack.run_layers(h, weights, cache, rows, dims, sync, nt, self._ops(model, rows, cache))
@@ -217,6 +217,8 @@ class FusedBackend(Int8Backend):
         x = np.ascontiguousarray(x, dtype=np.float32)
         nt = self._threads()
         t0 = time.perf_counter()
-        y = self.stack.matmul_rows(x, blob, mat, nt, self._head_ops(*x.shape), *self._layers_types)
+        # the K/V dtype and Dims of the layers' calls (their compiled code), even before the layers ran
+        kv = np.dtype(np.uint16) if np.dtype(self.kv_dtype) == np.float16 else np.dtype(self.kv_dtype)  # kv_view's
+        y = self.stack.matmul_rows(x, blob, mat, nt, self._head_ops(*x.shape), kv, self._layers_dims)
         self.kernel_seconds += time.perf_counter() - t0
         return y
