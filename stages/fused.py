@@ -92,9 +92,14 @@ class _Plan:
         self.weights = Weights(read_only(blob), table, norms)
 
 
+def kv_bits(dtype) -> np.dtype:
+    """The dtype the kernels read K/V stored as `dtype` in: float32 as it is, float16 as its bits."""
+    return np.dtype(np.uint16) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
+
+
 def kv_view(a: np.ndarray) -> np.ndarray:
-    """A K/V array as the kernels read it: float32 as it is, float16 as its bits (uint16)."""
-    return a.view(np.uint16) if a.dtype == np.float16 else a
+    """A K/V array as the kernels read it (kv_bits)."""
+    return a.view(kv_bits(a.dtype))
 
 
 class FusedBackend(Int8Backend):
@@ -218,7 +223,7 @@ class FusedBackend(Int8Backend):
         nt = self._threads()
         t0 = time.perf_counter()
         # the K/V dtype and Dims of the layers' calls (their compiled code), even before the layers ran
-        kv = np.dtype(np.uint16) if np.dtype(self.kv_dtype) == np.float16 else np.dtype(self.kv_dtype)  # kv_view's
-        y = self.stack.matmul_rows(x, blob, mat, nt, self._head_ops(*x.shape), kv, self._layers_dims)
+        y = self.stack.matmul_rows(x, blob, mat, nt, self._head_ops(*x.shape), kv_bits(self.kv_dtype),
+                                   self._layers_dims)
         self.kernel_seconds += time.perf_counter() - t0
         return y
