@@ -141,7 +141,7 @@ for kind in amx_tiles.AMX_TYPES:
     got = amx_tiles.emulated_rows(kind, amx_tiles.tile_layout(raw, kind), raw.shape[1], p32, pk, M, N)
     mat = layer_stack.matrix_table([(0, N, raw.shape[1], kind, repack_steps.REPACKED)])
     want = repack_steps.STACK.matmul_rows(x, layer_stack.read_only(repacked.repack(raw, kind)), mat, 1,
-                                          repack_steps.Repacked(), np.uint16)      # as the stage calls it
+                                          repack_steps.Repacked(), np.uint16)   # K/V dtype: the stage's compiled call
     rows.append((GGMLType(kind).name, f"{N} x {M}", "identical" if np.array_equal(got, want) else
                  f"differ: max {np.abs(got - want).max():.3g}"))
 nb.show_table(["type", "weight rows x prompt rows", "against repack's kernel"], rows)
