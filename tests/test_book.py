@@ -1,9 +1,11 @@
 """The book (`make book`), built from the committed notebooks and read in a headless Chromium as a
 reader reads it: every chapter's page loads, shows its charts (images the browser decoded) and the
-caption that names the machine, commit and date of its figures, and no link or image inside the
+caption that names the machine, commit and date of its figures, no link or image inside the
 book is broken (every page reachable from the front page is visited and each internal link, file
-and anchor checked). Each check is shown failing on a planted copy of the site: a broken image, a
-removed page, a link to nowhere and to a missing anchor, a caption taken away.
+and anchor checked), and a link to a source file opens the book's page of that file, showing it as
+it is, never a download. Each check is shown failing on a planted copy of the site: a broken image,
+a removed page, a link to nowhere and to a missing anchor, a caption taken away, a source page
+that shows other code, a link that offers a source file as a download.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("myst_nb", reason="the book's tools are in requirements-book.txt (`make setup` installs them)")
 
 
-def _build_module():
-    spec = importlib.util.spec_from_file_location("notebooks_build", ROOT / "notebooks" / "build.py")
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-build = _build_module()
+build = _load("notebooks_build", ROOT / "notebooks" / "build.py")
+conf = _load("book_conf", ROOT / "notebooks" / "book" / "conf.py")
 CHAPTERS = {p.stem: p for p in build.sources()}          # name -> committed notebook
 IMAGE_MIMES = ("image/png", "image/jpeg", "image/svg+xml", "image/gif")
 
@@ -73,6 +76,7 @@ Promise.all(imgs.map(i => i.decode().then(() => true, () => false))).then(decode
   images: imgs.map((i, k) => [i.currentSrc || i.src, decoded[k] && i.complete && i.naturalWidth > 0,
                               !!i.closest('article, main')]),
   captions: Array.from(document.querySelectorAll('.chapter-provenance')).map(e => e.innerText),
+  code: (document.querySelector('.code-page td.code pre') || {}).textContent || null,
 }));
 """
 
@@ -88,10 +92,16 @@ class Page:
     assets: list = field(default_factory=list)
     images: list = field(default_factory=list)      # (src, loaded, in the page's content)
     captions: list = field(default_factory=list)
+    code: str | None = None                         # a source file's page: the code it shows
 
 
 def _file(url: str) -> Path:
     return Path(unquote(urlparse(url).path))
+
+
+def read_page(browser, path: Path) -> Page:
+    browser.get(path.as_uri())
+    return Page(**{k: (set(v) if k == "ids" else v) for k, v in browser.execute_async_script(READ_PAGE).items()})
 
 
 def crawl(browser, html: Path, only: tuple[str, ...] = ()) -> tuple[dict[Path, Page], list[str]]:
@@ -111,9 +121,7 @@ def crawl(browser, html: Path, only: tuple[str, ...] = ()) -> tuple[dict[Path, P
         path = queue.pop(0)
         if path in pages:
             continue
-        browser.get(path.as_uri())
-        page = Page(**{k: (set(v) if k == "ids" else v) for k, v in browser.execute_async_script(READ_PAGE).items()})
-        pages[path] = page
+        pages[path] = page = read_page(browser, path)
         where = path.relative_to(root)
         for src, loaded, _ in page.images:
             if not loaded:
@@ -161,6 +169,23 @@ def chapter_problems(pages: dict[Path, Page], html: Path) -> list[str]:
     return problems
 
 
+def source_problems(pages: dict[Path, Page], html: Path) -> list[str]:
+    """No link offers a source file as a download (Sphinx's _downloads/): it opens the file's
+    page (conf.py source_pages), and each such page shows the file as it is in the repository."""
+    root, problems = html.resolve(), []
+    for path, page in pages.items():
+        where = path.relative_to(root)
+        for url in page.links:
+            file = _file(urldefrag(url)[0])
+            if "_downloads" in file.parts and conf.code_lexer(file.name):
+                problems.append(f"{where}: link to {file.name} offers a download, not its page")
+        if where.parts[0] == conf.CODE:
+            source = ROOT / where.relative_to(conf.CODE).with_suffix("")        # x.py.html -> x.py
+            if page.code is None or page.code.rstrip("\n") != source.read_text().rstrip("\n"):
+                problems.append(f"{where}: does not show {source.relative_to(ROOT)} as it is")
+    return problems
+
+
 # ---- the checks ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -181,8 +206,16 @@ def test_no_link_or_image_inside_the_book_is_broken(read):
     assert not problems, "\n".join(problems)
 
 
+def test_a_link_to_a_source_file_opens_the_file_in_the_book(site, read):
+    pages, _ = read
+    shown = [p for p in pages if p.relative_to(site.resolve()).parts[0] == conf.CODE]
+    assert len(shown) >= len(CHAPTERS), f"the chapters link {len(shown)} source file(s) the crawl reached"
+    problems = source_problems(pages, site)
+    assert not problems, "\n".join(problems)
+
+
 def test_each_check_fails_on_a_planted_site(site, browser, tmp_path):
-    """A copy of the site, spoiled four ways; each spoiling is reported, by the check that owns it."""
+    """A copy of the site, spoiled six ways; each spoiling is reported, by the check that owns it."""
     planted = tmp_path / "html"
     shutil.copytree(site, planted)
     chapters = planted / "notebooks"
@@ -200,9 +233,20 @@ def test_each_check_fails_on_a_planted_site(site, browser, tmp_path):
                       "</article>", 1))
     page = chapters / f"{no_caption}.html"
     page.write_text(page.read_text().replace('class="chapter-provenance"', 'class="planted"'))
+    code_pages = sorted((planted / conf.CODE).rglob("*.py.html"))
+    spoiled = code_pages[0]                 # shows other code than its file's
+    spoiled.write_text(spoiled.read_text().replace('<td class="code">', '<td class="code"><pre>planted</pre>', 1))
+    page = chapters / f"{names[1]}.html"                # a link that offers its file as a download again
+    offered = re.search(rf'href="(\.\./{conf.CODE}/[^"#]+\.py\.html)"', page.read_text())
+    assert offered, f"{names[1]} links no source file"
+    page.write_text(page.read_text().replace(offered.group(1), "../_downloads/planted/" +
+                                             Path(offered.group(1)).name.removesuffix(".html"), 1))
 
     pages, problems = crawl(browser, planted, only=("notebooks",))
+    for path in (spoiled, code_pages[1]):                # the spoiled page and one left as built
+        pages[path] = read_page(browser, path)
     chapters_found = chapter_problems(pages, planted)
+    sources_found = source_problems(pages, planted)
     assert any(f"{broken_img}.html: image" in p and "planted-missing-" in p for p in problems), problems
     assert any(p.startswith(f"{broken_img}: ") and "image(s) shown" in p for p in chapters_found), chapters_found
     assert any(f"{removed}.html finds no file" in p for p in problems), problems
@@ -210,3 +254,6 @@ def test_each_check_fails_on_a_planted_site(site, browser, tmp_path):
     assert any(f"{bad_links}.html: link notebooks/planted-nowhere.html finds no file" in p for p in problems), problems
     assert any("#planted-no-anchor finds no such anchor" in p for p in problems), problems
     assert any(p.startswith(f"{no_caption}: no caption") for p in chapters_found), chapters_found
+    assert any(f"{spoiled.relative_to(planted)}: does not show" in p for p in sources_found), sources_found
+    assert any(f"{names[1]}.html: link to" in p and "offers a download" in p for p in sources_found), sources_found
+    assert len([p for p in sources_found if "does not show" in p]) == 1, sources_found

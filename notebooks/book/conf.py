@@ -13,10 +13,16 @@ a box at its top saying so, and the build prints a warning for it.
 
 Sphinx reads from the repository's root (the pages link each other and profiles/'s charts by
 their paths in the repository, as GitHub shows them), only the files include_patterns names.
+
+A link to a source file (a chapter's "read stages/kernels/sync.py") opens that file as a page of
+the book, its code highlighted with numbered lines (`_code/<its path>.html`), where Sphinx would
+offer the file as a download: the reader reads the code the chapter points at without leaving
+the book. Each page is the file as it is when the book is built.
 """
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import sys
@@ -26,6 +32,10 @@ CONF = Path(__file__).resolve().parent
 ROOT = CONF.parents[1]
 sys.path.insert(0, str(ROOT))
 
+from docutils import nodes  # noqa: E402
+from pygments.lexers import get_lexer_for_filename  # noqa: E402
+from pygments.util import ClassNotFound  # noqa: E402
+from sphinx import addnodes  # noqa: E402
 from sphinx.util import logging  # noqa: E402
 
 from notebooks import build as chapters  # noqa: E402
@@ -111,6 +121,45 @@ def chapter_with_state(app, docname: str, text: str) -> str:
     return json.dumps(nb)
 
 
+CODE = "_code"       # the source files' pages: _code/<path in the repository>.html
+
+
+def code_lexer(path: str) -> str | None:
+    """The Pygments lexer of a source file the book shows as a page, or None: a file to download."""
+    try:
+        return get_lexer_for_filename(path).aliases[0]
+    except ClassNotFound:
+        return None
+
+
+def source_links_as_pages(app, doctree, docname):
+    """A link to a source file points at its page (source_pages), not at a copy to download."""
+    for node in list(doctree.findall(addnodes.download_reference)):
+        path = Path(app.env.relfn2path(node["reftarget"], node.get("refdoc", docname))[0]).as_posix()
+        if code_lexer(path) is None:
+            continue
+        link = nodes.reference("", "", *node.children, internal=True,
+                               refuri=app.builder.get_relative_uri(docname, f"{CODE}/{path}"))
+        node.replace_self(link)
+
+
+def source_pages(app):
+    """One page per source file a page links to: its path as the title, its code with numbered
+    lines, each line an anchor (#L-12)."""
+    for path in sorted(Path(p).as_posix() for p in app.env.dlfiles):
+        lexer = code_lexer(path)
+        if lexer is None or not (ROOT / path).is_file():
+            continue
+        text = (ROOT / path).read_text()
+        lines = text.count("\n")
+        code = app.builder.highlighter.highlight_block(text, lexer, linenos="table", lineanchors="L",
+                                                       anchorlinenos=True)
+        body = (f'<div class="code-page">\n<h1><code>{html.escape(path)}</code></h1>\n'
+                f'<p>The file in the repository at <code>{html.escape(path)}</code>, as it was when this book '
+                f'was built: {lines} lines.</p>\n{code}</div>')
+        yield f"{CODE}/{path}", {"title": path, "body": body, "parents": []}, "page.html"
+
+
 def on_source_read(app, docname, source):
     if docname in CHAPTERS:
         source[0] = chapter_with_state(app, docname, source[0])
@@ -121,3 +170,5 @@ def on_source_read(app, docname, source):
 
 def setup(app):
     app.connect("source-read", on_source_read)
+    app.connect("doctree-resolved", source_links_as_pages)
+    app.connect("html-collect-pages", source_pages)
