@@ -77,6 +77,8 @@ Promise.all(imgs.map(i => i.decode().then(() => true, () => false))).then(decode
                               !!i.closest('article, main')]),
   captions: Array.from(document.querySelectorAll('.chapter-provenance')).map(e => e.innerText),
   code: (document.querySelector('.code-page td.code pre') || {}).textContent || null,
+  named: Array.from(document.querySelectorAll('article code'))
+           .filter(c => !c.closest('a, pre, h1, h2, h3, h4, .code-page')).map(c => c.textContent.trim()),
 }));
 """
 
@@ -93,6 +95,7 @@ class Page:
     images: list = field(default_factory=list)      # (src, loaded, in the page's content)
     captions: list = field(default_factory=list)
     code: str | None = None                         # a source file's page: the code it shows
+    named: list = field(default_factory=list)       # the text's code spans outside links
 
 
 def _file(url: str) -> Path:
@@ -171,10 +174,16 @@ def chapter_problems(pages: dict[Path, Page], html: Path) -> list[str]:
 
 def source_problems(pages: dict[Path, Page], html: Path) -> list[str]:
     """No link offers a source file as a download (Sphinx's _downloads/): it opens the file's
-    page (conf.py source_pages), and each such page shows the file as it is in the repository."""
+    page (conf.py source_pages), and each such page shows the file as it is in the repository.
+    A code span that names a source file or a page by its path is a link (conf.py
+    named_files_as_links); one that is not names a file the repository does not have."""
     root, problems = html.resolve(), []
     for path, page in pages.items():
         where = path.relative_to(root)
+        for text in page.named:
+            if conf.NAMED.fullmatch(text) and text.split("/")[0] not in conf.NOT_IN_REPO and \
+                    (conf.code_lexer(text) or text.endswith((".md", ".ipynb"))):
+                problems.append(f"{where}: `{text}` is not a link: no such file in the repository?")
         for url in page.links:
             file = _file(urldefrag(url)[0])
             if "_downloads" in file.parts and conf.code_lexer(file.name):

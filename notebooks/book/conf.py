@@ -17,7 +17,9 @@ their paths in the repository, as GitHub shows them), only the files include_pat
 A link to a source file (a chapter's "read stages/kernels/sync.py") opens that file as a page of
 the book, its code highlighted with numbered lines (`_code/<its path>.html`), where Sphinx would
 offer the file as a download: the reader reads the code the chapter points at without leaving
-the book. Each page is the file as it is when the book is built.
+the book. A path the text names in code (`stages/kernels/sync.py`) becomes such a link too (or a
+link to the page, where it names one of the book's pages), and one that names no file of the
+repository is a warning. Each page is the file as it is when the book is built.
 """
 
 from __future__ import annotations
@@ -124,8 +126,13 @@ def chapter_with_state(app, docname: str, text: str) -> str:
 CODE = "_code"       # the source files' pages: _code/<path in the repository>.html
 
 
+SOURCE = (".py", ".cu", ".c", ".h", ".sh", ".toml")    # the code a page shows; a record (.json) stays a file
+
+
 def code_lexer(path: str) -> str | None:
     """The Pygments lexer of a source file the book shows as a page, or None: a file to download."""
+    if not path.endswith(SOURCE):
+        return None
     try:
         return get_lexer_for_filename(path).aliases[0]
     except ClassNotFound:
@@ -143,10 +150,72 @@ def source_links_as_pages(app, doctree, docname):
         node.replace_self(link)
 
 
+# A code span that names a file of the repository by its path from the root: `stages/kernels/sync.py`
+# (not a pattern or a placeholder: `profiles/bench/ttft_*.json`, `notebooks/NN_<name>.ipynb`).
+NAMED = re.compile(r"[a-z_]+/[A-Za-z0-9_./-]+\.[A-Za-z0-9]+")
+NOT_IN_REPO = ("build", "models")     # folders of files made or fetched, which the repository does not hold
+
+
+def named_path(literal) -> str | None:
+    """The repository path a code span outside any link names, or None."""
+    text = literal.astext().strip()
+    top = text.split("/")[0]
+    if (not NAMED.fullmatch(text) or top in NOT_IN_REPO or not (ROOT / top).is_dir()
+            or any(isinstance(a, (nodes.reference, nodes.title, addnodes.download_reference))
+                   for a in _ancestors(literal))):
+        return None
+    return text
+
+
+def _ancestors(node):
+    while node.parent is not None:
+        node = node.parent
+        yield node
+
+
+def book_page(app, path: str) -> str | None:
+    """The book's page of a repository file (a chapter's notebook, a Markdown page), if it has one."""
+    doc = str(Path(path).with_suffix(""))
+    return doc if doc in app.env.found_docs and path.endswith((".md", ".ipynb")) else None
+
+
+def collect_named_files(app, doctree):
+    """The source files a page names in code, which get pages of their own (source_pages)."""
+    named = app.env.__dict__.setdefault("named_files", {})
+    named[app.env.docname] = {p for lit in doctree.findall(nodes.literal) if (p := named_path(lit)) is not None
+                              and (ROOT / p).is_file() and not book_page(app, p) and code_lexer(p)}
+
+
+def forget_named_files(app, env, docname):
+    env.__dict__.get("named_files", {}).pop(docname, None)
+
+
+def merge_named_files(app, env, docnames, other):
+    env.__dict__.setdefault("named_files", {}).update(other.__dict__.get("named_files", {}))
+
+
+def named_files_as_links(app, doctree, docname):
+    """A code span that names a file links to the file's page (or to its page in the book); one that
+    names no file of the repository is a warning (the text names a file that moved or went)."""
+    for literal in list(doctree.findall(nodes.literal)):
+        path = named_path(literal)
+        if path is None:
+            continue
+        if not (ROOT / path).is_file():
+            logger.warning(f"{docname}: `{path}` names no file of the repository", location=literal)
+            continue
+        page = book_page(app, path) or (f"{CODE}/{path}" if code_lexer(path) else None)
+        if page is not None:
+            link = nodes.reference("", "", internal=True, refuri=app.builder.get_relative_uri(docname, page))
+            literal.replace_self(link)
+            link += literal
+
+
 def source_pages(app):
-    """One page per source file a page links to: its path as the title, its code with numbered
-    lines, each line an anchor (#L-12)."""
-    for path in sorted(Path(p).as_posix() for p in app.env.dlfiles):
+    """One page per source file a page links to or names in code: its path as the title, its code
+    with numbered lines, each line an anchor (#L-12)."""
+    named = set().union(*app.env.__dict__.get("named_files", {}).values())
+    for path in sorted({Path(p).as_posix() for p in app.env.dlfiles} | named):
         lexer = code_lexer(path)
         if lexer is None or not (ROOT / path).is_file():
             continue
@@ -155,8 +224,7 @@ def source_pages(app):
         code = app.builder.highlighter.highlight_block(text, lexer, linenos="table", lineanchors="L",
                                                        anchorlinenos=True)
         body = (f'<div class="code-page">\n<h1><code>{html.escape(path)}</code></h1>\n'
-                f'<p>The file in the repository at <code>{html.escape(path)}</code>, as it was when this book '
-                f'was built: {lines} lines.</p>\n{code}</div>')
+                f'<p>The file as it was when this book was built: {lines} lines.</p>\n{code}</div>')
         yield f"{CODE}/{path}", {"title": path, "body": body, "parents": []}, "page.html"
 
 
@@ -171,4 +239,8 @@ def on_source_read(app, docname, source):
 def setup(app):
     app.connect("source-read", on_source_read)
     app.connect("doctree-resolved", source_links_as_pages)
+    app.connect("doctree-read", collect_named_files)
+    app.connect("env-purge-doc", forget_named_files)
+    app.connect("env-merge-info", merge_named_files)
+    app.connect("doctree-resolved", named_files_as_links)
     app.connect("html-collect-pages", source_pages)

@@ -223,7 +223,7 @@ findings["Q4_K block"] = f"decoded by hand from its 144 bytes ({where}); identic
 # %% [markdown]
 # ## Tokens
 #
-# The model never sees text, only ids. The tokenizer (`common/tokenizer.py`) is rebuilt from the
+# The model never sees text, only ids. The tokenizer (`common/tokenizer/tokenizer.py`) is rebuilt from the
 # metadata alone (`tokenizer.ggml.*`): SmolLM2 uses byte-level BPE, where a word's UTF-8 bytes
 # are spelled in a printable alphabet (`Ġ` is a space) and merged pair by pair, most frequent
 # pair first. Common words become one token; rare ones split into pieces.
