@@ -2,7 +2,8 @@
 reader reads it: every chapter's page loads, shows its charts (images the browser decoded) and the
 caption that names the machine, commit and date of its figures, no link or image inside the
 book is broken (every page reachable from the front page is visited and each internal link, file
-and anchor checked), and a link to a source file opens the book's page of that file, showing it as
+and anchor checked; the source files' pages, one template many times over, are loaded once per
+folder depth and otherwise read from their files), and a link to a source file opens the book's page of that file, showing it as
 it is, never a download. Each check is shown failing on a planted copy of the site: a broken image,
 a removed page, a link to nowhere and to a missing anchor, a caption taken away, a source page
 that shows other code, a link that offers a source file as a download.
@@ -15,8 +16,9 @@ import json
 import re
 import shutil
 from dataclasses import dataclass, field
+from html import unescape
 from pathlib import Path
-from urllib.parse import unquote, urldefrag, urlparse
+from urllib.parse import unquote, urldefrag, urljoin, urlparse
 
 import pytest
 
@@ -107,14 +109,30 @@ def read_page(browser, path: Path) -> Page:
     return Page(**{k: (set(v) if k == "ids" else v) for k, v in browser.execute_async_script(READ_PAGE).items()})
 
 
+def read_file(path: Path) -> Page:
+    """A page read from its HTML file, not in the browser: its links and assets (resolved as the
+    browser resolves them), ids and code. For the source files' pages, one template many times
+    over: the browser loads one of them per folder depth (a link written relative to the depth
+    breaks for all of that depth at once), and each load costs a fifth of a second."""
+    text, base = path.read_text(), path.as_uri()
+    hrefs = re.findall(r'<a\s[^>]*?href="([^"]*)"', text)
+    assets = re.findall(r'<(?:link|script)\s[^>]*?(?:href|src)="([^"]*)"', text)
+    code = re.search(r'<td class="code">.*?<pre>(.*?)</pre>', text, re.S)
+    return Page(h1=unescape(re.sub(r"<[^>]+>", "", (re.search(r"<h1>(.*?)</h1>", text, re.S) or [""])[0])),
+                ids=set(re.findall(r'\sid="([^"]*)"', text)),
+                links=[urljoin(base, unescape(h)) for h in hrefs], assets=[urljoin(base, unescape(a)) for a in assets],
+                code=unescape(re.sub(r"<[^>]+>", "", code.group(1))) if code else None)
+
+
 def crawl(browser, html: Path, only: tuple[str, ...] = ()) -> tuple[dict[Path, Page], list[str]]:
     """Every page reachable from the front page by links inside the book (or those of its pages
-    under the folders `only` names, and the front page), read in the browser; and the problems met
-    on the way: a link or asset that leaves the book or finds no file, a link to an anchor its page
-    lacks, an image that did not load."""
+    under the folders `only` names, and the front page), read in the browser (the source files'
+    pages: one per depth, the others from their files, read_file); and the problems met on the
+    way: a link or asset that leaves the book or finds no file, a link to an anchor its page lacks,
+    an image that did not load."""
     root = html.resolve()
     pages: dict[Path, Page] = {}
-    problems, queue, anchors = [], [], []
+    problems, queue, anchors, depths = [], [], [], set()
     refresh = REDIRECT.search((root / "index.html").read_text()) if (root / "index.html").is_file() else None
     if refresh is None or not (root / refresh.group(1)).is_file():
         problems.append(f"index.html opens no front page ({refresh.group(1) if refresh else 'no redirect'})")
@@ -124,8 +142,13 @@ def crawl(browser, html: Path, only: tuple[str, ...] = ()) -> tuple[dict[Path, P
         path = queue.pop(0)
         if path in pages:
             continue
-        pages[path] = page = read_page(browser, path)
         where = path.relative_to(root)
+        if where.parts[0] == conf.CODE and len(where.parts) in depths:
+            pages[path] = page = read_file(path)
+        else:
+            pages[path] = page = read_page(browser, path)
+            if where.parts[0] == conf.CODE:
+                depths.add(len(where.parts))
         for src, loaded, _ in page.images:
             if not loaded:
                 problems.append(f"{where}: image {src} did not load")
@@ -224,7 +247,7 @@ def test_a_link_to_a_source_file_opens_the_file_in_the_book(site, read):
 
 
 def test_each_check_fails_on_a_planted_site(site, browser, tmp_path):
-    """A copy of the site, spoiled six ways; each spoiling is reported, by the check that owns it."""
+    """A copy of the site, spoiled seven ways; each spoiling is reported, by the check that owns it."""
     planted = tmp_path / "html"
     shutil.copytree(site, planted)
     chapters = planted / "notebooks"
@@ -242,18 +265,19 @@ def test_each_check_fails_on_a_planted_site(site, browser, tmp_path):
                       "</article>", 1))
     page = chapters / f"{no_caption}.html"
     page.write_text(page.read_text().replace('class="chapter-provenance"', 'class="planted"'))
-    code_pages = sorted((planted / conf.CODE).rglob("*.py.html"))
-    spoiled = code_pages[0]                 # shows other code than its file's
-    spoiled.write_text(spoiled.read_text().replace('<td class="code">', '<td class="code"><pre>planted</pre>', 1))
+    # every source page of one depth shows other code and links to nowhere: the browser reads the
+    # first of them the crawl reaches, and the others from their files (read_file); each is reported
+    deep = sorted((planted / conf.CODE).glob("*/*/*.html"))
+    for page in deep:
+        page.write_text(page.read_text().replace('<td class="code">', '<td class="code"><pre>planted</pre>', 1)
+                        .replace("</article>", '<a href="planted-nowhere.html">z</a></article>', 1))
     page = chapters / f"{names[1]}.html"                # a link that offers its file as a download again
     offered = re.search(rf'href="(\.\./{conf.CODE}/[^"#]+\.py\.html)"', page.read_text())
     assert offered, f"{names[1]} links no source file"
     page.write_text(page.read_text().replace(offered.group(1), "../_downloads/planted/" +
                                              Path(offered.group(1)).name.removesuffix(".html"), 1))
 
-    pages, problems = crawl(browser, planted, only=("notebooks",))
-    for path in (spoiled, code_pages[1]):                # the spoiled page and one left as built
-        pages[path] = read_page(browser, path)
+    pages, problems = crawl(browser, planted, only=("notebooks", conf.CODE))
     chapters_found = chapter_problems(pages, planted)
     sources_found = source_problems(pages, planted)
     assert any(f"{broken_img}.html: image" in p and "planted-missing-" in p for p in problems), problems
@@ -263,6 +287,12 @@ def test_each_check_fails_on_a_planted_site(site, browser, tmp_path):
     assert any(f"{bad_links}.html: link notebooks/planted-nowhere.html finds no file" in p for p in problems), problems
     assert any("#planted-no-anchor finds no such anchor" in p for p in problems), problems
     assert any(p.startswith(f"{no_caption}: no caption") for p in chapters_found), chapters_found
-    assert any(f"{spoiled.relative_to(planted)}: does not show" in p for p in sources_found), sources_found
+    reached = [page for page in deep if page.resolve() in pages]        # from a chapter, or from another such page
+    assert len(reached) >= 2, reached
+    for page in reached:
+        where = page.relative_to(planted)
+        assert any(f"{where}: does not show" in p for p in sources_found), (where, sources_found)
+        assert any(f"{where}: link {where.parent}/planted-nowhere.html finds no file" in p for p in problems), \
+            (where, problems)
+    assert all(p.split(":")[0].count("/") == 3 for p in sources_found if "does not show" in p), sources_found
     assert any(f"{names[1]}.html: link to" in p and "offers a download" in p for p in sources_found), sources_found
-    assert len([p for p in sources_found if "does not show" in p]) == 1, sources_found
