@@ -3,10 +3,11 @@ reader reads it: every chapter's page loads, shows its charts (images the browse
 caption that names the machine, commit and date of its figures, no link or image inside the
 book is broken (every page reachable from the front page is visited and each internal link, file
 and anchor checked; the source files' pages, one template many times over, are loaded once per
-folder depth and otherwise read from their files), and a link to a source file opens the book's page of that file, showing it as
-it is, never a download. Each check is shown failing on a planted copy of the site: a broken image,
-a removed page, a link to nowhere and to a missing anchor, a caption taken away, a source page
-that shows other code, a link that offers a source file as a download.
+folder depth and otherwise read from their files), and a link to a source file opens the book's
+page of that file, showing it as it is, never a download. Each check is shown failing on a planted
+copy of the site: a broken image, a removed page, a link to nowhere and to a missing anchor, a
+caption taken away, source pages that show other code, a link that offers a source file as a
+download.
 """
 
 from __future__ import annotations
