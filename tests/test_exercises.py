@@ -32,8 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "tests" / "exercise_solutions"
 PLANTED_DIR = ROOT / "build" / "planted"
 CHAPTERS = list(check.folders())
-# every chapter a stage or a lesson of its own teaches, but the GPU's (06) and tp's MPI ranks (11)
-REQUIRED = ["01", "02", "03", "04", "05", "07", "08", "09", "10", "12", "14", "15"]
+# every chapter a stage or a lesson of its own teaches, but the GPU's (06) and tp's MPI ranks (11);
+# the matrix unit's (13) is its layout, which any CPU computes
+REQUIRED = ["01", "02", "03", "04", "05", "07", "08", "09", "10", "12", "13", "14", "15"]
 
 
 def run(chapter, solution, time_it=False, quick=True) -> tuple[bool, str]:
@@ -161,6 +162,15 @@ PLANTED = [
     Planted("12_diagonal_off_by_one", "12_tile_blocks_of_48.py", "see = min(t1, p0 + r + 1)",
             "see = min(t1, max(p0 + r, 1))",
             "the first 5 rows of a prompt", "> bound"),
+    # the value's nibbles taken as neighbours (value 2j low, 2j + 1 high), not j and j + 16
+    Planted("13_nibbles_interleaved", "13_group_by_group.py", "values = (np.concatenate([qs & 15, qs >> 4])",
+            "values = (np.stack([qs & 15, qs >> 4], axis=1).reshape(-1).astype(np.int16) - 8).astype(np.int8)"
+            ".view(np.uint8)",
+            "one group of 16 rows", "value 1 of weight row 0"),
+    # a missing row written as a block of zeros: every value 0 - 8, where it must add nothing
+    Planted("13_padding_rows_offset", "13_group_by_group.py", "continue                    # a missing row",
+            "pass",
+            "its last 3 rows zeros", "value 0 of weight row 13"),
     Planted("14_small_ones_overtake", "14_admission_in_a_helper.py", "# nobody overtakes",
             "continue",
             "no overtaking", "step 1: rows"),

@@ -192,3 +192,43 @@ findings["running total"] = nb.journey("amx")
 
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: the amx stage's tile layout of a Q4_0 matrix.** The starting file,
+# [`exercises/13_amx/tile_layout.py`](../exercises/13_amx/tile_layout.py), holds the function's
+# signature and a docstring with the shapes, what to write and why, and the edges that catch a first
+# attempt. Edit it, then check it:
+#
+# ```
+# make exercise ch=13
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 13`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 13`). The check runs your code and the stage's own,
+# [`stages/kernels/amx_tiles.py`](../stages/kernels/amx_tiles.py) (`tile_layout`), on 6 seeded cases
+# of awkward shapes, holding yours to the stage's byte for byte (a wrong byte is named by its group,
+# block, B row, weight row and value). It needs no matrix unit: the layout is numpy, so any CPU checks
+# it. Once all cases pass, it times your layout at load beside the stage's and beside repack's, the
+# layout the prefill stage reads (and decode still reads here). `--solution reference` runs the check
+# on the stage's own code. Every chapter's exercise: [`exercises/README.md`](../exercises/README.md).
+#
+# **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
+# chapter's model gives the one below. Each command prints the prediction, then the measurement, and
+# keeps both in `build/try_it/13_amx.json` (your machine's figures, not committed). Both run on any
+# CPU. All of them: `make try-it ch=13`.
+#
+# 1. **The weight type under the tile layout (amx_tiles.TILE_AT): bytes per 32 values of a row.**
+#    - *Predict:* the unit multiplies whole bytes, so the tile copy holds every value as a byte:
+#      32 bytes and its scales per 32 values of a row, 34 for Q4_0 (against the file's 18: 1.89x)
+#      and 36 for Q4_1 (against 20: 1.8x); repack's layout, which decode keeps reading, is as
+#      large as the file.
+#    - *Measure:* `make try-it ch=13 exp=layout_bytes`
+#
+# 2. **The layout's cost at load: amx_tiles.tile_layout against repacked.repack (numpy, one
+# thread).**
+#    - *Predict:* the tile layout unpacks every nibble and moves the values four bytes at a time,
+#      where repack moves whole 4-byte pieces of the blocks: expect it a few times slower than
+#      repack at load, a fraction of a second for a small model's matrices, paid once.
+#    - *Measure:* `make try-it ch=13 exp=layout_time`
