@@ -142,6 +142,23 @@ def exact(what: str, got, want) -> str | None:
     return f"{what}{_where(i)}: got {got[i]!r}, want {want[i]!r} ({int((~same).sum())} of {same.size} differ)"
 
 
+def same_bytes(got, want: np.ndarray, sizes: str, where, dtype_hint: str = "") -> tuple[str | None, str]:
+    """A layout the learner wrote (uint8 bytes) against the stage's, byte for byte: (the failure or
+    None, a note on a pass). `sizes`: how the right length is made up, said when the length is
+    wrong; `where(offset)`: the first wrong byte in words (its group, block, field, row)."""
+    got = np.asarray(got)
+    if got.dtype != np.uint8:
+        return f"the result is {got.dtype}: return uint8 bytes{dtype_hint}", ""
+    got = got.reshape(-1)
+    if got.size != want.size:
+        return f"{got.size} bytes, want {want.size} = {sizes}", ""
+    diff = np.flatnonzero(got != want)
+    if diff.size:
+        o = int(diff[0])
+        return f"byte {o}: got {got[o]}, want {want[o]} ({where(o)}); {diff.size} of {want.size} bytes differ", ""
+    return None, f"{want.size} bytes, every one equal"
+
+
 # ---- timing ----------------------------------------------------------------------------------------
 
 def best_seconds(fn, reps: int = 5, warm: bool = True) -> float:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from exercises.harness import Case, Exercise, Timing, best_seconds, load_file
+from exercises.harness import Case, Exercise, Timing, best_seconds, load_file, same_bytes
 from stages.kernels import int_tiles, repacked
 from stages.kernels.q8 import new_packs, quantize_row
 from stages.kernels.toolkit import Q4_1
@@ -72,20 +72,9 @@ class Repack(Exercise):
 
     def judge(self, sol, case):
         raw = case.inputs["raw"]
-        got = np.asarray(sol.repack_q4_1(raw.copy()))
-        want = stage_repack(raw)
-        if got.dtype != np.uint8:
-            return f"the result is {got.dtype}: return uint8 bytes", ""
-        got = got.reshape(-1)
-        if got.size != want.size:
-            return (f"{got.size} bytes, want {want.size} = ceil({raw.shape[0]} / 8) groups x 8 rows x "
-                    f"{raw.shape[1]} bytes"), ""
-        diff = np.flatnonzero(got != want)
-        if diff.size:
-            o = int(diff[0])
-            return (f"byte {o}: got {got[o]}, want {want[o]} ({locate(o, raw.shape[1] // 20)}); "
-                    f"{diff.size} of {want.size} bytes differ"), ""
-        return None, f"{want.size} bytes, every one equal"
+        nb = raw.shape[1] // 20
+        return same_bytes(sol.repack_q4_1(raw.copy()), stage_repack(raw),
+                          f"ceil({raw.shape[0]} / 8) groups x 8 rows x {raw.shape[1]} bytes", lambda o: locate(o, nb))
 
     def timings(self, sol, quick):
         raw, what = decode_weight(quick)

@@ -12,7 +12,7 @@ import numpy as np
 
 from common.gguf import GGMLType
 from common.quants import quantize
-from exercises.harness import Case, Exercise, Timing, best_seconds
+from exercises.harness import Case, Exercise, Timing, best_seconds, same_bytes
 from stages.kernels import amx_tiles, repacked
 from stages.kernels.toolkit import Q4_0
 
@@ -72,20 +72,10 @@ class TileLayout(Exercise):
 
     def judge(self, sol, case):
         raw = case.inputs["raw"]
-        got = np.asarray(sol.tile_layout_q4_0(raw))
-        want = stage_layout(raw)
-        if got.dtype != np.uint8:
-            return f"the result is {got.dtype}: return uint8 bytes (a value q - 8 as its byte: -8 is 248)", ""
-        got = got.reshape(-1)
-        if got.size != want.size:
-            return (f"{got.size} bytes, want {want.size} = ceil({raw.shape[0]} / 16) groups x "
-                    f"{raw.shape[1] // 18} blocks x 544 bytes"), ""
-        diff = np.flatnonzero(got != want)
-        if diff.size:
-            o = int(diff[0])
-            return (f"byte {o}: got {got[o]}, want {want[o]} ({locate(o, raw.shape[1] // 18)}); "
-                    f"{diff.size} of {want.size} bytes differ"), ""
-        return None, f"{want.size} bytes, every one equal"
+        nb = raw.shape[1] // 18
+        return same_bytes(sol.tile_layout_q4_0(raw), stage_layout(raw),
+                          f"ceil({raw.shape[0]} / 16) groups x {nb} blocks x 544 bytes", lambda o: locate(o, nb),
+                          " (a value q - 8 as its byte: -8 is 248)")
 
     def timings(self, sol, quick):
         raw, what = load_weight(quick)
