@@ -7,7 +7,7 @@ folder depth and otherwise read from their files), and a link to a source file o
 page of that file, showing it as it is, never a download. Each check is shown failing on a planted
 copy of the site: a broken image, a removed page, a link to nowhere and to a missing anchor, a
 caption taken away, source pages that show other code, a link that offers a source file as a
-download.
+download, a path in code that names no file.
 """
 
 from __future__ import annotations
@@ -205,8 +205,7 @@ def source_problems(pages: dict[Path, Page], html: Path) -> list[str]:
     for path, page in pages.items():
         where = path.relative_to(root)
         for text in page.named:
-            if conf.NAMED.fullmatch(text) and text.split("/")[0] not in conf.NOT_IN_REPO and \
-                    (conf.code_lexer(text) or text.endswith((".md", ".ipynb"))):
+            if conf.repo_path(text) and (conf.code_lexer(text) or text.endswith((".md", ".ipynb"))):
                 problems.append(f"{where}: `{text}` is not a link: no such file in the repository?")
         for url in page.links:
             file = _file(urldefrag(url)[0])
@@ -248,7 +247,7 @@ def test_a_link_to_a_source_file_opens_the_file_in_the_book(site, read):
 
 
 def test_each_check_fails_on_a_planted_site(site, browser, tmp_path):
-    """A copy of the site, spoiled seven ways; each spoiling is reported, by the check that owns it."""
+    """A copy of the site, spoiled eight ways; each spoiling is reported, by the check that owns it."""
     planted = tmp_path / "html"
     shutil.copytree(site, planted)
     chapters = planted / "notebooks"
@@ -276,7 +275,8 @@ def test_each_check_fails_on_a_planted_site(site, browser, tmp_path):
     offered = re.search(rf'href="(\.\./{conf.CODE}/[^"#]+\.py\.html)"', page.read_text())
     assert offered, f"{names[1]} links no source file"
     page.write_text(page.read_text().replace(offered.group(1), "../_downloads/planted/" +
-                                             Path(offered.group(1)).name.removesuffix(".html"), 1))
+                                             Path(offered.group(1)).name.removesuffix(".html"), 1)
+                    .replace("</article>", "<p><code>common/planted_gone.py</code></p></article>", 1))
 
     pages, problems = crawl(browser, planted, only=("notebooks", conf.CODE))
     chapters_found = chapter_problems(pages, planted)
@@ -297,3 +297,4 @@ def test_each_check_fails_on_a_planted_site(site, browser, tmp_path):
             (where, problems)
     assert all(p.split(":")[0].count("/") == 3 for p in sources_found if "does not show" in p), sources_found
     assert any(f"{names[1]}.html: link to" in p and "offers a download" in p for p in sources_found), sources_found
+    assert any(f"{names[1]}.html: `common/planted_gone.py` is not a link" in p for p in sources_found), sources_found

@@ -156,15 +156,18 @@ NAMED = re.compile(r"[a-z_]+/[A-Za-z0-9_./-]+\.[A-Za-z0-9]+")
 NOT_IN_REPO = ("build", "models")     # folders of files made or fetched, which the repository does not hold
 
 
-def named_path(literal) -> str | None:
-    """The repository path a code span outside any link names, or None."""
-    text = literal.astext().strip()
+def repo_path(text: str) -> str | None:
+    """The repository path a code span's text names (under one of the repository's folders), or None."""
+    text = text.strip()
     top = text.split("/")[0]
-    if (not NAMED.fullmatch(text) or top in NOT_IN_REPO or not (ROOT / top).is_dir()
-            or any(isinstance(a, (nodes.reference, nodes.title, addnodes.download_reference))
-                   for a in _ancestors(literal))):
+    return text if NAMED.fullmatch(text) and top not in NOT_IN_REPO and (ROOT / top).is_dir() else None
+
+
+def named_path(literal) -> str | None:
+    """The repository path a code span outside any link (and outside a title) names, or None."""
+    if any(isinstance(a, (nodes.reference, nodes.title, addnodes.download_reference)) for a in _ancestors(literal)):
         return None
-    return text
+    return repo_path(literal.astext())
 
 
 def _ancestors(node):
