@@ -73,8 +73,8 @@ class TileLayout(Exercise):
     def judge(self, sol, case):
         raw = case.inputs["raw"]
         nb = raw.shape[1] // 18
-        return same_bytes(sol.tile_layout_q4_0(raw), stage_layout(raw),
-                          f"ceil({raw.shape[0]} / {GROUP}) groups x {nb} blocks x {BLOCK} bytes", lambda o: locate(o, nb),
+        sizes = f"ceil({raw.shape[0]} / {GROUP}) groups x {nb} blocks x {BLOCK} bytes"
+        return same_bytes(sol.tile_layout_q4_0(raw), stage_layout(raw), sizes, lambda o: locate(o, nb),
                           " (a value q - 8 as its byte: -8 is 248)")
 
     def timings(self, sol, quick):
