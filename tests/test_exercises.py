@@ -34,7 +34,7 @@ PLANTED_DIR = ROOT / "build" / "planted"
 CHAPTERS = list(check.folders())
 # every chapter a stage or a lesson of its own teaches, but the GPU's (06) and tp's MPI ranks (11);
 # the matrix unit's (13) is its layout, which any CPU computes
-REQUIRED = ["01", "02", "03", "04", "05", "07", "08", "09", "10", "12", "13", "14", "15"]
+REQUIRED = ["01", "02", "03", "04", "05", "07", "08", "09", "10", "11", "12", "13", "14", "15"]
 
 
 def run(chapter, solution, time_it=False, quick=True) -> tuple[bool, str]:
@@ -154,6 +154,15 @@ PLANTED = [
     Planted("10_rows_not_padded", "10_loop_per_byte.py", "G = -(-N // 8)",
             "G = N // 8",
             "the second group has 5 rows", "ceil(13 / 8) groups"),
+    # a rank's KV head counted from the model's first, not the rank's own: rank 1 reads past its slice
+    Planted("11_kv_head_of_the_model", "11_head_by_head.py", "kv = j // G",
+            "kv = share.kv_heads[0] + j // G",
+            "3 KV heads over 2 ranks", "rank 1 of 2"),
+    # the hidden units split evenly, not as the plan says (it evens out bytes where heads are unequal)
+    Planted("11_units_split_evenly", "11_head_by_head.py", "f0, f1 = share.ff",
+            "f0, f1 = w['ffn_gate'].shape[0] * share.rank // share.n_ranks, "
+            "w['ffn_gate'].shape[0] * (share.rank + 1) // share.n_ranks",
+            "the split evens out bytes", "rank 0 of 2: ffn"),
     # only whole blocks of keys walked: a prompt shorter than a block has nothing to attend over, 0 / 0
     Planted("12_partial_block_dropped", "12_tile_blocks_of_48.py", "for t0 in range(0, last + 1, BLOCK):",
             "for t0 in range(0, last + 1 - (last + 1) % BLOCK, BLOCK):",

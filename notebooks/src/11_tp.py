@@ -274,3 +274,50 @@ findings["running total"] = nb.journey("tp")
 
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: one rank's share of a layer, before the all-reduces.** The starting file,
+# [`exercises/11_tp/rank_share.py`](../exercises/11_tp/rank_share.py), holds the function's signature
+# and a docstring with the shapes, what to write and why, and the edges that catch a first attempt:
+# a rank's first query head is not head 0, ranks hold unequal numbers of KV heads, and the split
+# evens out bytes, not hidden units. Edit it, then check it:
+#
+# ```
+# make exercise ch=11
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 11`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 11`). No MPI is needed: the check runs your function once for each rank
+# of a plan, in one process, on 5 seeded cases (3 KV heads over 2 ranks, 3 ranks and one decode row,
+# no sharing, a split that evens out bytes, one rank). It holds each rank's two partial sums to the
+# stage's split of the same layer ([`stages/tp.py`](../stages/tp.py) `BY_ROWS` and `BY_COLUMNS` over
+# [`stages/parallel/split.py`](../stages/parallel/split.py) `plan`), within the bound two float32
+# computations of them may differ by. Then it adds the ranks' partial sums, as the all-reduce does,
+# and shows how far they lie from one process's whole layer. Once all cases pass, it times rank 0's
+# share beside the stage's and beside one process's whole layer. `--solution reference` runs the
+# check on the stage's own code. Every chapter's exercise:
+# [`exercises/README.md`](../exercises/README.md).
+#
+# **Try it.** Each experiment turns one knob. Write your own prediction down before you run it; the
+# chapter's model gives the one below. Each command prints the prediction, then the measurement, and
+# keeps both in `build/try_it/11_tp.json` (your machine's figures, not committed). All of them:
+# `make try-it ch=11`.
+#
+# 1. **N, the ranks a layer is split over (stages/parallel/split.py plan): each rank's time for its
+# share.**
+#    - *Predict:* a rank's time follows its share of the layer's multiply-adds; SmolLM2's 3 KV heads
+#      split over 2 ranks as 1 and 2, so at N = 2 rank 1 has twice rank 0's attention and the same
+#      feed-forward, and the step waits for it at the all-reduce: the slowest rank takes more than
+#      half of one process's time; at N = 3 the shares are equal, each near a third.
+#    - *Measure:* `make try-it ch=11 exp=rank_time`
+#
+# 2. **The rows in one all-reduce (a decode token: 1; a prompt: hundreds), between 2 ranks of
+# mpiexec.**
+#    - *Predict:* an all-reduce first pays a round trip between the processes, a few microseconds
+#      through shared memory on one machine, whatever it carries; one token's hidden state (576
+#      floats, 2.3 KiB) costs about that, 16 rows (37 KiB) little more; only hundreds of rows (a
+#      prompt) cost in proportion to their bytes. Decode pays two round trips per layer, 60 for
+#      SmolLM2's 30 layers.
+#    - *Measure:* `make try-it ch=11 exp=allreduce_size`
