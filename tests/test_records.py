@@ -292,3 +292,26 @@ def test_the_code_hash_follows_the_code_not_the_prose():
     assert code_only(code) == code_only(prose)
     assert code_only(code) != code_only(code.replace("a + X", "a - X"))
     assert code_only(code) != code_only(code.replace('"""Doc."""\n    ', 's = "Doc."\n    '))
+
+
+def test_the_code_hash_is_the_same_with_its_memo_and_follows_an_edit(tmp_path):
+    """code_hash keeps each file's code_only text by the sha256 of its bytes (tokenizing is slow):
+    the same hash from the memo as without it, an edited file tokenized again, and a memo that
+    holds a wrong text for a file's bytes does change it (the memo is trusted, so it is keyed by
+    every byte)."""
+    from app.measure.provenance import code_hash
+    for top in ("stages", "common"):
+        (tmp_path / top).mkdir()
+    src = tmp_path / "stages" / "k.py"
+    src.write_text('"""Doc."""\nX = 1  # why\n')
+    (tmp_path / "common" / "c.cu").write_text("__global__ void f() {}\n")
+    memo = tmp_path / "build" / "memo.json"
+    plain = code_hash(tmp_path, memo_path=None)
+    assert code_hash(tmp_path, memo) == plain and memo.exists()
+    assert code_hash(tmp_path, memo) == plain                        # read from the memo
+    src.write_text('"""Doc."""\nX = 2  # why\n')
+    edited = code_hash(tmp_path, memo)
+    assert edited != plain and edited == code_hash(tmp_path, memo_path=None)
+    assert len(json.loads(memo.read_text())) == 1                     # only the file as it is now
+    memo.write_text(json.dumps({k: "1 X\n54 =\n2 3" for k in json.loads(memo.read_text())}))
+    assert code_hash(tmp_path, memo) != edited                        # planted: a wrong text is used
