@@ -73,7 +73,8 @@ def _save_memo(path: Path, memo: dict):
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_suffix(f".{os.getpid()}.part")
-        part.write_text(json.dumps(memo))
+        with open(part, "w") as f:                 # a cache, not a record (app/measure/protocol.py writes those)
+            json.dump(memo, f)
         part.replace(path)
     except OSError:
         pass                                        # a read-only checkout: computed again next time
