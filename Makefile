@@ -159,8 +159,8 @@ try-it: $(STAMP) $(MODEL_FILE)  ## a chapter's experiments, each predicted then 
 setup-cuda: $(STAMP)  ## build and install PyCUDA for the cuda stage (needs an NVIDIA GPU, driver and nvcc)
 	PYTHON=$(PY) bash scripts/install_pycuda.sh
 
-clean:  ## remove the numba cache and Python caches (keeps .venv and models/)
-	rm -rf .numba_cache .pytest_cache
+clean:  ## remove the numba cache, the emulator's builds and Python caches (keeps .venv and models/)
+	rm -rf .numba_cache .pytest_cache build/cuda_emulator build/code_only.json
 	find . -name __pycache__ -prune -exec rm -rf {} +
 
 # ---- many users at once: the OpenAI-compatible server and its load test -------------------------

@@ -6,6 +6,7 @@
     serve/                       the OpenAI-compatible server: HTTP, continuous batching, metrics, page
     measure/                     the one measurement harness, counters, machine, roofline, llama.cpp
     report/                      `make report`: the records drawn into charts, tables, pages, lessons
+    cuda_emulator/               the cuda stage's kernels (or a learner's) on the CPU, every access checked
 
 It imports the engine (common/) and the stages (stages/); neither imports it.
 

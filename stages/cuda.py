@@ -56,8 +56,8 @@ from common.quants import UnsupportedTypeError, dequantize_rows, dequantize_tens
 from stages.kernels.cuda_runtime import PyCudaDevice, probe_once
 
 KERNEL_SOURCE = Path(__file__).parent / "kernels" / "cuda.cu"
-# The CPU stages' tolerance. The CPU emulator of these kernels (tests/emulator/cuda_emulator.py: the same
-# code and summation order) stays far inside it; a GPU adds fused multiply-adds, and
+# The CPU stages' tolerance. The CPU emulator of these kernels (app/cuda_emulator/: the same code
+# and summation order) stays far inside it; a GPU adds fused multiply-adds, and
 # scripts/gpu_check.sh records its own figure.
 LOGIT_TOLERANCE = 5e-3
 

@@ -4,7 +4,7 @@
                     architecture, the "what is missing" messages, the CLI's one-line error
     nvcc present    stages/kernels/cuda.cu compiles for every architecture nvcc lists from sm_75
                     up, warnings as errors (the GPU compiles the same file at run time)
-    g++ present     the kernels themselves on the CPU emulator (tests/emulator/cuda_emulator.*), whose
+    g++ present     the kernels themselves on the CPU emulator (app/cuda_emulator/), whose
                     checked build fails a launch on a race, a read of memory nothing wrote, an
                     access outside an allocation, a launch beyond a kernel's __launch_bounds__ or
                     arguments that do not match its signature (tests/test_emulator.py shows each
@@ -49,10 +49,10 @@ def _gpu_reason() -> str | None:
 def emulated_device():
     """A fresh device on the CPU emulator of the kernels (built once, then cached); a skip
     where there is no g++ to build it."""
-    from tests.emulator import cuda_emulator
-    if cuda_emulator.compiler() is None:
+    from app.cuda_emulator import emulator
+    if emulator.compiler() is None:
         pytest.skip("no g++ to build the CUDA emulator")
-    return cuda_emulator.EmulatedDevice(cuda_emulator.build())
+    return emulator.EmulatedDevice(emulator.build())
 
 
 @pytest.fixture(scope="session")

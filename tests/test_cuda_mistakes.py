@@ -1,5 +1,5 @@
 """The article's two GPU mistakes, brought back behind the cuda stage's switches and checked on the
-CPU emulator of the kernels (tests/emulator/cuda_emulator.py), so that whoever has a GPU can measure
+CPU emulator of the kernels (app/cuda_emulator/), so that whoever has a GPU can measure
 what each costs in time to first token (`LLM_CUDA_ALLOC_PER_OP=1` / `LLM_CUDA_HOST_EMBEDDING=1
 make stage=cuda run`):
 

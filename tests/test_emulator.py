@@ -1,6 +1,6 @@
-"""The CPU emulator of the CUDA kernels (tests/emulator/cuda_emulator.*) against bugs planted on purpose.
+"""The CPU emulator of the CUDA kernels (app/cuda_emulator/) against bugs planted on purpose.
 
-Each kernel of tests/emulator/cuda_emulator_planted.cu holds one bug a GPU shows and a plain CPU run
+Each kernel of tests/fixtures/cuda_emulator_planted.cu holds one bug a GPU shows and a plain CPU run
 hides (threads run one at a time, memory starts zeroed), beside its correct version. The emulator
 must fail every buggy kernel, with a message that says what is wrong, under every schedule, and
 run every correct one to the right values. The AddressSanitizer build runs here too, on the cuda
@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.emulator import cuda_emulator as ce
+from app.cuda_emulator import emulator as ce
 
 ROOT = Path(__file__).resolve().parent.parent
-PLANTED = ROOT / "tests" / "emulator" / "cuda_emulator_planted.cu"
+PLANTED = ROOT / "tests" / "fixtures" / "cuda_emulator_planted.cu"
 THREADS = 128
 SCHEDULES = [("forward", 0, 0.0), ("reverse", 0, 0.0), ("random", 1, 0.2), ("random", 2, 0.2), ("random", 3, 0.0)]
 SCHEDULE_IDS = ["forward", "reverse", "random1", "random2", "random3-no-preempt"]
@@ -213,7 +213,7 @@ def test_the_address_sanitizer_build(tmp_path):
     assert " passed" in tests.stdout and "AddressSanitizer" not in tests.stderr
     script = tmp_path / "past_the_end.py"
     script.write_text(
-        "import numpy as np\nfrom tests.emulator import cuda_emulator as ce\n"
+        "import numpy as np\nfrom app.cuda_emulator import emulator as ce\n"
         f"d = ce.EmulatedDevice(ce.build(source=ce.Path({str(PLANTED)!r}), asan=True))\n"
         "_, x = d.alloc(512)\nd.htod(x, np.ones(128, np.float32))\n_, out = d.alloc(512)\n"
         "d.function('read_past_end', 'PPi')((1,), (128,), x, out, 128)\nprint('not caught')\n")

@@ -7,7 +7,7 @@ cuda_profile.json with them, the host<->device copies (count and bytes) per pref
 decoded token, the device allocations made while generating (0 is the point) and the memory the
 stage holds. The timings of `python -m app bench --stage cuda` are taken without events; these
 are taken with them, so they are a little slower. profile(engine, ...) takes any cuda engine: the
-tests run it on the CPU emulator of the kernels (tests/emulator/).
+tests run it on the CPU emulator of the kernels (app/cuda_emulator/).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@
 //
 // Everything marked __host__ __device__ also compiles for the CPU: the tests build this file
 // with g++ around a small emulator of CUDA threads, blocks, __syncthreads and warp shuffles
-// (scripts/cuda_emulator.cpp and scripts/cuda_emulator_kernels.cpp) and check every kernel against numpy without a GPU.
+// (app/cuda_emulator/) and check every kernel against numpy without a GPU.
 
 typedef unsigned char u8;
 typedef signed char i8;

@@ -1,7 +1,7 @@
 """What the cuda stage runs on: whether this machine can run it at all (`probe`), and the one
 object through which the backend asks anything of a GPU (`PyCudaDevice`: allocate, copy,
 compile, launch, time). The tests put a CPU emulator with the same methods in its place
-(tests/emulator/cuda_emulator.py), which runs the very kernel source, stages/kernels/cuda.cu.
+(app/cuda_emulator/), which runs the very kernel source, stages/kernels/cuda.cu.
 
 Nothing here knows about models or ops: that is stages/cuda.py.
 """
@@ -154,7 +154,7 @@ def _context():
 
 class PyCudaDevice:
     """Everything CudaBackend asks of a GPU, through PyCUDA. (The tests put a CPU emulator with
-    the same methods in its place: tests/emulator/cuda_emulator.py.)"""
+    the same methods in its place: app/cuda_emulator/.)"""
 
     def __init__(self):
         import pycuda.driver as cuda

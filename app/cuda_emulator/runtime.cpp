@@ -1,7 +1,7 @@
 // A CPU emulator of the CUDA execution model, strict enough to catch the bugs a GPU would show and a
-// plain CPU run would hide: the runtime (this file). tests/emulator/cuda_emulator_kernels.cpp defines the CUDA
-// vocabulary for g++ and includes a kernel source (stages/kernels/cuda.cu, or a test's); both are
-// built into one shared library by tests/emulator/cuda_emulator.py, which says how to use it.
+// plain CPU run would hide: the runtime (this file). kernel_side.cpp defines the CUDA vocabulary for
+// g++ and includes a kernel source (stages/kernels/cuda.cu, a learner's, or a test's); both are
+// built into one shared library by emulator.py, which says how to use it.
 //
 // Threads. A launch runs its blocks one after another on the calling OS thread; the threads of a
 // block are fibers (user-space stacks switched by hand), all of them, so that one thread can stop at
@@ -50,7 +50,7 @@
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
-#if defined(__SANITIZE_ADDRESS__)           // the AddressSanitizer build (see cuda_emulator.py)
+#if defined(__SANITIZE_ADDRESS__)           // the AddressSanitizer build (see emulator.py)
 #include <sanitizer/asan_interface.h>
 #define EMU_UNPOISON(p, n) __asan_unpoison_memory_region((p), (n))
 #else
@@ -66,7 +66,7 @@ extern "C" {
 dim3 threadIdx, blockIdx, blockDim, gridDim;
 }
 
-// The kernel side's table (cuda_emulator_kernels.cpp): one entry per __global__ function.
+// The kernel side's table (kernel_side.cpp): one entry per __global__ function.
 struct EmuKernel {
     const char* name;
     long bound;                        // __launch_bounds__: most threads per block

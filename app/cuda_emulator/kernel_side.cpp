@@ -1,8 +1,8 @@
-// The kernel side of the CPU emulator (the runtime is tests/emulator/cuda_emulator.cpp): the CUDA vocabulary a
+// The kernel side of the CPU emulator (the runtime is runtime.cpp, beside it): the CUDA vocabulary a
 // kernel source uses, defined for g++, then the kernel source itself and the table of its kernels.
 //
-// tests/emulator/cuda_emulator.py compiles this file with
-//   -DEMU_KERNEL_SOURCE="<the .cu>"   stages/kernels/cuda.cu, or a test's kernels
+// emulator.py compiles this file with
+//   -DEMU_KERNEL_SOURCE="<the .cu>"   stages/kernels/cuda.cu, a learner's kernel, or a test's
 //   -DEMU_KERNEL_TABLE="<a header>"   EMU_KERNEL(name, bound) per __global__ function, read from the
 //                                     preprocessed source with its __launch_bounds__
 // and, in the checked build, -fsanitize=thread: g++ then calls __tsan_read4(p), __tsan_write4(p), ...
@@ -21,7 +21,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __launch_bounds__(...)           // read from the source by cuda_emulator.py, checked at launch
+#define __launch_bounds__(...)           // read from the source by emulator.py, checked at launch
 // One linker section holds every __shared__ variable: the runtime poisons it before each block and
 // keeps its shadow (a kernel with two __shared__ variables has them both there).
 #define __shared__ static __attribute__((section("emu_shared"), aligned(16)))

@@ -1,15 +1,22 @@
-"""The cuda stage without a GPU: its kernels on the CPU, strict enough to fail where a GPU would.
+"""The cuda stage's kernels without a GPU: any kernel source run on the CPU, strict enough to fail
+where a GPU would.
 
-tests/emulator/cuda_emulator_kernels.cpp wraps a kernel source (stages/kernels/cuda.cu, the same file
-PyCUDA compiles for the GPU, or a test's) in the CUDA vocabulary; tests/emulator/cuda_emulator.cpp is
-the runtime: CUDA threads as fibers on one OS thread, barriers, warp shuffles, atomics, and a
-checker of every memory access. g++ builds both into a shared library. EmulatedDevice has the
-methods of stages.kernels.cuda_runtime.PyCudaDevice, with host memory standing in for device
-memory, so
+kernel_side.cpp wraps a kernel source (stages/kernels/cuda.cu, the same file PyCUDA compiles for
+the GPU, a learner's kernel that includes it, or a test's) in the CUDA vocabulary; runtime.cpp is
+the emulator proper: CUDA threads as fibers on one OS thread, barriers, warp shuffles, atomics,
+and a checker of every memory access. g++ builds both into a shared library (`build`, cached in
+build/cuda_emulator/ by a digest of the sources). EmulatedDevice has the methods of
+stages.kernels.cuda_runtime.PyCudaDevice, with host memory standing in for device memory, so
 
     CudaBackend(device=EmulatedDevice(build()))
 
-runs the whole cuda stage (the same Python, the same kernels) on the CPU, slowly.
+runs the whole cuda stage (the same Python, the same kernels) on the CPU, slowly, and
+
+    device = EmulatedDevice(build(source=Path("my_kernel.cu")))
+    device.function("my_kernel", "PPi")(grid, block, x_ptr, y_ptr, n)
+
+runs one kernel of one's own. A kernel source may `#include "cuda.cu"` for the stage's helpers
+(stages/kernels/ is on the include path).
 
 What it checks, beyond every kernel's arithmetic:
   * memory starts as garbage: device allocations and every block's __shared__ variables are
@@ -28,7 +35,7 @@ What it checks, beyond every kernel's arithmetic:
 CUDA_EMULATOR_ASAN=1 builds with AddressSanitizer instead of the checker (the two instrument the
 same accesses and cannot be combined) and allocates without guard bytes, so a read past an
 allocation is reported too; run python with LD_PRELOAD=$(g++ -print-file-name=libasan.so)
-ASAN_OPTIONS=detect_leaks=0 (tests/test_emulator.py does).
+ASAN_OPTIONS=detect_leaks=0.
 
 What it cannot check: the code only the GPU compiles (the f16 conversion instruction, float4
 loads), timing, and orderings a GPU allows between blocks beyond "any" (blocks run one after
@@ -52,9 +59,10 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-RUNTIME = HERE / "cuda_emulator.cpp"
-KERNEL_SIDE = HERE / "cuda_emulator_kernels.cpp"
+RUNTIME = HERE / "runtime.cpp"
+KERNEL_SIDE = HERE / "kernel_side.cpp"
 KERNELS = ROOT / "stages" / "kernels" / "cuda.cu"
+CACHE = ROOT / "build" / "cuda_emulator"
 GUARD = 256                  # guard bytes on each side of every allocation
 GUARD_BYTE = 0xA5            # their value: not POISON, so a stray write of poison shows too
 POISON = 0xFF                # what fresh device memory holds: NaN as float32, -1 as int32
@@ -71,19 +79,40 @@ class EmulatorError(RuntimeError):
     pass
 
 
+class BuildError(EmulatorError):
+    """g++ refused the kernel source (or the emulator around it); `output`: what g++ said."""
+
+    def __init__(self, message: str, output: str):
+        super().__init__(message)
+        self.output = output
+
+
 def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("g++")
 
 
-def kernel_table(source: Path, cxx: str) -> list[tuple[str, str]]:
-    """(name, launch bound expression) of every __global__ function of a kernel source, read from
-    its preprocessed text (so kernels written by macros are found too)."""
+def include_dirs(source: Path) -> list[str]:
+    """-I flags of a kernel source: its own folder, then the stage's (for `#include "cuda.cu"`)."""
+    return [flag for d in dict.fromkeys((source.parent, KERNELS.parent)) for flag in ("-I", str(d))]
+
+
+def preprocess(source: Path, cxx: str) -> str:
+    """The kernel source as the build sees it, its includes expanded and __launch_bounds__ made
+    readable: what the kernel table is read from and the build's digest covers (an edit to an
+    included file rebuilds too)."""
     cmd = [cxx, "-E", "-P", "-x", "c++", "-DCUDA_EMULATOR", "-D__launch_bounds__(...)=EMU_BOUNDS(__VA_ARGS__)",
-           "-I", str(source.parent), str(source)]
+           *include_dirs(source), str(source)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise EmulatorError(f"preprocessing {source} failed:\n{proc.stderr[-4000:]}")
-    found = re.findall(r"__global__\s+void\s+(?:EMU_BOUNDS\((.*?)\)\s*)?(\w+)\s*\(", proc.stdout, re.S)
+        raise BuildError(f"preprocessing {source} failed:\n{proc.stderr[-4000:]}", proc.stderr)
+    return proc.stdout
+
+
+def kernel_table(source: Path, cxx: str, text: str | None = None) -> list[tuple[str, str]]:
+    """(name, launch bound expression) of every __global__ function of a kernel source, read from
+    its preprocessed text (so kernels written by macros are found too)."""
+    text = preprocess(source, cxx) if text is None else text
+    found = re.findall(r"__global__\s+void\s+(?:EMU_BOUNDS\((.*?)\)\s*)?(\w+)\s*\(", text, re.S)
     unbounded = [name for bound, name in found if not bound]
     if unbounded:
         raise EmulatorError(f"{source.name}: kernels without __launch_bounds__: {', '.join(unbounded)}")
@@ -94,8 +123,9 @@ def kernel_table(source: Path, cxx: str) -> list[tuple[str, str]]:
 
 def build(out_dir: Path | None = None, source: Path = KERNELS, checks: bool | None = None,
           asan: bool | None = None) -> Path:
-    """Compile the emulator around a kernel source (once per version of the sources and flags)
-    and return the library's path. checks: the checked build (default: on unless asan)."""
+    """Compile the emulator around a kernel source (once per version of the sources, the files
+    they include, and the flags) and return the library's path. checks: the checked build
+    (default: on unless asan)."""
     cxx = compiler()
     if cxx is None:
         raise EmulatorError("no C++ compiler (g++) to build the CUDA emulator")
@@ -105,36 +135,43 @@ def build(out_dir: Path | None = None, source: Path = KERNELS, checks: bool | No
         raise EmulatorError("the checked build and AddressSanitizer instrument the same accesses: choose one")
     source = Path(source).resolve()
     variant = "asan" if asan else "checked" if checks else "plain"
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (RUNTIME, KERNEL_SIDE, source))
+    text = preprocess(source, cxx)
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (RUNTIME, KERNEL_SIDE)) + text.encode()
                             + variant.encode()).hexdigest()[:16]
-    out_dir = Path(out_dir or ROOT / ".pytest_cache" / "cuda_emulator")
+    out_dir = Path(out_dir or CACHE)
     out_dir.mkdir(parents=True, exist_ok=True)
     lib = out_dir / f"{source.stem}_{digest}_{variant}.so"
     if lib.exists():
         return lib
     tmp = out_dir / f"{lib.stem}.{os.getpid()}"
     table = tmp.with_suffix(".table.h")
-    table.write_text("".join(f"EMU_KERNEL({name}, {bound})\n" for name, bound in kernel_table(source, cxx)))
+    try:
+        table.write_text("".join(f"EMU_KERNEL({name}, {bound})\n" for name, bound in kernel_table(source, cxx, text)))
+        _compile(cxx, source, table, tmp, checks, asan)
+        os.replace(f"{tmp}.so", lib)
+    finally:                                    # a source that does not compile leaves nothing behind
+        for leftover in (table, Path(f"{tmp}.runtime.o"), Path(f"{tmp}.kernels.o"), Path(f"{tmp}.so")):
+            leftover.unlink(missing_ok=True)
+    return lib
+
+
+def _compile(cxx: str, source: Path, table: Path, tmp: Path, checks: bool, asan: bool):
+    """The runtime and the kernel side, compiled at once, then linked into {tmp}.so."""
     extra = ASAN_FLAGS if asan else []
-    jobs = [([cxx, *CXXFLAGS, *extra, "-c", str(RUNTIME), "-o", f"{tmp}.runtime.o"], None),
-            ([cxx, *CXXFLAGS, *extra, *(CHECK_FLAGS if checks else []), f'-DEMU_KERNEL_SOURCE="{source}"',
-              f'-DEMU_KERNEL_TABLE="{table}"', "-I", str(source.parent), "-c", str(KERNEL_SIDE),
-              "-o", f"{tmp}.kernels.o"], None)]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd, _ in jobs]
-    for (cmd, _), proc in zip(jobs, procs):
+    jobs = [[cxx, *CXXFLAGS, *extra, "-c", str(RUNTIME), "-o", f"{tmp}.runtime.o"],
+            [cxx, *CXXFLAGS, *extra, *(CHECK_FLAGS if checks else []), f'-DEMU_KERNEL_SOURCE="{source}"',
+             f'-DEMU_KERNEL_TABLE="{table}"', *include_dirs(source), "-c", str(KERNEL_SIDE), "-o", f"{tmp}.kernels.o"]]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in jobs]
+    for cmd, proc in zip(jobs, procs):
         _, err = proc.communicate()
         if proc.returncode != 0:
-            raise EmulatorError(f"building the CUDA emulator failed:\n{' '.join(cmd)}\n{err[-4000:]}")
+            raise BuildError(f"building the CUDA emulator failed:\n{' '.join(cmd)}\n{err[-4000:]}", err)
     link = [cxx, "-shared", *extra, f"{tmp}.runtime.o", f"{tmp}.kernels.o", "-o", f"{tmp}.so"]
     if not asan:
         link.append("-Wl,-z,defs")          # a hook the checked build calls but the runtime lacks: an error here
     proc = subprocess.run(link, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise EmulatorError(f"linking the CUDA emulator failed:\n{' '.join(link)}\n{proc.stderr[-4000:]}")
-    os.replace(f"{tmp}.so", lib)
-    for leftover in (table, Path(f"{tmp}.runtime.o"), Path(f"{tmp}.kernels.o")):
-        leftover.unlink(missing_ok=True)
-    return lib
+        raise BuildError(f"linking the CUDA emulator failed:\n{' '.join(link)}\n{proc.stderr[-4000:]}", proc.stderr)
 
 
 class _Event:
