@@ -48,12 +48,13 @@ def run(chapter: str, solution=None, time_it: bool = True, quick: bool = False, 
     """The check of one chapter in this process (or, for an isolated one, a child process)."""
     ex = exercise(chapter)
     if ex.isolated and not getattr(run, "inside", False):
-        return _in_child(chapter, solution, time_it, quick, out)
+        return _in_child(ex, chapter, solution, time_it, quick, out)
     return harness.run_check(ex, solution, time_it=time_it, quick=quick, out=out)
 
 
-def _in_child(chapter, solution, time_it, quick, out) -> bool:
-    """Run the check in a child process with a time limit: a wrong barrier can wait forever."""
+def _in_child(ex, chapter, solution, time_it, quick, out) -> bool:
+    """Run the check in a child process with a time limit: a wrong barrier can wait forever, a
+    wrong pointer in a kernel can end the process."""
     cmd = [sys.executable, "-m", "exercises.check", chapter, "--inside"]
     cmd += (["--solution", str(solution)] if solution is not None else []) + ([] if time_it else ["--no-time"])
     cmd += ["--quick"] if quick else []
@@ -63,8 +64,7 @@ def _in_child(chapter, solution, time_it, quick, out) -> bool:
         text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         for line in text.splitlines():
             out(line)
-        out(f"  FAIL  the check did not finish in {CHILD_TIMEOUT_S} s: a thread is waiting for an arrival "
-            "that never comes (does barrier k wait for exactly k * nt arrivals?)")
+        out(f"  FAIL  the check did not finish in {CHILD_TIMEOUT_S} s: {ex.stuck}")
         return False
     for line in done.stdout.splitlines():
         out(line)

@@ -37,7 +37,8 @@ U = 2.0 ** -24                      # float32's unit roundoff
 
 
 class Unwritten(Exception):
-    """A solution that does not have the functions the exercise asks for."""
+    """A solution that cannot be run: it lacks the functions the exercise asks for, or (a kernel in
+    C) does not build."""
 
 
 # ---- solutions -----------------------------------------------------------------------------------
@@ -207,7 +208,8 @@ class Exercise:
     reference_code = ""              # where the stage's own code is: 'stages/tiling.py: make_tiled_matmul'
     timing_note = ""                 # what the timing table measures
     baseline = "the previous stage"  # what the 'previous' row of the timing table is
-    isolated = False                 # run the whole check in a child process (a barrier that hangs)
+    isolated = False                 # run the whole check in a child process (a barrier that hangs, a kernel crash)
+    stuck = "a loop that never ends"  # what an isolated check that does not finish most likely means
 
     @property
     def starting_file(self) -> Path:
@@ -217,6 +219,17 @@ class Exercise:
     def names(self) -> tuple:
         """The functions (or classes) the learner writes."""
         return tuple(self.reference)
+
+    def load(self, path: Path) -> SimpleNamespace:
+        """The solution in the file at `path`, with the functions the exercise asks for (a Python
+        module by default; an exercise in another language builds and wraps its file here, raising
+        Unwritten with what is wrong)."""
+        return load_file(path)
+
+    def untimed(self) -> str | None:
+        """None where this machine can time the exercise, else why not (the timing is then skipped
+        and the reason printed)."""
+        return None
 
     def prepare(self, solution: SimpleNamespace) -> SimpleNamespace:
         """The solution's functions as the check calls them: where the stage's own is a numba kernel,
@@ -250,12 +263,14 @@ def solution_for(ex: Exercise, which) -> tuple[SimpleNamespace, str]:
     path = ex.starting_file if which is None else Path(which)
     if not path.exists():
         raise Unwritten(f"{path} does not exist")
-    module = load_file(path)
+    module = ex.load(path)
     missing = [n for n in ex.names if not hasattr(module, n)]
     if missing:
         raise Unwritten(f"{rel(path)} has no {', '.join(missing)}: the exercise asks for "
                         f"{', '.join(ex.names)} (see the starting file {rel(ex.starting_file)})")
-    return SimpleNamespace(**{n: getattr(module, n) for n in ex.names}), rel(path)
+    found = SimpleNamespace(**{n: getattr(module, n) for n in ex.names})
+    found.load_notes = getattr(module, "load_notes", ())         # what loading it took (a build), said once
+    return found, rel(path)
 
 
 def _raised(e: BaseException, origin: str = "") -> str:
@@ -277,12 +292,15 @@ def run_check(ex: Exercise, which=None, time_it: bool = True, quick: bool = Fals
     try:
         raw, origin = solution_for(ex, which)
     except Unwritten as e:
-        out(f"  FAIL  {e}")
+        for i, line in enumerate(str(e).splitlines()):          # a compiler's errors run over several lines
+            out(("  FAIL  " if i == 0 else "        ") + line)
         return False
     except Exception as e:                          # a syntax error in the learner's file, an import
         out(f"  FAIL  loading the solution: {_raised(e)}")
         return False
     out(f"  checking:   {origin}")
+    for note in getattr(raw, "load_notes", ()):
+        out(f"              {note}")
     out(f"  reference:  {ex.reference_code}")
     sol = raw if which == "reference" else ex.prepare(raw)     # the stage's code runs as it is
     cases = cases_of(ex, quick)
@@ -303,7 +321,10 @@ def run_check(ex: Exercise, which=None, time_it: bool = True, quick: bool = Fals
             return False
         out(f"  ok    {case.name:<{width}}  {note}")
     out(f"All {len(cases)} cases match the stage's own code.")
-    if time_it:
+    if time_it and ex.untimed():
+        for i, line in enumerate(ex.untimed().splitlines()):
+            out(("Not timed: " if i == 0 else "  ") + line)
+    elif time_it:
         show_timings(ex, ex.timings(sol, quick), out)
     return True
 

@@ -7,19 +7,22 @@
                                the stage (another loop order, block shape, algebra, layout code)
                                pass; each with one line changed to plant a bug at an edge (a
                                partial tile dropped, a row range's tail lost, ties rounded to even,
-                               a diagonal off by one: PLANTED) fails at the case the table names,
-                               with its message
+                               a diagonal off by one, a barrier missing in a CUDA kernel: PLANTED)
+                               fails at the case the table names, with its message
     the harness                a difference just over the derived bound fails, one within passes;
                                a missing function, a wrong shape, a chapter with no exercise are
                                each one clear sentence
 
-The checks compile the learner's kernels (numba): a cold cache costs a few seconds per kernel.
+The checks compile the learner's kernels (numba; chapter 06's CUDA C, with g++ around the CPU
+emulator of CUDA): a cold cache costs a few seconds per kernel.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,9 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "tests" / "exercise_solutions"
 PLANTED_DIR = ROOT / "build" / "planted"
 CHAPTERS = list(check.folders())
-# every chapter a stage or a lesson of its own teaches, but the GPU's (06) and tp's MPI ranks (11);
-# the matrix unit's (13) is its layout, which any CPU computes
-REQUIRED = ["01", "02", "03", "04", "05", "07", "08", "09", "10", "11", "12", "13", "14", "15"]
+# every chapter a stage or a lesson of its own teaches: the GPU's (06) runs on the CPU emulator of
+# CUDA, tp's (11) runs its ranks in one process, the matrix unit's (13) is its layout
+REQUIRED = ["01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14", "15"]
 
 
 def run(chapter, solution, time_it=False, quick=True) -> tuple[bool, str]:
@@ -54,11 +57,16 @@ def test_every_required_chapter_has_an_exercise():
 @pytest.mark.parametrize("chapter", CHAPTERS)
 def test_the_stages_own_code_passes_its_check(chapter, default_model_path):
     """The reference is the stage's code, imported: it must pass, and the timing table print
-    (quick shapes) with the three rows the lesson compares."""
+    (quick shapes) with the three rows the lesson compares; or, where this machine cannot time
+    the exercise (06 without a GPU), say why."""
     ok, text = run(chapter, "reference", time_it=True)
     assert ok, text
     assert "cases match the stage's own code" in text
-    assert ("Timing (" in text or "Counted (" in text) and f"x {check.exercise(chapter).baseline}" in text, text
+    ex = check.exercise(chapter)
+    if ex.untimed():
+        assert f"Not timed: {ex.untimed().splitlines()[0]}" in text and "Timing (" not in text, text
+    else:
+        assert ("Timing (" in text or "Counted (" in text) and f"x {ex.baseline}" in text, text
 
 
 def committed(path: Path, tmp_path: Path) -> Path:
@@ -74,6 +82,10 @@ def committed(path: Path, tmp_path: Path) -> Path:
     return out
 
 
+# what an unwritten starting file fails with, where it is not a Python function's NotImplementedError
+UNWRITTEN = {"06": "y[0] was never written"}        # a kernel that stores nothing leaves the fresh memory's NaN
+
+
 @pytest.mark.parametrize("chapter", CHAPTERS)
 def test_the_starting_file_fails_with_the_learners_message(chapter, tmp_path):
     ex = check.exercise(chapter)
@@ -81,24 +93,25 @@ def test_the_starting_file_fails_with_the_learners_message(chapter, tmp_path):
     assert not ok, text
     first = harness.cases_of(ex, quick=True)[0].name
     assert f"FAIL  {first}" in text, text
-    assert "NotImplementedError" in text and "the function is not written yet" in text
+    assert UNWRITTEN.get(chapter, "it raised NotImplementedError") in text and "not written yet" in text, text
     assert f"make exercise ch={chapter}" in text
 
 
-def test_the_learners_pytest_line_reports_the_check(tmp_path):
+@pytest.mark.parametrize("chapter", ["02", "06"])
+def test_the_learners_pytest_line_reports_the_check(chapter, tmp_path):
     """exercises/test_yours.py, the pytest form of `make exercise`, on an unwritten file: it fails
     with the check's report as its message."""
     from exercises import test_yours
-    ex = check.exercise("02")
+    ex = check.exercise(chapter)
     if committed(ex.starting_file, tmp_path) != ex.starting_file:
-        pytest.skip("exercises/02_tiling/tiled_matmul.py holds your solution (it differs from the committed file)")
-    with pytest.raises(pytest.fail.Exception, match="it raised NotImplementedError"):
-        test_yours.test_your_solution("02")
+        pytest.skip(f"{harness.rel(ex.starting_file)} holds your solution (it differs from the committed file)")
+    with pytest.raises(pytest.fail.Exception, match=re.escape(UNWRITTEN.get(chapter, "it raised NotImplementedError"))):
+        test_yours.test_your_solution(chapter)
 
 
 # correct solutions written otherwise than the stage's (another loop order, block shape, algebra,
-# layout code): each must pass
-SOLUTIONS_PASSING = sorted(p.name for p in SOLUTIONS.glob("*.py"))
+# layout code; chapter 06's in CUDA C): each must pass
+SOLUTIONS_PASSING = sorted(p.name for p in SOLUTIONS.iterdir() if p.suffix in (".py", ".cu"))
 
 
 @dataclass(frozen=True)
@@ -134,6 +147,23 @@ PLANTED = [
     Planted("05_nibbles_interleaved", "05_factored_block_sums.py", "xq += x[32 * b + j]",
             "xq += x[32 * b + 2 * j] * np.float32(q & 15) + x[32 * b + 2 * j + 1] * np.float32(q >> 4)",
             "one row of one block", "> bound"),
+    # the barrier between two halvings dropped: a lane adds a partial sum its neighbour may not have
+    # written yet (the emulator's racecheck stops the launch)
+    Planted("06_halvings_without_a_barrier", "06_values_across_lanes.cu", "// the next halving reads",
+            "// (no barrier between halvings)",
+            "one row of one block", "race: thread"),
+    # the warps past the last row store too: y[N], y[N + 1], ... past the end of y
+    Planted("06_extra_warps_store", "06_values_across_lanes.cu", "if (live && lane == 0) y[n]",
+            "if (lane == 0) y[n] = part[w][0];",
+            "one row of one block", "outside its allocation: device memory at byte 4 of y"),
+    # the shuffle reduction from offset 8: lane 0 adds lanes 0..15 only, which holds while K has 16 blocks or fewer
+    Planted("06_shuffles_from_8", "06_block_per_lane.cu", "for (int offset = WARP / 2;",
+            "for (int offset = 8; offset > 0; offset /= 2) acc += __shfl_xor_sync(FULL_MASK, acc, offset);",
+            "18 blocks", "> bound"),
+    # a lane takes one block at most: a row of more blocks than lanes loses the rest
+    Planted("06_one_block_per_lane", "06_block_per_lane.cu", "for (int b = lane; b < K / 32; b += WARP)",
+            "for (int b = lane; b < K / 32 && b < WARP; b += WARP) {",
+            "48 blocks", "> bound"),
     Planted("07_tail_rows_dropped", "07_balanced_ranges.py", "r0, r1 = c * N // n_chunks",
             "r0, r1 = c * (N // n_chunks), (c + 1) * (N // n_chunks)",
             "37 rows in 2 ranges", "y (against one thread's kernel on all rows)[36]"),
@@ -210,7 +240,7 @@ def planted_file(bug: Planted) -> Path:
     old = lines[at[0]]
     lines[at[0]] = old[:len(old) - len(old.lstrip())] + bug.line + "\n"
     text = "".join(lines)
-    path = PLANTED_DIR / f"{bug.name}.py"
+    path = PLANTED_DIR / f"{bug.name}{Path(bug.base).suffix}"
     if not path.exists() or path.read_text() != text:
         PLANTED_DIR.mkdir(parents=True, exist_ok=True)
         part = path.with_suffix(f".{os.getpid()}.part")
@@ -219,7 +249,7 @@ def planted_file(bug: Planted) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", SOLUTIONS_PASSING, ids=[n[:-3] for n in SOLUTIONS_PASSING])
+@pytest.mark.parametrize("name", SOLUTIONS_PASSING, ids=[Path(n).stem for n in SOLUTIONS_PASSING])
 def test_correct_solutions_pass(name):
     ok, text = run(name[:2], SOLUTIONS / name)
     assert ok, text
@@ -283,9 +313,48 @@ def test_a_file_without_the_function_is_one_sentence(tmp_path):
     assert not ok and "has no matmul_tiled: the exercise asks for matmul_tiled" in text
 
 
+def test_a_kernel_that_does_not_compile_or_is_misnamed_is_said_in_the_learners_words(tmp_path):
+    """Chapter 06's check builds a .cu with g++: its errors come back with the file's own line
+    numbers; a kernel of another name, or other parameters, is one sentence naming what the check
+    launches."""
+    base = (ROOT / "exercises" / "06_cuda" / "matvec.cu").read_text()
+    typo = tmp_path / "typo.cu"
+    typo.write_text(base.replace("int row_bytes)\n{", "int row_bytes)\n{\n    y[0] = undeclared;"))
+    line = typo.read_text().splitlines().index("    y[0] = undeclared;") + 1
+    ok, text = run("06", typo)
+    assert not ok and "typo.cu does not compile" in text and f"typo.cu:{line}:12: error:" in text, text
+    assert "was not declared" in text and "In file included from" not in text, text
+    renamed = tmp_path / "renamed.cu"
+    renamed.write_text(base.replace("matvec_q4_1(", "matvec("))
+    ok, text = run("06", renamed)
+    assert not ok and 'has no kernel matvec_q4_1: the check launches extern "C" __global__ void matvec_q4_1(' in text
+    wider = tmp_path / "wider.cu"
+    wider.write_text(base.replace("int row_bytes)", "int row_bytes, int M)"))
+    ok, text = run("06", wider)
+    assert not ok and "matvec_q4_1 takes 'PPPiiii', the check launches it with (const u8* W" in text, text
+
+
+def test_the_cuda_timing_table_with_the_emulator_standing_in_for_a_gpu(monkeypatch):
+    """Chapter 06's timing runs only on a GPU; here the emulator plays the GPU (events become the
+    host's clock), so the table's code runs on every machine: the three rows, their rates."""
+    from app.cuda_emulator import emulator
+    ex = check.exercise("06")
+    module = sys.modules[type(ex).__module__]
+    monkeypatch.setattr(module.cuda_runtime, "probe_once", lambda: None)
+    monkeypatch.setattr(module, "gpu_device", lambda source: emulator.EmulatedDevice(emulator.build(source=source)))
+    small = module._quantized.q4_1_weight(np.random.default_rng(0), 8, 64)
+    monkeypatch.setattr(module._quantized, "decode_weight", lambda quick: (small, "a stand-in"))
+    lines = []
+    assert harness.run_check(ex, "reference", time_it=True, quick=True, out=lines.append)
+    text = "\n".join(lines)
+    assert "Timing (a stand-in; on CPU emulator of the CUDA kernels, the kernel alone" in text, text
+    assert "yours, on the GPU" in text and "the stage's (matmul_q4_1_m1), on the GPU" in text, text
+    assert f"x {ex.baseline}" in text and "GB/s of blocks" in text, text
+
+
 def test_a_chapter_without_an_exercise_says_which_have_one(capsys):
-    assert check.main(["06"]) == 2
-    assert "chapter '06' has no exercise; these do: 01, 02" in capsys.readouterr().err
+    assert check.main(["00"]) == 2
+    assert "chapter '00' has no exercise; these do: 01, 02" in capsys.readouterr().err
 
 
 def test_the_model_missing_is_named_with_its_make_target(monkeypatch, tmp_path):
@@ -314,7 +383,8 @@ def flat(text: str) -> str:
 def your_turn_problems(chapter: str, source: str) -> list[str]:
     """What the chapter's closing "Your turn" lacks: it is the source's last section (no code cell
     after it), names the starting file and the check's command, links the stage's code, and gives
-    every experiment's command with the prediction the experiment prints."""
+    every experiment's command (where the chapter has experiments) with the prediction the
+    experiment prints."""
     from exercises import try_it
     if "# ## Your turn" not in source:
         return ["no '## Your turn' section"]
@@ -329,7 +399,7 @@ def your_turn_problems(chapter: str, source: str) -> list[str]:
                  f"](../{ex.reference_code.split(':')[0]})", "](../exercises/README.md)"):
         if want not in text:
             found.append(f"missing {want!r}")
-    for e in try_it.experiments(chapter)[1]:
+    for e in try_it.experiments(chapter)[1] if chapter in try_it.chapters() else []:     # 06 has none: it needs a GPU
         if f"make try-it ch={chapter} exp={e.name}" not in text:
             found.append(f"no command for the experiment {e.name}")
         if flat(e.predict) not in text:

@@ -123,6 +123,7 @@ class Fused(Exercise):
                        per(lambda: empty_regions(out, n, nt)), "previous", unit="us")]
 
     isolated = True         # the whole check in a child process: a barrier that never opens would hang it
+    stuck = "a thread is waiting for an arrival that never comes (does barrier k wait for exactly k * nt arrivals?)"
 
 
 EXERCISE = Fused()

@@ -226,3 +226,36 @@ findings["running total"] = nb.journey("cuda")
 
 # %%
 findings.show()
+
+# %% [markdown]
+# ## Your turn
+#
+# **Write it yourself: the decode matvec of Q4_1 weights as a CUDA kernel, one warp per output
+# row.** The starting file, [`exercises/06_cuda/matvec.cu`](../exercises/06_cuda/matvec.cu), holds
+# the kernel's signature and a comment with how the check launches it (4 warps per thread block,
+# one row each), the block's bytes, what to write and why, and the edges that catch a first
+# attempt: a thread block with fewer rows than warps, a row of one block, rows of more blocks than
+# a warp has lanes. Edit it, then check it:
+#
+# ```
+# make exercise ch=06
+# ```
+#
+# (or `.venv/bin/python -m exercises.check 06`, or as a test: `.venv/bin/python -m pytest
+# exercises/test_yours.py -k 06`). No GPU is needed: the check builds your kernel with g++ around
+# the repository's CPU emulator of CUDA ([`app/cuda_emulator/emulator.py`](../app/cuda_emulator/emulator.py)),
+# whose threads are CUDA's (warps, shuffles, barriers, memory that starts as garbage), and runs it
+# beside the stage's own kernel, `matmul_q4_1_m1` in
+# [`stages/kernels/cuda.cu`](../stages/kernels/cuda.cu), on 7 seeded cases, holding yours to the
+# stage's within the bound two float32 sums of the same products may differ by. Where your kernel
+# races (two threads on the same bytes with no barrier between them), reads memory nothing wrote or
+# reaches past an array, the emulator stops the launch and the check names the thread, its warp, its
+# row and the array; a GPU would have run on and returned a wrong number, or the right one by luck.
+# The first build of each version of your file takes a few seconds. `--solution reference` runs the
+# check on the stage's own kernel. Every chapter's exercise:
+# [`exercises/README.md`](../exercises/README.md).
+#
+# The emulator checks what a kernel computes, not how fast it runs: one CPU thread plays every GPU
+# thread in turn. So this chapter has no "Try it", and the check times nothing here; on a machine
+# with an NVIDIA GPU and PyCUDA (`make setup-cuda`), it times your kernel beside the stage's on the
+# GPU, and beside the quantized stage's on one CPU core.
