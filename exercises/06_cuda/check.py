@@ -191,7 +191,7 @@ class Cuda(Exercise):
     def cases(self, rng, quick):
         plans = [((1, 32), {}, "one row of one block: 31 lanes add nothing, 3 warps have no row"),
                  ((5, 64), {}, "5 rows: the second thread block has one row, and 3 warps with none"),
-                 ((37, 576), {}, "37 rows of SmolLM2's width: 18 blocks, lanes 16 and 17 hold one too"),
+                 ((37, 576), {}, "37 rows of SmolLM2's width: 18 blocks, lanes 18..31 hold none"),
                  ((3, 1536), {}, "3 rows of 48 blocks (ffn_down's width): lanes 0..15 take two"),
                  ((6, 96), {"zero_blocks": 2}, "blocks of zeros (d = m = 0) beside ordinary ones"),
                  ((9, 160), {"scale": 40.0}, "large weights and activations"),
