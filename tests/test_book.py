@@ -101,6 +101,9 @@ class Page:
     named: list = field(default_factory=list)       # the text's code spans outside links
 
 
+PLACEHOLDER = "Author name not set"          # what Sphinx prints for an author nobody set
+
+
 def _file(url: str) -> Path:
     return Path(unquote(urlparse(url).path))
 
@@ -150,6 +153,8 @@ def crawl(browser, html: Path, only: tuple[str, ...] = ()) -> tuple[dict[Path, P
             pages[path] = page = read_page(browser, path)
             if where.parts[0] == conf.CODE:
                 depths.add(len(where.parts))
+        if where.parts[0] != conf.CODE and PLACEHOLDER in path.read_text():     # (a code page may quote it)
+            problems.append(f"{where}: shows Sphinx's placeholder '{PLACEHOLDER}' (the theme's footer: conf.py)")
         for src, loaded, _ in page.images:
             if not loaded:
                 problems.append(f"{where}: image {src} did not load")
@@ -247,7 +252,7 @@ def test_a_link_to_a_source_file_opens_the_file_in_the_book(site, read):
 
 
 def test_each_check_fails_on_a_planted_site(site, browser, tmp_path):
-    """A copy of the site, spoiled eight ways; each spoiling is reported, by the check that owns it."""
+    """A copy of the site, spoiled nine ways; each spoiling is reported, by the check that owns it."""
     planted = tmp_path / "html"
     shutil.copytree(site, planted)
     chapters = planted / "notebooks"
@@ -264,7 +269,8 @@ def test_each_check_fails_on_a_planted_site(site, browser, tmp_path):
         "</article>", f'<a href="planted-nowhere.html">x</a><a href="{names[2]}.html#planted-no-anchor">y</a>'
                       "</article>", 1))
     page = chapters / f"{no_caption}.html"
-    page.write_text(page.read_text().replace('class="chapter-provenance"', 'class="planted"'))
+    page.write_text(page.read_text().replace('class="chapter-provenance"', 'class="planted"')
+                    .replace("</article>", f"</article><footer>By {PLACEHOLDER}</footer>", 1))
     # every source page of one depth shows other code and links to nowhere: the browser reads the
     # first of them the crawl reaches, and the others from their files (read_file); each is reported
     deep = sorted((planted / conf.CODE).glob("*/*/*.html"))
@@ -288,6 +294,7 @@ def test_each_check_fails_on_a_planted_site(site, browser, tmp_path):
     assert any(f"{bad_links}.html: link notebooks/planted-nowhere.html finds no file" in p for p in problems), problems
     assert any("#planted-no-anchor finds no such anchor" in p for p in problems), problems
     assert any(p.startswith(f"{no_caption}: no caption") for p in chapters_found), chapters_found
+    assert any(f"{no_caption}.html: shows Sphinx's placeholder" in p for p in problems), problems
     reached = [page for page in deep if page.resolve() in pages]        # from a chapter, or from another such page
     assert len(reached) >= 2, reached
     for page in reached:

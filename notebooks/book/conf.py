@@ -66,6 +66,7 @@ html_theme_options = {
     "show_navbar_depth": 1,
     "show_toc_level": 2,
     "use_download_button": True,
+    "footer_content_items": [],        # the theme's default footer says "By Author name not set"
 }
 html_static_path = [str(CONF / "static")]
 html_css_files = ["book.css"]
