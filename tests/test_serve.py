@@ -535,13 +535,13 @@ def small_server(default_model_path, tmp_path_factory):
 
 
 def test_a_pool_too_small_for_every_worst_case_preempts_and_loses_nothing(small_server):
-    """6 clients at once, prompts of 15 tokens and 32 tokens each: their worst cases need 18 pages
+    """6 clients at once, prompts of 15 tokens and 24 tokens each: their worst cases need 18 pages
     of the 16. Every one completes, each equal to its output alone; the server counts the
     preemptions, in /health and /metrics; every page is free at the end."""
     # each admitted with 2 pages (its prompt and room to decode into), all 6 at once; at about
     # 17 tokens each wants a third and the 4 left go round: one is preempted mid-reply, recomputed
     prompts = [f"Request {i}: tell me about the sea and the ships on it." for i in range(SMALL_BATCH)]
-    kw = dict(model=small_server["model"], max_tokens=32, temperature=0, extra_body={"ignore_eos": True})
+    kw = dict(model=small_server["model"], max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
 
     async def main():
         c = client(small_server)
