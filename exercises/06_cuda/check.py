@@ -140,11 +140,8 @@ def compiler_errors(output: str) -> str:
 def gpu_device(source: Path):
     """A PyCudaDevice holding `source` compiled for its GPU, with stages/kernels/ on the include
     path (for #include "cuda.cu")."""
-    from pycuda.compiler import SourceModule
     device = cuda_runtime.PyCudaDevice()
-    device.module = SourceModule(source.read_text(), nvcc=device.nvcc or "nvcc", options=cuda_runtime.NVCC_OPTIONS,
-                                 no_extern_c=True, arch=device.arch,
-                                 include_dirs=[str(source.parent), str(emulator.KERNELS.parent)])
+    device.compile(source.read_text(), include_dirs=(source.parent, emulator.KERNELS.parent))
     return device
 
 

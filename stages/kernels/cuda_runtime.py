@@ -181,13 +181,14 @@ class PyCudaDevice:
     def pinned(self, n: int, dtype) -> np.ndarray:
         return self.cuda.pagelocked_empty(n, dtype)
 
-    def compile(self, source: str):
+    def compile(self, source: str, include_dirs=()):
         """Compile (PyCUDA caches the cubin on disk, so later processes only load it); once per
-        device object, however many backends share it."""
+        device object, however many backends share it. include_dirs: where the source's
+        #include "..." files are (a learner's kernel includes the stage's cuda.cu)."""
         if self.module is None or self._source != source:
             from pycuda.compiler import SourceModule
             self.module = SourceModule(source, nvcc=self.nvcc or "nvcc", options=NVCC_OPTIONS, no_extern_c=True,
-                                       arch=self.arch)
+                                       arch=self.arch, include_dirs=[str(d) for d in include_dirs])
             self._source = source
 
     def function(self, name: str, argtypes: str):
