@@ -18,7 +18,6 @@ from stages.simd import matmul_panels
 from stages.tp import BY_COLUMNS, BY_ROWS
 
 BACKEND = KVCacheBackend()
-ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 def stage_slices(w, share) -> dict:
@@ -34,17 +33,20 @@ def stage_slices(w, share) -> dict:
     return out
 
 
-def stage_blocks(x, s, share):
-    """(the attention's output before attn_output [M, its heads * hd], silu(gate) * up [M, its
-    units], attn, ffn): the two blocks over the slices s, in the kv_cache stage's ops."""
+def stage_blocks(x, s, share) -> SimpleNamespace:
+    """The two blocks over the slices s, in the kv_cache stage's ops: q, k, v; a, the attention's
+    output before attn_output [M, its heads * hd]; g, silu(gate) * up [M, its units]; and the
+    partial sums attn and ffn [M, D]."""
     q, k, v = (matmul_panels(x, s[r]) for r in ("attn_q", "attn_k", "attn_v"))
     a = BACKEND.attention(q, k, v, share.n_heads, share.n_kv_heads, 0)
     g = BACKEND.swiglu(matmul_panels(x, s["ffn_gate"]), matmul_panels(x, s["ffn_up"]))
-    return a, g, matmul_panels(a, s["attn_output"]), matmul_panels(g, s["ffn_down"])
+    return SimpleNamespace(q=q, k=k, v=v, a=a, g=g, attn=matmul_panels(a, s["attn_output"]),
+                           ffn=matmul_panels(g, s["ffn_down"]))
 
 
 def stage_partial(x, w, share):
-    return tuple(stage_blocks(x, stage_slices(w, share), share)[2:])
+    b = stage_blocks(x, stage_slices(w, share), share)
+    return b.attn, b.ffn
 
 
 def layer(rng, D, H, Hkv, hd, F) -> dict:
@@ -67,14 +69,13 @@ def check_input(rng, M, D):
     return x
 
 
-def bounds(x, s, share):
+def bounds(b, s, share):
     """How far your (attn, ffn) may lie from the stage's: the attention of each head within
     attention_bound, silu(gate) * up within (EXP_ULPS + 4) u of its size (an exp, an add, a
     division, a multiply) on each side; each carried through the row-parallel matmul (|W| times
-    the difference) plus the two sums' own rounding (sum_bound)."""
-    a, g, _, _ = stage_blocks(x, s, share)
+    the difference) plus the two sums' own rounding (sum_bound). b: stage_blocks over the slices s."""
+    a, g, q, k, v = b.a, b.g, b.q, b.k, b.v
     hd, G = share.head_dim, share.n_heads // share.n_kv_heads
-    q, k, v = (matmul_panels(x, s[r]) for r in ("attn_q", "attn_k", "attn_v"))
     ea = np.empty(a.shape[1])
     for h in range(share.n_heads):
         kv = h // G
@@ -129,8 +130,10 @@ class TensorParallel(Exercise):
                 raise
             if not (isinstance(got, tuple) and len(got) == 2):
                 return "return a tuple (attn, ffn) of two [M, D] arrays", ""
-            want = stage_partial(x, w, share)
-            for i, (name, b) in enumerate(zip(("attn", "ffn"), bounds(x, stage_slices(w, share), share))):
+            s = stage_slices(w, share)
+            blocks = stage_blocks(x, s, share)
+            want = blocks.attn, blocks.ffn
+            for i, (name, b) in enumerate(zip(("attn", "ffn"), bounds(blocks, s, share))):
                 wrong = close(f"rank {share.rank} of {len(shares)}: {name}", got[i], want[i], b)
                 if wrong:
                     return wrong + " (index: row, column of D)", ""
