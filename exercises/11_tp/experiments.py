@@ -46,8 +46,8 @@ def rank_time(quick):
 @experiment("the rows in one all-reduce (a decode token: 1; a prompt: hundreds), between 2 ranks of mpiexec")
 def allreduce_size(quick):
     """an all-reduce first pays a round trip between the processes, a few microseconds through
-    shared memory on one machine, whatever it carries; one token's hidden state (576 floats, 2.3
-    KiB) costs about that, 16 rows (37 KiB) little more; only hundreds of rows (a prompt) cost in
+    shared memory on one machine, whatever it carries; one token's hidden state (576 floats, 2.25
+    KiB) costs about that, 16 rows (36 KiB) little more; only hundreds of rows (a prompt) cost in
     proportion to their bytes. Decode pays two round trips per layer, 60 for SmolLM2's 30 layers"""
     missing = mpi_missing()
     if missing:
@@ -59,7 +59,7 @@ def allreduce_size(quick):
     if done.returncode != 0:
         raise RuntimeError(f"mpiexec -n 2 ended with status {done.returncode}: {done.stderr.strip()[-400:]}")
     us = {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
-    rows = [(f"{r} row(s) of {D} floats ({r * D * 4 / 1024:.1f} KiB)", us[r], "us") for r in sizes]
+    rows = [(f"{r} row(s) of {D} floats ({r * D * 4 / 1024:g} KiB)", us[r], "us") for r in sizes]
     big = sizes[-1]
     rows.append((f"{big} rows: bytes per second", big * D * 4 / (us[big] * 1e-6) / 1e9, "GB/s"))
     rows.append((f"{big} rows over 1 row", us[big] / us[1], "x"))

@@ -317,7 +317,7 @@ findings.show()
 # mpiexec.**
 #    - *Predict:* an all-reduce first pays a round trip between the processes, a few microseconds
 #      through shared memory on one machine, whatever it carries; one token's hidden state (576
-#      floats, 2.3 KiB) costs about that, 16 rows (37 KiB) little more; only hundreds of rows (a
+#      floats, 2.25 KiB) costs about that, 16 rows (36 KiB) little more; only hundreds of rows (a
 #      prompt) cost in proportion to their bytes. Decode pays two round trips per layer, 60 for
 #      SmolLM2's 30 layers.
 #    - *Measure:* `make try-it ch=11 exp=allreduce_size`
