@@ -20,7 +20,7 @@ about 1,024 a cycle against the vector unit's 128: the CPU's tensor core.
   decode row, and a step of few rows, stay on the prefill stage's kernels.
 
 The unit is there only on those Xeons, and Linux gives a process its tile registers only when it
-asks (arch_prctl ARCH_REQ_XCOMP_PERM, once per process: tile_permission below); elsewhere the stage
+asks (arch_prctl ARCH_REQ_XCOMP_PERM, once per process: tile_refusal below); elsewhere the stage
 says which of the two is missing. What limits it: the float steps after every block (a product of
 one block is 16 x 16 sums to scale, 16 vector multiply-adds for 8,192 multiply-adds of the
 unit), the K-quants' sub-block scales (one tile product per 32 or 16 values), and the copy of the
@@ -30,7 +30,9 @@ weights (about a byte per weight beside repack's half-byte).
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
+import os
 
 import numpy as np
 
@@ -41,20 +43,34 @@ from stages.kernels.repacked import repack, unpack
 from stages.prefill import LOGIT_TOLERANCE, PrefillBackend
 from stages.repack import RepackedMatrix
 
-__all__ = ["AmxBackend", "LOGIT_TOLERANCE", "tile_permission"]
+__all__ = ["AmxBackend", "LOGIT_TOLERANCE", "tile_refusal"]
 
 ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158     # Linux, x86-64
 
 
 @functools.cache
-def tile_permission() -> bool:
+def tile_refusal() -> str | None:
     """Ask Linux for this process's tile data (once; every thread of the process then may use the
-    tiles): True where granted."""
+    tiles): None where granted, else why not, in the kernel's terms (its errno)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
-    except (OSError, AttributeError):
-        return False
+        if libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0:
+            return None
+        err = ctypes.get_errno()
+    except (OSError, AttributeError) as e:
+        return f"the C library's syscall() could not be called ({e})"
+    return REFUSALS.get(err, f"{errno.errorcode.get(err, err)}: {os.strerror(err)}")
+
+
+# what the kernel's answers mean (arch/x86/kernel/fpu/xstate.c, Linux 5.16 and later)
+REFUSALS = {
+    errno.EOPNOTSUPP: "EOPNOTSUPP: the kernel has no tile data to give (the CPU, the hypervisor or the kernel's "
+                      "configuration left AMX off)",
+    errno.EINVAL: "EINVAL: this kernel does not know the request (Linux before 5.16)",
+    errno.ENOSPC: "ENOSPC: a thread's alternate signal stack (sigaltstack) is smaller than a signal frame with the "
+                  "tiles' 8 KiB of state; give it at least getauxval(AT_MINSIGSTKSZ) bytes",
+    errno.EPERM: "EPERM: a security policy (seccomp) or a 32-bit kernel forbids it",
+}
 
 
 class TiledMatrix(RepackedMatrix):
@@ -82,9 +98,10 @@ class AmxBackend(PrefillBackend):
         if not amx_ready():
             return ("this CPU has no matrix unit (amx_tile and amx_int8 are not among its /proc/cpuinfo flags): "
                     "AMX is on Intel Xeons of the 4th generation (Sapphire Rapids) and later")
-        if not tile_permission():
+        refused = tile_refusal()
+        if refused:
             return ("Linux did not give this process the tile registers (arch_prctl ARCH_REQ_XCOMP_PERM was "
-                    "refused): Linux 5.16 or later enables AMX for the processes that ask")
+                    f"refused, {refused}): Linux 5.16 or later enables AMX for the processes that ask")
         return PrefillBackend.unavailable_reason()
 
     def prepare_matrix(self, tensor):

@@ -8,6 +8,8 @@ permission; and where the unit is, the stage gives the prefill stage's logits bi
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import subprocess
 import sys
@@ -223,8 +225,31 @@ def test_the_stage_says_why_it_cannot_run(monkeypatch):
     monkeypatch.setattr(amx, "amx_ready", lambda: False)
     assert "no matrix unit" in amx.AmxBackend.unavailable_reason()
     monkeypatch.setattr(amx, "amx_ready", lambda: True)
-    monkeypatch.setattr(amx, "tile_permission", lambda: False)
-    assert "ARCH_REQ_XCOMP_PERM" in amx.AmxBackend.unavailable_reason()
+    monkeypatch.setattr(amx, "tile_refusal", lambda: amx.REFUSALS[errno.ENOSPC])
+    reason = amx.AmxBackend.unavailable_reason()
+    assert "ARCH_REQ_XCOMP_PERM" in reason and "sigaltstack" in reason
+
+
+def test_a_refused_permission_says_the_kernels_reason(monkeypatch):
+    """The syscall's errno named in the stage's words (the permission is asked for once a process:
+    a fresh cache, a stand-in C library)."""
+    import stages.amx as amx
+
+    class Libc:
+        def __init__(self, err):
+            self.err = err
+
+        def syscall(self, *args):
+            ctypes.set_errno(self.err)
+            return -1
+
+    for err, words in ((errno.EOPNOTSUPP, "left AMX off"), (errno.EINVAL, "Linux before 5.16"), (errno.EIO, "EIO")):
+        monkeypatch.setattr(amx.ctypes, "CDLL", lambda *a, err=err, **k: Libc(err))
+        amx.tile_refusal.cache_clear()
+        try:
+            assert words in amx.tile_refusal(), err
+        finally:
+            amx.tile_refusal.cache_clear()
 
 
 def _no_unit():

@@ -34,7 +34,7 @@ findings["the unit here"] = why or "AMX tiles, granted to this process"
 # Two things must hold. The CPU must have the unit (`amx_tile` and `amx_int8` among its
 # `/proc/cpuinfo` flags). And Linux must give the process its tile registers: they are 8 KiB of
 # state that every context switch would have to save, so the kernel keeps them off until a process
-# asks (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, once; the stage's `tile_permission`).
+# asks (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, once; the stage's `tile_refusal`).
 # Without either, the first tile instruction kills the process with SIGILL, so the stage checks both
 # and says which is missing. Where the unit is missing, everything below that needs it says so; the
 # layout, the instructions and the bits are checked here all the same.
