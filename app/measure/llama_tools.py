@@ -3,6 +3,7 @@ sdist on PyPI (the same llama.cpp as the baseline): `llama-server` for the load 
 `llama-quantize` to make the comparison's models the way a llama.cpp user makes them.
 
     tool("llama-quantize")      the binary's path, building it first if need be (several minutes)
+    server_binary(choice)       a benchmark's --llama-server (auto, a path, or None)
     quantized(src, "Q4_K_M")    `llama-quantize --allow-requantize src ... Q4_K_M`, once, into
                                 models/quantized/ (every tensor dequantized, then quantized by
                                 llama.cpp's own recipe: Q6_K for the output and some attn_v and
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 from app.models import LLAMA_CPP_SDIST, MODELS_DIR, fetch_pypi_dist
+from common.generate import ParameterError
 
 LLAMA_DIR = MODELS_DIR / "llama-server"          # sources and build (named for its first tool)
 QUANTIZED_DIR = MODELS_DIR / "quantized"
@@ -62,6 +65,19 @@ def tool(name: str) -> Path:
     if not binary.exists():
         raise SystemExit(f"the build ended without {binary}")
     return binary
+
+
+def server_binary(choice: str | None) -> Path | None:
+    """A benchmark's --llama-server: 'auto' builds llama-server once (tool), a path or a name on PATH
+    must be there (ParameterError), None is none."""
+    if choice is None:
+        return None
+    if choice == "auto":
+        return tool("llama-server")
+    path = Path(shutil.which(choice) or choice)
+    if not path.exists():
+        raise ParameterError(f"no llama-server at {path}")
+    return path
 
 
 def quantized(src: Path, recipe: str = "Q4_K_M") -> Path:

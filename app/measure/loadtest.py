@@ -46,7 +46,6 @@ into models/llama-server/ (several minutes on 2 cores); optional, like `make bas
 from __future__ import annotations
 
 import asyncio
-import shutil
 import statistics
 import sys
 import tempfile
@@ -556,15 +555,8 @@ def records(args):
     args.stage = serving_stage(args.stage)
     args.threads = args.threads or max(1, physical_cores() // (args.np or 1))
     args.clients = [int(c) for c in args.clients.split(",")]
-    missing = None
-    if args.llama_server == "auto":
-        args.llama_server = llama_tools.tool("llama-server")
-    elif args.llama_server:
-        args.llama_server = Path(shutil.which(args.llama_server) or args.llama_server)
-        if not args.llama_server.exists():
-            raise ParameterError(f"no llama-server at {args.llama_server}")
-    else:
-        missing = "not measured (--llama-server auto builds it)"
+    args.llama_server = llama_tools.server_binary(args.llama_server)
+    missing = None if args.llama_server else "not measured (--llama-server auto builds it)"
     log_dir = Path(tempfile.mkdtemp(prefix="loadtest-"))          # the servers' logs
     if args.spec:
         yield args.out, spec_record(args, log_dir)
