@@ -384,7 +384,8 @@ def your_turn_problems(chapter: str, source: str) -> list[str]:
     """What the chapter's closing "Your turn" lacks: it is the source's last section (no code cell
     after it), names the starting file and the check's command, links the stage's code, and gives
     every experiment's command (where the chapter has experiments) with the prediction the
-    experiment prints; where it says how many seeded cases the check runs, that is the number."""
+    experiment prints; where it says how many seeded cases the check runs, that is the number; a
+    check it runs by module is its own chapter's."""
     from exercises import try_it
     if "# ## Your turn" not in source:
         return ["no '## Your turn' section"]
@@ -402,6 +403,8 @@ def your_turn_problems(chapter: str, source: str) -> list[str]:
     stated = re.search(r"(\d+) seeded cases", text)
     if stated and int(stated.group(1)) != len(harness.cases_of(ex, quick=False)):
         found.append(f"it says {stated.group(0)}; the check has {len(harness.cases_of(ex, quick=False))}")
+    for other in sorted(set(re.findall(r"exercises\.check (\d+)", text)) - {chapter}):
+        found.append(f"it runs `exercises.check {other}`: another chapter's check")
     for e in try_it.experiments(chapter)[1] if chapter in try_it.chapters() else []:     # 06 has none: it needs a GPU
         if f"make try-it ch={chapter} exp={e.name}" not in text:
             found.append(f"no command for the experiment {e.name}")
@@ -421,6 +424,8 @@ def test_a_your_turn_section_missing_a_piece_is_caught():
     assert "the experiment aliasing's prediction differs" in " ".join(
         your_turn_problems("02", source.replace("puts every line in the same L1 set", "puts lines somewhere")))
     assert any("code cell after" in p for p in your_turn_problems("02", source + "\n# %%\nx = 1\n"))
+    assert "it runs `exercises.check 01`: another chapter's check" in your_turn_problems(
+        "02", source.replace("exercises.check 02", "exercises.check 01"))
     assert your_turn_problems("02", source.replace("# ## Your turn", "# ## Later")) == ["no '## Your turn' section"]
     assert your_turn_problems("02", source.replace("on 8 seeded cases", "on 9 seeded cases")) == \
         ["it says 9 seeded cases; the check has 8"]

@@ -92,20 +92,30 @@ def llama_verify_times(llm, context, k_max: int, rounds: int) -> list[list[float
     return out
 
 
-def ceilings(threads: int) -> dict:
+def integer_matmuls(engine) -> bool:
+    """Whether the engine's stage rounds activations to int8 for its matmuls (int8 and the stages
+    built on it): its compute roof is the integer peak, not the float one."""
+    from stages.int8 import Int8Backend
+    return isinstance(engine.backend, Int8Backend)
+
+
+def ceilings(threads: int, integer: bool = False) -> dict:
     """This machine's bandwidth and peak at that many threads (the recorded machine.json, the
-    nearest thread count it has), else measured now; with where they came from."""
+    nearest thread count it has), else measured now; with where they came from. integer: the peak
+    is the integer unit's (2 ops per int8 multiply-add) where the machine has one, for a stage
+    whose matmuls are int8; `peak_name` says which it is."""
     path = RESULTS_DIR / machine_id() / "machine.json"
     if path.exists():
         m = json.loads(path.read_text())
-        have = sorted(int(t) for t in m["bandwidth_gbs"])
-        t = min(have, key=lambda x: abs(x - threads))
-        return {"bandwidth_gbs": m["bandwidth_gbs"][str(t)], "peak_gflops": m["peak_gflops"][str(t)], "threads": t,
-                "source": f"profiles/results/{machine_id()}/machine.json"}
-    m = roofline.measure(threads=threads)
-    t = str(threads) if str(threads) in m["bandwidth_gbs"] else "1"
-    return {"bandwidth_gbs": m["bandwidth_gbs"][t], "peak_gflops": m["peak_gflops"][t], "threads": int(t),
-            "source": "measured by app/measure/roofline.py during this run"}
+        source = f"profiles/results/{machine_id()}/machine.json"
+    else:
+        m = roofline.measure(threads=threads)
+        source = "measured by app/measure/roofline.py during this run"
+    t = str(min((int(x) for x in m["bandwidth_gbs"]), key=lambda x: abs(x - threads)))
+    ints = (m.get("int_peak_gops") or {}).get(t) if integer else None
+    peak, name = (ints, f"integer peak ({m.get('int_instruction')})") if ints else (m["peak_gflops"][t], "float peak")
+    return {"bandwidth_gbs": m["bandwidth_gbs"][t], "peak_gflops": peak, "peak_name": name, "threads": int(t),
+            "source": source}
 
 
 def roofline_prediction(engine, context_len: int, k_max: int, ceil: dict) -> dict:
@@ -207,7 +217,8 @@ def measure_threads(args, model, stage: str, threads: int, prompts: dict, bar) -
     v = out["verify"]
     bar.set_postfix_str(f"{threads} thread(s): verify passes")
     v["ours_ms"] = verify_times(engine, context, args.k_max, args.rounds)
-    v["roofline"] = roofline_prediction(engine, len(context), args.k_max, ceilings(threads))
+    v["roofline"] = roofline_prediction(engine, len(context), args.k_max,
+                                         ceilings(threads, integer_matmuls(engine)))
     llama = None if args.no_llama else llama_for_verify(model, threads)
     if llama is not None:
         v["llama_ms"] = llama_verify_times(llama, context, args.k_max, args.rounds)

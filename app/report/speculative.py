@@ -70,7 +70,8 @@ def claim_rows(rec: dict, shown: str) -> list[Row]:
         why = (f"{rec['stage']} at {threads} thread(s): a pass of {k + 1} rows costs {measured:.2f}x one decode step; "
                f"the roofline predicts {roof['ratio'][k]:.2f}x (the ridge at {roof['ridge_rows']:.1f} rows: "
                f"{roof['bytes'] / 1e6:.0f} MB read at {roof['bandwidth_gbs']:.0f} GB/s against "
-               f"{roof['flops_per_token'] / 1e6:.0f} MFLOP per row at {roof['peak_gflops']:.0f} GFLOP/s){llama}")
+               f"{roof['flops_per_token'] / 1e6:.0f} MFLOP per row at {roof['peak_gflops']:.0f} G/s, the "
+               f"{roof.get('peak_name', 'float peak')}){llama}")
         rows.append(Row(f"spec_verify_cost_{threads}t", f"Verifying k = {k} guesses in one pass costs about one "
                         f"decode step", None, "beyond the article", measured, "x", said, why, [shown], CLAIM_BAND))
     return rows

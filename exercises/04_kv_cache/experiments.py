@@ -9,7 +9,7 @@ from exercises.try_it import engine, experiment, step_ms
 def cache_off(quick):
     """at 512 tokens a step without the cache pushes 512 rows through every matmul where the cache
     pushes 1: the matmul work falls 512 times. The step time falls less, since the simd kernel does
-    a row 2 to 3 times faster in a block of 4 than alone (chapter 03's one_row): some 150 to 250
+    a row 2 to 4 times faster in a block of 4 than alone (chapter 03's one_row): some 130 to 250
     times (quick, 16 tokens: a few times)"""
     L = 16 if quick else 512
     with_cache = step_ms(engine("kv_cache", n_ctx=L + 8), L, 2 if quick else 3)

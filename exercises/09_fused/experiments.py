@@ -11,10 +11,11 @@ from stages.threads import default_threads
 
 @experiment("how threads meet between two ops: a fork/join (a new parallel region) or a barrier")
 def dispatch(quick):
-    """a fork/join wakes the pool and waits for the last thread: tens of microseconds; a barrier is an
-    atomic add and a short spin while the threads are already running: well under a microsecond on
-    an idle machine, so tens of times cheaper (on a machine other programs load, a barrier waits for
-    a thread that lost its core, and the gap closes)"""
+    """a fork/join wakes the pool and waits for the last thread: about a microsecond where the pool
+    spins between regions (OpenMP, the engine's layer), tens of microseconds where it sleeps
+    (numba's workqueue); a barrier is an atomic add and a short spin while the threads are already
+    running: well under a microsecond on an idle machine, so ten times cheaper or more (on a machine
+    other programs load, a barrier waits for a thread that lost its core, and the gap closes)"""
     rows = []
     nt = default_threads()
     costs = dispatch_costs(nt, 200 if quick else 2000)
@@ -27,10 +28,11 @@ def dispatch(quick):
 
 @experiment("one compiled call per token (fused) against a parallel region per op (int8)", model=True)
 def int8_vs_fused(quick):
-    """SmolLM2's int8 step opens 8 regions per layer x 30 layers + the head: 241 fork/joins at tens of
-    microseconds is several milliseconds of a step of tens, plus Python's calls between them; fused
-    opens 2 and keeps the same integer kernels' work, so it should be faster by about that (its
-    integer tiles save some more)"""
+    """SmolLM2's int8 step opens 8 regions per layer x 30 layers + the head: 241 fork/joins, a
+    quarter of a millisecond at OpenMP's microsecond, and thousands of Python calls between the ops,
+    each a microsecond or so; fused opens 2, makes about 150 calls and keeps the same integer
+    kernels' work, so it should be faster by milliseconds a step, most of it Python's (its integer
+    tiles save some more)"""
     ctx = 32
     reps = 3 if quick else 9
     int8 = step_ms(engine("int8", n_ctx=ctx + 8), ctx, reps)

@@ -37,9 +37,11 @@ def tile_rows(quick):
 @experiment("the stage for a prompt: repack (a row at a time through attention, its decode kernel for "
             "every matmul) against prefill", model=True)
 def ttft(quick):
-    """a prompt is compute-bound: each loaded weight block serves every prompt row. prefill's pair
-    kernel puts two rows in a register and its attention reads K and V once per tile: a 256-token
-    prompt should come out several times faster (quick: 32 tokens, less)"""
+    """a prompt is compute-bound: each loaded weight block serves every prompt row. prefill's
+    attention reads K and V once per tile, and its pair kernel puts two rows in a 512-bit register,
+    which does twice the work only where the core issues it as often as a 256-bit one (Intel's
+    AVX-512 cores; Zen 4 runs it as two halves): a 256-token prompt should come out about 1.1x (Zen
+    4) to about 2x faster (quick: 32 tokens, less)"""
     n = 32 if quick else 256
     tokens = [(i * 37) % 1000 + 100 for i in range(n)]
     rows = []

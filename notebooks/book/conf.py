@@ -58,6 +58,7 @@ suppress_warnings = ["toc.not_included",      # profiles/'s pages are reached by
 nb_execution_mode = "off"                    # render the committed outputs; `make book-execute` executes
 nb_render_markdown_format = "gfm"            # the chapters' Markdown outputs hold tables
 nb_merge_streams = True
+smartquotes = False                          # a flag's "--" and the code quoted in tables stay as typed
 myst_heading_anchors = 3
 
 html_theme = "sphinx_book_theme"

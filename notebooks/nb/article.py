@@ -34,9 +34,10 @@ def verdict_of(rid: str, value: float) -> str:
     return lessons.verdict(value, r.band, r.article, r.unit)
 
 
-def beside(rid: str, live: float | None, live_note: str = "", explain: str = "") -> str:
+def beside(rid: str, live: float | None, live_note: str = "", explain: str = ""):
     """Show the article's claim, the live figure (and what the ledger's band makes of it), the
-    recorded figure and its why. Returns the live verdict."""
+    recorded figure and its why (returns nothing: a chapter's cell that ends with it shows the
+    table alone)."""
     r = row(rid)
     live_verdict = verdict_of(rid, live) if live is not None else "not measured here"
     band = f"{figure(r.band[0], r.unit)} .. {figure(r.band[1], r.unit)}" if r.band else "-"
@@ -44,9 +45,8 @@ def beside(rid: str, live: float | None, live_note: str = "", explain: str = "")
             ("live, this notebook", figure(live, r.unit) if live is not None else "-", live_verdict, live_note),
             ("recorded (`make report`)", figure(r.measured, r.unit), r.verdict,
              ", ".join(f"`{p}`" for p in r.records) or "no record")]
-    text = f"**{r.claim}** (`{r.id}`; reproduced inside {band})\n\n" + \
+    text = f"**{r.claim}** (`{r.id}`; a figure inside {band} counts as reproduced)\n\n" + \
         md_table(["", "figure", "verdict", "from"], rows) + f"\n\n_Why, from the records:_ {r.why}"
     if explain:
         text += f"\n\n{explain}"
     md(text)
-    return live_verdict

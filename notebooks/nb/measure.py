@@ -276,16 +276,19 @@ def _bench_records(pattern: str, kind: str):
             yield record
 
 
-def recorded_vs_llama(engines) -> list[tuple[str, str, str, str]]:
-    """(model, row, decode / llama.cpp, TTFT / llama.cpp) for the rows of `engines` in every
-    committed comparison record (profiles/bench/vs_llama_*.json, `python -m app bench vs-llama`)."""
+def recorded_vs_llama(engines) -> list[tuple]:
+    """(model, row, decode / llama.cpp, TTFT / llama.cpp, measured on, prompt tokens) for the rows of
+    `engines` in every committed comparison record (profiles/bench/vs_llama_*.json, `python -m app
+    bench vs-llama`): ratios of times, each record's own machine and prompt."""
     from app.measure import compare
+    from app.measure.machine import machine_id
     rows = []
     for record in _bench_records("**/vs_llama_*.json", "comparison"):
+        on, prompt = machine_id(record["machine"]), record.get("settings", {}).get("prompt_tokens", "?")
         for row, f in compare.summary(record).items():
             if f["engine"] in engines and "decode_ms_over_llama_cpp" in f:
                 rows.append((record["model"], row, f"{f['decode_ms_over_llama_cpp']:.2f}",
-                             f"{f['ttft_ms_over_llama_cpp']:.2f}"))
+                             f"{f['ttft_ms_over_llama_cpp']:.2f}", f"`{on}`", prompt))
     return rows
 
 
@@ -294,7 +297,9 @@ def show_vs_llama(engines, missing: str) -> list[tuple[str, str, str, str]]:
     them. The rows."""
     rows = recorded_vs_llama(engines)
     if rows:
-        show_table(["model", "row", "decode / llama.cpp", "TTFT / llama.cpp"], rows)
+        show_table(["model", "row", "decode / llama.cpp", "TTFT / llama.cpp", "measured on", "prompt tokens"], rows)
+        md("_Ratios of times: under 1, faster than llama.cpp on the same file, machine and threads; each row "
+           "is its record's machine, which need not be this one._")
     else:
         md(missing)
     return rows
@@ -302,7 +307,7 @@ def show_vs_llama(engines, missing: str) -> list[tuple[str, str, str, str]]:
 
 def decode_ratios(rows) -> str:
     """show_vs_llama's rows as one sentence of decode ratios (a chapter's finding)."""
-    return ", ".join(f"{r[0]} {r[1]} decode {r[2]}x" for r in rows)
+    return ", ".join(f"{r[0]} {r[1]} decode {r[2]}x on {r[4].strip('`')}" for r in rows)
 
 
 def vs_llama_ratios(stage: str, engines: str = "") -> str | None:

@@ -20,9 +20,15 @@ def md(text: str):
     display(Markdown(text))
 
 
+def _cell(value) -> str:
+    """A table cell's text: a '|' inside it would end the cell and a line break the row (a chat
+    template's Jinja holds both), so they are written escaped."""
+    return str(value).replace("|", "\\|").replace("\n", "\\n")
+
+
 def md_table(headers, rows) -> str:
-    out = ["| " + " | ".join(str(h) for h in headers) + " |", "|" + "---|" * len(headers)]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    out = ["| " + " | ".join(_cell(h) for h in headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in rows]
     return "\n".join(out)
 
 

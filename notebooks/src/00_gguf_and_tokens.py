@@ -57,7 +57,7 @@ findings["header"] = f"GGUF v{g.version}, {len(g.tensors)} tensors, {len(g.metad
 # %%
 s = summary(g)
 nb.show_table(["key", "type", "value"],
-              [(k, v["type"], str(v["value"]).replace("|", "\\|")[:110]) for k, v in s["metadata"].items()])
+              [(k, v["type"], str(v["value"])[:110]) for k, v in s["metadata"].items()])
 
 # %% [markdown]
 # ## The tensor table

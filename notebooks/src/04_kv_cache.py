@@ -177,8 +177,8 @@ findings.show()
 # 1. **The KV cache: the kv_cache stage against simd, which has none (the same matmul).**
 #    - *Predict:* at 512 tokens a step without the cache pushes 512 rows through every matmul
 #      where the cache pushes 1: the matmul work falls 512 times. The step time falls less,
-#      since the simd kernel does a row 2 to 3 times faster in a block of 4 than alone (chapter
-#      03's one_row): some 150 to 250 times (quick, 16 tokens: a few times).
+#      since the simd kernel does a row 2 to 4 times faster in a block of 4 than alone (chapter
+#      03's one_row): some 130 to 250 times (quick, 16 tokens: a few times).
 #    - *Measure:* `make try-it ch=04 exp=cache_off` (runs the default model)
 #
 # 2. **The context length with the cache: 8 to 1024 positions.**

@@ -57,9 +57,10 @@ if missing:
     nb.md(f"_Skipped: {missing}._")
 else:
     import stages.quantized as sq
+    from stages.kernels import dequant_dot  # the stage file holds none: its kernels live here
     nb.show_source(sq.QuantizedBackend.prepare_matrix, sq.QuantizedBackend.matmul)
-    kernels = nb.module_kernels(sq)
-    print("kernels defined in stages/quantized.py:", ", ".join(k.__name__ for k in kernels))
+    kernels = nb.module_kernels(dequant_dot)
+    print("the stage's kernels, in stages/kernels/dequant_dot.py:", ", ".join(k.__name__ for k in kernels))
     if kernels:
         nb.show_source(kernels[0])
     main_type = max({t.ggml_type for t in g.tensors.values()}, key=lambda ty: sum(

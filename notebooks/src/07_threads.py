@@ -214,7 +214,7 @@ findings.show()
 #      floor.
 #    - *Measure:* `make try-it ch=07 exp=kernel_threads`
 #
-# 2. **--threads N for the whole decode step (the threads stage, SmolLM2).**
+# 2. **`--threads N` for the whole decode step (the threads stage, SmolLM2).**
 #    - *Predict:* less than the kernel's gain: SmolLM2's matrices are small (under a MiB
 #      each), so every matmul's fork and join, and Python between the ops, are a visible share
 #      of a step that threads do not shorten.

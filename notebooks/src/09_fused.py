@@ -242,7 +242,7 @@ if not (missing["fused"] or missing["int8"]):
 # ## Against llama.cpp, recorded
 #
 # `python -m app bench vs-llama --engines int8,fused,llama.cpp` measures these side by side
-# with llama.cpp in alternating rounds (profiles/bench/vs_llama_<model>.md). Its ratios, if it
+# with llama.cpp in alternating rounds (`profiles/bench/vs_llama_<model>.md`). Its ratios, if it
 # has measured the fused stage:
 
 # %%
@@ -292,17 +292,19 @@ findings.show()
 # `make try-it ch=09`.
 #
 # 1. **How threads meet between two ops: a fork/join (a new parallel region) or a barrier.**
-#    - *Predict:* a fork/join wakes the pool and waits for the last thread: tens of
-#      microseconds; a barrier is an atomic add and a short spin while the threads are already
-#      running: well under a microsecond on an idle machine, so tens of times cheaper (on a
-#      machine other programs load, a barrier waits for a thread that lost its core, and the
-#      gap closes).
+#    - *Predict:* a fork/join wakes the pool and waits for the last thread: about a
+#      microsecond where the pool spins between regions (OpenMP, the engine's layer), tens of
+#      microseconds where it sleeps (numba's workqueue); a barrier is an atomic add and a
+#      short spin while the threads are already running: well under a microsecond on an idle
+#      machine, so ten times cheaper or more (on a machine other programs load, a barrier
+#      waits for a thread that lost its core, and the gap closes).
 #    - *Measure:* `make try-it ch=09 exp=dispatch`
 #
 # 2. **One compiled call per token (fused) against a parallel region per op (int8).**
 #    - *Predict:* SmolLM2's int8 step opens 8 regions per layer x 30 layers + the head: 241
-#      fork/joins at tens of microseconds is several milliseconds of a step of tens, plus
-#      Python's calls between them; fused opens 2 and keeps the same integer kernels' work, so
-#      it should be faster by about that (its integer tiles save some more).
+#      fork/joins, a quarter of a millisecond at OpenMP's microsecond, and thousands of Python
+#      calls between the ops, each a microsecond or so; fused opens 2, makes about 150 calls
+#      and keeps the same integer kernels' work, so it should be faster by milliseconds a
+#      step, most of it Python's (its integer tiles save some more).
 #    - *Measure:* `make try-it ch=09 exp=int8_vs_fused` (runs the default model)
 

@@ -78,10 +78,13 @@ else:
     nb.show_table(["instruction", "in the hot block"], ops.most_common(12))
     findings["hot block"] = ", ".join(f"{op} {n}" for op, n in ops.most_common(5))
     rows_asm = nb.integer_kernel_asm(Q4_K, "rows", rows=1)
-    hsums = len([x for x in nb.hot_loop(rows_asm, 10_000, r"vpdpbusd|vpmaddubsw|vpmaddwd").splitlines()
-                 if "vhaddps" in x or "vextractf128" in x])
-    nb.md(f"The fused stage's row kernel, for comparison, ends every row in a horizontal add "
-          f"({hsums} shuffle-and-add instructions in its hot block) and reads one row's bytes per load.")
+    # the instructions that fold a vector's lanes into one sum (after the loop, once a row)
+    folds = Counter(op for op in (line.split()[0] for line in rows_asm.splitlines() if line.strip())
+                    if op.startswith(("vextract", "vhadd", "vshufp", "vpermilp", "vmovhlp", "vmovshdup")))
+    nb.md("The fused stage's row kernel, for comparison, keeps one row in a whole register, so it ends "
+          "every row by folding the register's lanes into one sum, after its loop ("
+          + (", ".join(f"{n} `{op}`" for op, n in folds.most_common()) or "none found")
+          + " in its code), and reads one row's bytes per load.")
 
 # %% [markdown]
 # ## Bytes per second, against the memory
@@ -191,7 +194,7 @@ if not missing["repack"]:
 # ## Against llama.cpp, recorded
 #
 # `python -m app bench vs-llama --engines fused,repack,llama.cpp` measures these side by side
-# with llama.cpp in alternating rounds (profiles/bench/vs_llama_<model>.md). Its ratios, if it
+# with llama.cpp in alternating rounds (`profiles/bench/vs_llama_<model>.md`). Its ratios, if it
 # has measured the repack stage:
 
 # %%

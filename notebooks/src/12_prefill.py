@@ -105,11 +105,17 @@ else:
 # ## Two prompt rows to a register
 #
 # Repack's kernel gives each of a group's 8 weight rows one lane of a 256-bit register. On a CPU with
-# AVX512-VNNI a 512-bit `vpdpbusd` issues as often as a 256-bit one (the peak above was measured on the
-# instruction the stage uses), so the prefill stage gives the other 8 lanes a second prompt row:
+# AVX512-VNNI the prefill stage gives the other 8 lanes of a 512-bit register a second prompt row:
 # the weight piece in both halves, the upper half's rows swapped in pairs, against one 8-byte
 # broadcast of the two rows' activations laid side by side. Every lane is a different (weight row,
 # prompt row) pair, and each gets repack's integer sums and float steps: the same bits.
+#
+# What that buys depends on the core. Where a 512-bit `vpdpbusd` issues as often as a 256-bit one
+# (Intel's AVX-512 cores), one instruction now does the work of two, and the prompt's matmuls take
+# about half of repack's time. Where the core runs a 512-bit instruction as two 256-bit halves
+# (AMD's Zen 4), it does the same work per cycle either way, and the matmuls take about repack's
+# time: compare the two stages' matmul Gop/s at 128 tokens in the table above, where attention is
+# still small. The gain that remains on every core is attention's, and it grows with the prompt.
 
 # %%
 from stages.kernels import pair_gemm, tile_gemm, vector_ir
@@ -159,7 +165,7 @@ findings["a 4096-token prompt"] = f"KV cache {nb.human_bytes(kv)} + one piece's 
 # ## Against llama.cpp, recorded
 #
 # `python -m app bench ttft --lengths 128,512,1024,2048` measures repack, prefill and
-# llama.cpp with flash attention off and on, in alternating rounds (profiles/bench/ttft_<model>.md).
+# llama.cpp with flash attention off and on, in alternating rounds (`profiles/bench/ttft_<model>.md`).
 
 # %%
 recorded = nb.recorded_ttft()
@@ -219,9 +225,10 @@ findings.show()
 #
 # 2. **The stage for a prompt: repack (a row at a time through attention, its decode kernel for
 # every matmul) against prefill.**
-#    - *Predict:* a prompt is compute-bound: each loaded weight block serves every prompt
-#      row. prefill's pair kernel puts two rows in a register and its attention reads K and V
-#      once per tile: a 256-token prompt should come out several times faster (quick: 32
-#      tokens, less).
+#    - *Predict:* a prompt is compute-bound: each loaded weight block serves every prompt row.
+#      prefill's attention reads K and V once per tile, and its pair kernel puts two rows in a
+#      512-bit register, which does twice the work only where the core issues it as often as a
+#      256-bit one (Intel's AVX-512 cores; Zen 4 runs it as two halves): a 256-token prompt
+#      should come out about 1.1x (Zen 4) to about 2x faster (quick: 32 tokens, less).
 #    - *Measure:* `make try-it ch=12 exp=ttft` (runs the default model)
 

@@ -94,21 +94,26 @@ findings["batched decode (live)"] = ", ".join(f"B={B}: {B / s:.0f} tokens/s" for
 # arithmetic is. The measured curve rises with the first and bends toward the second.
 
 # %%
+from app.measure.speculative import ceilings, integer_matmuls
 from common.model import flops_per_token
 
-ceil = nb.ceilings()
+# the threads the steps above ran on; the peak of the unit the stage's matmuls use (int8: the integer one)
+ceil = ceilings(engine.backend.threads, integer_matmuls(engine))
 W = engine.weight_stream_bytes()
 F = flops_per_token(mc, len(prompt))
 roof_mem = [B * ceil["bandwidth_gbs"] * 1e9 / W for B in batches]
 roof_flop = ceil["peak_gflops"] * 1e9 / F
 nb.line_chart({f"{stage}, measured (this machine)": (list(batches), [B / step_s[B] for B in batches]),
                "bandwidth ceiling, B x bandwidth / weight bytes": (list(batches), roof_mem),
-               "compute ceiling, peak / FLOPs per token": (list(batches), [roof_flop] * len(batches))},
-              "sequences per step (B)", "tokens/s", "Decode throughput vs batch (one thread's ceilings)", logy=True)
-nb.md(f"_Ceilings: {ceil['source']}. Weights read per step: {nb.human_bytes(W)}; "
-      f"{F / 1e6:.0f} MFLOP per token._")
+               f"compute ceiling, the {ceil['peak_name']} / operations per token":
+                   (list(batches), [roof_flop] * len(batches))},
+              "sequences per step (B)", "tokens/s",
+              f"Decode throughput vs batch (the ceilings at {ceil['threads']} thread(s))", logy=True)
+nb.md(f"_Ceilings at {ceil['threads']} thread(s), from {ceil['source']}: {ceil['bandwidth_gbs']:.1f} GB/s, "
+      f"{ceil['peak_gflops']:.0f} G operations/s (the {ceil['peak_name']}). Weights read per step: "
+      f"{nb.human_bytes(W)}; {F / 1e6:.0f} M operations per token (a multiply-add counts two)._")
 findings["the roofline per step"] = (f"bandwidth ceiling {roof_mem[0]:.0f} tokens/s at B=1, rising with B; "
-                                     f"compute ceiling {roof_flop:.0f} tokens/s (one thread)")
+                                     f"compute ceiling {roof_flop:.0f} tokens/s ({ceil['threads']} thread(s))")
 
 # %% [markdown]
 # ## A sequence's numbers must not depend on its neighbours
@@ -129,7 +134,7 @@ X = rng.standard_normal((5, mc.n_embd)).astype(np.float32)
 alone = matmul_panels(X[:1], Wp)[0]                        # one row: the leftover path
 in_five = matmul_panels(X, Wp)[0]                          # the same row among five: the 4 x 4 block
 padded = matmul_panels(np.vstack([X[:1], np.zeros((3, mc.n_embd), np.float32)]), Wp)[0]
-nb.show_table(["the same row, computed", "max |difference| from it among five rows"],
+nb.show_table(["the same row, computed", "largest difference from it among five rows"],
               [("alone (1 row)", f"{np.abs(alone - in_five).max():.2e}"),
                ("alone, padded to 4 rows", f"{np.abs(padded - in_five).max():.2e}")])
 findings["row paths"] = (f"a row alone differs from itself in a batch by up to {np.abs(alone - in_five).max():.1e}; "
@@ -171,10 +176,11 @@ findings["batch invariance"] = (f"logits alone and among {len(crowd_texts) - 1} 
                                 f"{'identical, bit for bit' if same else 'DIFFERENT'} at every step")
 
 # %% [markdown]
-# Against the single-sequence path (what `run -p` does) the batched rows agree to rounding
-# only: decode there uses the one-row kernels, which sum in yet another order. A greedy token
-# can differ only where the top two candidates are nearly tied; tests/test_batch.py measures
-# that margin at every step.
+# Against the single-sequence path (what `run -p` does): where a lone decode row takes other
+# kernels than a batch's rows (the simd stage's one-row path sums in yet another order), the two
+# agree to rounding only; a stage that pads a lone row as it pads a batch gives the same bits.
+# A greedy token can differ only where the top two candidates are nearly tied;
+# tests/test_batch.py measures that margin at every step. This chapter's stage:
 
 # %%
 engine.reset()
@@ -185,6 +191,8 @@ diff = max(float(np.abs(a - b).max()) for a, b in zip(single, solo.sampler.logit
 agree = [int(np.argmax(a)) for a in single] == solo.generated
 findings["vs the single-sequence path"] = (f"logits within {diff:.1e}; greedy tokens "
                                            f"{'the same' if agree else 'different at a near-tie'}")
+nb.md(f"**{engine.backend.name}**: the single-sequence path's logits "
+      + ("are the batch's, bit for bit." if diff == 0 else f"differ from the batch's by up to {diff:.1e}."))
 engine.reset()
 
 # %% [markdown]
@@ -371,7 +379,7 @@ findings.show()
 # make exercise ch=14
 # ```
 #
-# (or `.venv/bin/python -m exercises.check 13`, or as a test: `.venv/bin/python -m pytest
+# (or `.venv/bin/python -m exercises.check 14`, or as a test: `.venv/bin/python -m pytest
 # exercises/test_yours.py -k 14`). The check runs your code and the stage's own,
 # [`app/serve/scheduler.py`](../app/serve/scheduler.py) (`Scheduler._reserve, Scheduler._admit`), on
 # 6 seeded cases of awkward shapes, holding yours to the stage's: the same rows, preemptions and
@@ -393,7 +401,7 @@ findings.show()
 #      it, each row adds its own time.
 #    - *Measure:* `make try-it ch=14 exp=batch_rows` (runs the default model)
 #
-# 2. **The page pool's size (the server's --kv-pages) against the requests' worst case.**
+# 2. **The page pool's size (the server's `--kv-pages`) against the requests' worst case.**
 #    - *Predict:* pages are held only by the sequences running at once (8 here), so a pool
 #      with room for 8 worst cases serves as fast as one with room for all; below that fewer
 #      run at once, sequences outgrow their pages and the newest is preempted (its context

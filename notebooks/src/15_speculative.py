@@ -45,7 +45,7 @@ k_max = 4 if cfg.quick else 16
 rounds = 1 if cfg.quick else 3
 context = nb.prompt_ids(engine, 16 if cfg.quick else 64)
 ours = ms.medians(ms.verify_times(engine, context, k_max, rounds))
-ceil = ms.ceilings(threads)
+ceil = ms.ceilings(threads, ms.integer_matmuls(engine))      # the stage's matmuls are int8: the integer peak
 roof = ms.roofline_prediction(engine, len(context), k_max, ceil)
 ks = list(range(k_max + 1))
 nb.line_chart({f"ours ({stage}), measured": (ks, ours), "the roofline's floor": (ks, roof["ratio"])},
@@ -66,7 +66,8 @@ findings["verify cost"] = (f"a pass of {k_max + 1} rows costs {ours[-1]:.2f}x on
 # what the measured curve shows over the dashed one.
 
 # %%
-nb.md(f"_Ceilings: {ceil['bandwidth_gbs']:.1f} GB/s and {ceil['peak_gflops']:.0f} GFLOP/s at {ceil['threads']} "
+nb.md(f"_Ceilings: {ceil['bandwidth_gbs']:.1f} GB/s and {ceil['peak_gflops']:.0f} G operations/s (the "
+      f"{ceil['peak_name']}) at {ceil['threads']} "
       f"thread(s), {ceil['source']}. A pass reads {nb.human_bytes(roof['bytes'])}, "
       f"{roof['flops_per_token'] / 1e6:.0f} MFLOP per row._")
 one_step_ms = roof["ms"][0]
@@ -215,7 +216,7 @@ findings.show()
 # make exercise ch=15
 # ```
 #
-# (or `.venv/bin/python -m exercises.check 14`, or as a test: `.venv/bin/python -m pytest
+# (or `.venv/bin/python -m exercises.check 15`, or as a test: `.venv/bin/python -m pytest
 # exercises/test_yours.py -k 15`). The check runs your code and the stage's own,
 # [`common/speculative.py`](../common/speculative.py) (`accept`), on 8 seeded cases of awkward
 # shapes, holding yours to the stage's: greedy choices token for token, sampled ones by their
@@ -230,7 +231,7 @@ findings.show()
 # keeps both in `build/try_it/15_speculative.json` (your machine's figures, not committed). All of
 # them: `make try-it ch=15`.
 #
-# 1. **--draft-max K: how many guesses a verify pass may check.**
+# 1. **`--draft-max K`: how many guesses a verify pass may check.**
 #    - *Predict:* on text that copies its prompt, prompt lookup's guesses are mostly right:
 #      each pass of K + 1 rows, costing about one step, yields up to K + 1 tokens. Tokens/s
 #      should rise from K = 0 and flatten once the guesses run past what the text repeats or

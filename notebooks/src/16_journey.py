@@ -34,7 +34,7 @@ if rec.results is not None:
     nb.md(charts.results_table(rec.results))
 else:
     nb.md("_No records, so no table: `make report` writes them._")
-# `make report` draws the default model's charts into profiles/, another model's into profiles/<model>/.
+# `make report` draws the default model's charts into profiles/, another model's into `profiles/<model>/`.
 charts_dir = nb.ROOT / "profiles" if nb.model_path().resolve() == DEFAULT_MODEL.path.resolve() \
     else nb.ROOT / "profiles" / nb.model_path().stem
 for name, what in (("speedup.png", "TTFT and decode per stage"), ("ops.png", "where the time goes, per op"),
