@@ -439,3 +439,25 @@ def test_the_readme_lists_every_exercise():
         ex = check.exercise(ch)
         assert f"({ex.folder}/{ex.file})" in section, ch
     assert "make exercise ch=NN" in section and "make try-it ch=NN" in section
+
+
+def hint_problems(starting_text: str) -> list[str]:
+    """The sections a starting file's hints name (`Hint: notebooks/NN_x.ipynb, "Section"`) that
+    are not a heading of that chapter: a learner sent to look for a section finds it."""
+    found = []
+    for m in re.finditer(r'Hint: notebooks/(\d\d)_\w+\.ipynb, "([^"]+)"', re.sub(r"\s+", " ", starting_text)):
+        chapter, section = m.groups()
+        headings = re.findall(r"^# #+ (.+)$", chapter_source(chapter).read_text(), re.M)
+        if section.lower() not in (h.strip().lower() for h in headings):
+            found.append(f"chapter {chapter} has no section {section!r}")
+    return found
+
+
+@pytest.mark.parametrize("chapter", REQUIRED)
+def test_a_starting_files_hint_names_a_section_of_its_chapter(chapter):
+    ex = check.exercise(chapter)
+    text = (harness.ROOT / ex.folder / ex.file).read_text()
+    assert "Hint: notebooks/" in text
+    assert hint_problems(text) == []
+    planted = text + f'\nHint: notebooks/{chapter}_x.ipynb, "a section it lacks"'
+    assert hint_problems(planted) == [f"chapter {chapter} has no section 'a section it lacks'"]

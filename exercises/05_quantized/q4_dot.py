@@ -48,7 +48,7 @@ def matvec_q4_1(x, w, f16):
     Why: 20 bytes carry 32 weights, 0.625 bytes each, against 4 for float32. A decode step that
     waits on memory waits about a sixth as long, if the decoding keeps up with the memory.
 
-    Hint: notebooks/05_quantized.ipynb, "bytes per weight"; notebooks/00_gguf_and_tokens.ipynb
+    Hint: notebooks/05_quantized.ipynb, "Bytes per weight, as each stage holds them"; notebooks/00_gguf_and_tokens.ipynb
     decodes a Q4_1 block by hand. Try it before you read stages/kernels/dequant_dot.py
     (_row_q4_1, matvec_q4_1).
     """

@@ -39,7 +39,7 @@ def matvec_parallel(x, w, f16, n_chunks):
     blocks from memory. And each output is summed by one thread in the kernel's own order, so
     1 thread and N threads give the same bits.
 
-    Hint: notebooks/07_threads.ipynb, "the machine's bandwidth at 1 and N threads". Try it before
+    Hint: notebooks/07_threads.ipynb, "The threads stage's code". Try it before
     you read stages/kernels/threaded.py (matvec_parallel).
     """
     raise NotImplementedError("write the split of the rows into n_chunks ranges: see the docstring")

@@ -44,7 +44,7 @@ def quantize_row_q8_1(x):
     small integer products added in int32, and the scales (weight d x activation d) are applied
     once per block; the CPU's integer dot-product instructions (vpdpbusd) do 32 of them at once.
 
-    Hint: notebooks/08_int8.ipynb, "activations rounded to int8 as llama.cpp does". Try it before
+    Hint: notebooks/08_int8.ipynb, "int8: what llama.cpp does to an activation row". Try it before
     you read stages/kernels/q8.py (quantize_row_32).
     """
     raise NotImplementedError("write llama.cpp's Q8_1 rounding of one row: see the docstring")

@@ -43,7 +43,7 @@ def barrier(sync, nt, k):
     and the time for the slowest to arrive. (The stage's barrier also sleeps on a futex when the
     wait is long, which yours need not do.)
 
-    Hint: notebooks/09_fused.ipynb, "what a fork/join and a barrier cost". Try it before you read
+    Hint: notebooks/09_fused.ipynb, "A fork and a join against a barrier". Try it before you read
     stages/kernels/sync.py (barrier).
     """
     raise NotImplementedError("write the counting barrier: see the docstring")

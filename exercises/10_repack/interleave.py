@@ -46,7 +46,7 @@ def repack_q4_1(raw):
     broadcast, multiplies all of them in one vpdpbusd whose 8 int32 lanes are the 8 rows, and a
     group's 8 outputs leave in one vector store: no horizontal add per row.
 
-    Hint: notebooks/10_repack.ipynb, "the layout drawn from the code (8 rows interleaved)". Try it
+    Hint: notebooks/10_repack.ipynb, "The layout, drawn from the code". Try it
     before you read stages/kernels/repacked.py (repack, GROUP_FIELDS).
     """
     raise NotImplementedError("write the 8-row interleave of the Q4_1 blocks: see the docstring")

@@ -50,7 +50,7 @@ def attend_tile(q, k, v, p0, scale, out):
     reads them R * G times; and the softmax never needs all scores at once, so the block stays
     small enough for L1 whatever the prompt's length.
 
-    Hint: notebooks/12_prefill.ipynb, "the prompt's time per phase and attention's share". Try it
+    Hint: notebooks/12_prefill.ipynb, "Where the prompt's time goes". Try it
     before you read stages/kernels/tiled_attention.py (its module docstring states the update).
     """
     raise NotImplementedError("write the tile: keys in blocks, a running softmax per query: see the docstring")

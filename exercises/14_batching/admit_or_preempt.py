@@ -51,6 +51,9 @@ class AdmitOrPreempt(Scheduler):
         Why oldest first and newest preempted: the oldest then always finishes (a request is
         refused up front unless it fits the pool alone), so the server never deadlocks with every
         sequence half done and no pages left; and nobody is preempted for a newer one.
+
+        Hint: notebooks/14_batching.ipynb, "When the pages run out: preemption". Try it before you
+        read app/serve/scheduler.py (Scheduler._reserve and _admit).
         """
         raise NotImplementedError("write the reservation, preempting the newest when the pool is short")
 

@@ -50,7 +50,7 @@ def accept(logits, draft, sampler, history):
     distributed exactly as p (Leviathan et al. 2023; Chen et al. 2023): the text is the model's,
     and the guesses only save passes.
 
-    Hint: notebooks/15_speculative.ipynb, "the acceptance rule and why it keeps the distribution".
+    Hint: notebooks/15_speculative.ipynb, "The rule".
     Try it before you read common/speculative.py (accept).
     """
     raise NotImplementedError("write the acceptance rule: see the docstring")
