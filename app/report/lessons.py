@@ -273,8 +273,8 @@ def page_faults(sources: Sources) -> Row:
     said = verdict(faults, band, unit="page faults")
     resident = cold["eviction"].get("resident_after")
     why = (f"{faults:,} faults ({major:,} of them major, from the disk) in loading and one forward pass after "
-           f"evicting the file ({faults / seconds:,.0f} a second); one 4 KiB page of float32 weights is "
-           f"{weights / 4096:,.0f} faults, the article's count scaled to this model is {1e6 * scale:,.0f}: the faults "
+           f"evicting the file ({faults / seconds:,.0f} a second); one fault per 4 KiB page of the float32 weights "
+           f"would be {weights / 4096:,.0f}, the article's count scaled to this model {1e6 * scale:,.0f}: the faults "
            f"come from first touching the float32 copies, and only the major ones from reading the file"
            + ("; fewer than one per 4 KiB page, most likely because numpy asks the kernel for transparent huge "
               "pages on large arrays (madvise), and one fault then maps 2 MiB" if faults < weights / 4096 / 2 else "")

@@ -30,8 +30,10 @@ def _settings_of(rec: dict) -> str:
 
 
 def stage_chart(live: list[dict], rec: Recorded | None = None, stages=None, title: str = ""):
-    """TTFT and decode ms/token per stage, log scale: the live runs of this notebook beside the
-    recorded ones (profiles/). Labels say prompt+generated tokens, which differ in quick mode."""
+    """TTFT and decode ms/token per stage: the live runs of this notebook beside the recorded ones
+    (profiles/). Labels say prompt+generated tokens, which differ in quick mode. An axis is
+    logarithmic where its bars span more than 10x, else linear from zero (a log axis fitted to
+    close values draws a 1% difference as a tall bar)."""
     stages = list(stages or [r["stage"] for r in live])
     live_by = {r["stage"]: r for r in live}
     if not live and (rec is None or rec.results is None or not any(rec.get(s) for s in stages)):
@@ -44,6 +46,8 @@ def stage_chart(live: list[dict], rec: Recorded | None = None, stages=None, titl
     width = 0.8 / len(series)
     for ax, key, label in ((axes[0], "ttft_ms", "time to first token (ms)"),
                            (axes[1], "decode_ms", "decode (ms per token, median)")):
+        shown = [by[s][key] for _, by, _ in series for s in stages if s in by and by[s][key] == by[s][key]]
+        log = bool(shown) and min(shown) > 0 and max(shown) / min(shown) > 10
         for si, (name, by, color) in enumerate(series):
             xs = [i + (si - (len(series) - 1) / 2) * width for i, s in enumerate(stages) if s in by]
             vals = [by[s][key] for s in stages if s in by]
@@ -53,12 +57,15 @@ def stage_chart(live: list[dict], rec: Recorded | None = None, stages=None, titl
                 ax.annotate(f"{v:,.0f}\n({_settings_of(by[s])})" if v == v else "n/a",
                             (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
                             fontsize=7, xytext=(0, 2), textcoords="offset points")
-        ax.set_yscale("log")
+        if log:
+            ax.set_yscale("log")
         ax.set_xticks(range(len(stages)), stages)
         ax.set_xlim(-0.6, len(stages) - 0.4)
         ax.set_ylabel(label)
         ax.grid(axis="y", which="both", alpha=0.25)
         ax.margins(y=0.3)
+        if not log:
+            ax.set_ylim(bottom=0)                   # after the margins: the bars start at zero
     axes[0].legend(fontsize=8, loc="lower left")
     fig.suptitle(title or "Stage by stage (labels: prompt+generated tokens)", fontsize=11)
     fig.tight_layout()

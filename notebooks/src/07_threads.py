@@ -7,8 +7,10 @@
 # and attention heads) split over every core, and attention fused into one kernel per layer.
 #
 # Decode streams every weight once per token. Chapter 05 set it against that floor (the weights'
-# bytes over the memory bandwidth): it is **bandwidth-bound**, so the question is: what does a
-# second core buy, when the memory is shared? Measure it.
+# bytes over the memory bandwidth): the floor is **bandwidth**, and if decode sat on it, a second
+# core sharing the same memory would buy little. The quantized stage does not sit on it: one core
+# unpacks the blocks slower than the memory delivers them. So what does a second core buy?
+# Measure it.
 
 # %%
 import numpy as np
@@ -108,8 +110,9 @@ nb.article.beside("end_to_end", naive_rec["decode_ms"] / fast_live["decode_ms"] 
 # ## On the roofline
 #
 # Each run placed by its arithmetic intensity (FLOP per byte of weights read) and its achieved
-# FLOP/s, under the ceilings of one thread and of all of them. Decode sits far left: a few FLOP
-# per byte, where only bandwidth counts.
+# FLOP/s, under the ceilings of one thread and of all of them. Decode sits far left, a few FLOP
+# per byte, where the roof is the bandwidth's slope; how far under that slope it sits is what
+# the unpacking costs (the finding below: its share of the bandwidth ceiling).
 
 # %%
 if not missing["threads"]:

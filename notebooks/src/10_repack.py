@@ -137,9 +137,9 @@ if not (missing["fused"] or missing["repack"]):
 #
 # The fused stage's weights are views of the mapped file: loading is nearly free and the pages
 # are the file's (shared with the page cache). The repack stage's weights are a private copy,
-# made at load: the load time grows by the rearranging, and resident memory holds the copy on
-# top of whatever of the file the OS keeps (the embedding lookup still reads the file's rows).
-# Each stage in a fresh process, as the report measures it:
+# made at load: the load time grows by the rearranging. Resident memory need not: once a matrix
+# is copied, the stage lets go of the file's pages for it (`release` in `stages/repack.py`), so
+# the copy takes their place. Each stage in a fresh process, as the report measures it:
 
 # %%
 costs = {}
@@ -153,6 +153,15 @@ if costs:
                    for s, r in costs.items()])
     findings["load and memory"] = ", ".join(f"{s}: load {r['load_s']:.2f} s, peak RSS {r['peak_rss_mb']:.0f} MiB"
                                             for s, r in costs.items()) + f" (file {file_mb:.0f} MiB)"
+if len(costs) == 2:
+    from common.gguf import GGUFFile
+    with GGUFFile(nb.model_path()) as gg:
+        tied = "output.weight" not in gg.tensors                # the output head is the embedding itself
+        embd_mb = gg.tensors["token_embd.weight"].nbytes / 2**20
+    extra = costs["repack"]["weights_mb"] - costs["fused"]["weights_mb"]
+    nb.md(f"Repack holds {extra:.0f} MiB more weights than fused."
+          + (f" This model's output head is its token embedding ({embd_mb:.0f} MiB): the lookup still reads "
+             "the file's rows, and the head reads a repacked copy, so that matrix is held twice." if tied else ""))
 
 # %% [markdown]
 # ## Decode and prefill, live

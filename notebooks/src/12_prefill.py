@@ -72,6 +72,46 @@ if live:
                                             for s, sh in shares.items()) + f" of a {n}-token prompt"
 
 # %% [markdown]
+# ## Attention in tiles: a softmax that runs
+#
+# Attention for one query is a softmax over its scores against every key it may see, then the
+# values weighted by it. Done as written, that is two passes over the keys: one for the largest
+# score and the sum (the softmax needs both before any weight is known), one for the weighted sum.
+# The prefill stage makes one pass, block by block, keeping three running values per query: the
+# largest score so far m, the sum of the weights so far l, and the weighted sum so far o. A new
+# block with scores S and values v updates them:
+#
+#     m' = max(m, max S)        a = exp(m - m')        P = exp(S - m')
+#     l' = l a + sum P          o' = o a + sum_t P[t] v[t]
+#
+# and at the end the output is o / l. The factor `a` rescales what was summed against the old
+# largest score to the new one, so nothing is summed twice and the block's keys and values are
+# read once, while they sit in L1, for every query of the tile. One query, three blocks, in numpy:
+
+# %%
+import numpy as np
+
+rng = np.random.default_rng(0)
+S = rng.standard_normal(96) * 4                          # one query's scores against 96 keys
+V = rng.standard_normal((96, 4))                         # their values (4 numbers each, for the table)
+w = np.exp(S - S.max())
+two_passes = w @ V / w.sum()
+m, l, o = -np.inf, 0.0, np.zeros(4)
+for b in range(0, 96, 32):                               # blocks of 32 keys, in order
+    s, v = S[b:b + 32], V[b:b + 32]
+    m_new = max(m, s.max())
+    a, P = np.exp(m - m_new), np.exp(s - m_new)
+    l, o, m = l * a + P.sum(), o * a + P @ v, m_new
+nb.show_table(["", "the output (4 values)"], [("softmax, then the weighted sum (two passes)", np.round(two_passes, 6)),
+                                             ("running, three blocks of 32 (one pass)", np.round(o / l, 6))])
+findings["running softmax"] = f"one pass over 3 blocks: largest difference {np.abs(o / l - two_passes).max():.1e}"
+
+# %% [markdown]
+# The stage's kernel does this for the 8 query vectors of a group at once, one per lane of a
+# register, with the causal mask applied to each lane's scores before the update:
+# `stages/kernels/tiled_attention.py` (its module docstring draws the loop).
+
+# %% [markdown]
 # ## The integer peak, and how close the prompt gets
 #
 # The int8 stages' multiply-adds are integer ones, so their ceiling is not the float peak of the
