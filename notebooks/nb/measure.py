@@ -276,15 +276,25 @@ def _bench_records(pattern: str, kind: str):
             yield record
 
 
+def _machine_named(m: dict) -> str:
+    """A record's machine: its id, or for a record made before ids named the ISA, its CPU, design
+    (family/model) and cores."""
+    from app.measure.machine import machine_id
+    if "isa" in m and "cpu_signature" in m:
+        return machine_id(m)
+    sig = m.get("cpu_signature") or {}
+    design = f" (family {sig['family']} model {sig['model']})" if sig.get("family") is not None else ""
+    return f"{m.get('cpu', '?')}{design}, {m.get('physical_cores', '?')} cores"
+
+
 def recorded_vs_llama(engines) -> list[tuple]:
     """(model, row, decode / llama.cpp, TTFT / llama.cpp, measured on, prompt tokens) for the rows of
     `engines` in every committed comparison record (profiles/bench/vs_llama_*.json, `python -m app
     bench vs-llama`): ratios of times, each record's own machine and prompt."""
     from app.measure import compare
-    from app.measure.machine import machine_id
     rows = []
     for record in _bench_records("**/vs_llama_*.json", "comparison"):
-        on, prompt = machine_id(record["machine"]), record.get("settings", {}).get("prompt_tokens", "?")
+        on, prompt = _machine_named(record["machine"]), record.get("settings", {}).get("prompt_tokens", "?")
         for row, f in compare.summary(record).items():
             if f["engine"] in engines and "decode_ms_over_llama_cpp" in f:
                 rows.append((record["model"], row, f"{f['decode_ms_over_llama_cpp']:.2f}",
