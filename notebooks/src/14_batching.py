@@ -364,6 +364,31 @@ if stream_rows:
 else:
     nb.md("_No serve-cost record yet: `python -m app bench serve-cost` writes it._")
 
+# %% [markdown]
+# Is that the server's cost, or any server's on these cores? `serve-cost --llama-server auto` puts
+# llama.cpp's own server beside ours in the same rounds, with the same client, and counts what the
+# stream added to a token in milliseconds: the same work per event weighs more on a shorter step.
+
+# %%
+from app.measure.serve_cost import streaming_ms
+
+path = nb.ROOT / "profiles" / "bench" / "serve_cost.json"
+r = json.loads(path.read_text()) if path.exists() else {}
+if r.get("llama"):
+    ours_step = 1e3 / np.median([x["run"]["decode"] for x in r["rounds"]])
+    their_step = 1e3 / np.median([x["llama"]["decode"] for x in r["rounds"]])
+    ours_ms = np.median([streaming_ms(x["stream"], x["run"]["decode"]) for x in r["rounds"]])
+    nb.show_table(["server", "a token's step alone", "what the stream added to it", "streamed / alone"],
+                  [("ours (`python -m app serve`)", f"{ours_step:.2f} ms", f"{ours_ms:.2f} ms", f"{r['ratio_stream']:.2f}x"),
+                   ("llama.cpp's llama-server", f"{their_step:.2f} ms", f"{r['llama']['streaming_ms']:.2f} ms",
+                    f"{r['llama']['ratio_stream']:.2f}x")])
+    findings["the stream's cost, beside llama-server"] = (f"ours {ours_ms:.2f} ms a token on a {ours_step:.2f} ms "
+                                                          f"step, llama-server {r['llama']['streaming_ms']:.2f} ms on "
+                                                          f"{their_step:.2f} ms ({nb.rel(path)})")
+else:
+    nb.md("_The serve-cost record has no llama-server rounds: `python -m app bench serve-cost --llama-server auto` "
+          "adds them._")
+
 # %%
 findings.show()
 
