@@ -140,9 +140,13 @@ def line_chart(curves: dict, xlabel: str, ylabel: str, title: str, logy: bool = 
     show(fig)
 
 
-def bar_chart(values: dict, ylabel: str, title: str, fmt: str = "{:,.1f}", logy: bool = False):
-    """{label: value} as one bar each, the value written on top."""
+def bar_chart(values: dict, ylabel: str, title: str, fmt: str = "{:,.1f}", logy: bool = False,
+              lines: dict | None = None):
+    """{label: value} as one bar each, the value written on top; lines: {label: value} drawn across
+    as dashed references (a ceiling the bars are measured against)."""
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(values) + 2), 4))
+    for i, (label, v) in enumerate((lines or {}).items()):
+        ax.axhline(v, ls="--", lw=1, color=f"0.{3 + 2 * i}", label=label)
     bars = ax.bar(range(len(values)), list(values.values()), color=[f"C{i}" for i in range(len(values))])
     for b, v in zip(bars, values.values()):
         ax.annotate(fmt.format(v), (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
@@ -153,6 +157,8 @@ def bar_chart(values: dict, ylabel: str, title: str, fmt: str = "{:,.1f}", logy:
         ax.set_yscale("log")
     ax.margins(y=0.15)
     ax.grid(axis="y", alpha=0.25)
+    if lines:
+        ax.legend(fontsize=8, loc="upper left")
     ax.set_title(title, fontsize=11)
     fig.tight_layout()
     show(fig)
