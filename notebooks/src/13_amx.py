@@ -182,6 +182,43 @@ else:
                           f"the unit's peak {peak:,.0f} Gop/s at {cores} threads")
 
 # %% [markdown]
+# ## What to expect from the unit: the matmuls' share
+#
+# The unit speeds up the prompt's matmuls and nothing else: attention, the norms and the rounding
+# of activations stay on the vector unit. So however fast the tiles are, the prompt cannot get
+# faster than what is left once its matmuls cost nothing (Amdahl's law). The prefill stage's clock
+# per phase (chapter 12) splits a prompt's time on this machine; with the matmuls 8 times faster
+# (1,024 int8 multiply-adds a cycle a core against two 512-bit `vpdpbusd` ports' 128, if the unit
+# ran at its peak) and the rest unchanged:
+
+# %%
+miss = nb.missing_stage("prefill")
+if miss:
+    nb.md(f"_No split to show: {miss}._")
+else:
+    n_pred = 64 if cfg.quick else 512
+    engine = load_stage("prefill", nb.model_path(), threads=cores, n_ctx=n_pred + 16)
+    phases = ttft.sweep(engine, (n_pred,), 4)[str(n_pred)]["phases_ms"]
+    del engine
+    total = sum(phases.values())
+    matmul = sum(phases[k] for k in ("qkv", "wo", "gate_up", "down"))
+    best = total - matmul + matmul / 8
+    nb.show_table(["a prompt of %d tokens, prefill stage, %d threads" % (n_pred, cores), "ms"],
+                  [("the layers' phases, summed", f"{total:,.0f}"),
+                   ("of which the matmuls (qkv, wo, gate_up, down)", f"{matmul:,.0f} ({matmul / total:.0%})"),
+                   ("the rest (attention, norms, rounding)", f"{total - matmul:,.0f}"),
+                   ("with the matmuls 8x faster", f"{best:,.0f}: {total / best:.1f}x faster at most")])
+    findings["what the unit can buy"] = (f"matmuls {matmul / total:.0%} of a {n_pred}-token prompt here: at most "
+                                         f"{total / best:.1f}x with them 8x faster, {total / (total - matmul):.1f}x "
+                                         f"with them free")
+
+# %% [markdown]
+# The split is this machine's: on a Xeon with the unit the vector unit's matmuls run at their own
+# rate, and the stage's own float steps per block (16 vector multiply-adds for each tile product's
+# 8,192 multiply-adds) keep the unit below its peak. The measured figures above replace this
+# bound where the unit is.
+
+# %% [markdown]
 # ## The running total
 #
 # Every stage, from the records `make report` wrote, against this machine's floor. amx is
