@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.measure import bench, roofline
+from app.measure import bench
 from app.measure.bench import RESULTS_DIR
 from app.measure.machine import machine_id, rusage
 from app.report.charts import load_results
@@ -244,17 +244,16 @@ def find_records(stage: str, results_root=None) -> list[tuple[Path, dict]]:
     return out
 
 
-def ceilings() -> dict:
-    """The machine's bandwidth (GB/s) and peak (GFLOP/s), single thread: the recorded
-    machine.json of this machine if there is one, else measured now (about a second)."""
-    path = RESULTS_DIR / machine_id() / "machine.json"
-    if path.exists():
-        m = json.loads(path.read_text())
-        return {"bandwidth_gbs": m["bandwidth_gbs"]["1"], "peak_gflops": m["peak_gflops"]["1"],
-                "source": f"recorded in `{rel(path)}`"}
-    m = roofline.measure(threads=1)
-    return {"bandwidth_gbs": m["bandwidth_gbs"]["1"], "peak_gflops": m["peak_gflops"]["1"],
-            "source": "measured just now by app/measure/roofline.py (no recorded machine.json for this machine)"}
+def ceilings(threads: int = 1, integer: bool = False) -> dict:
+    """The machine's bandwidth (GB/s) and peak (G operations/s) at `threads` (the recorded
+    machine.json of this machine if there is one, else measured now: about a second); integer:
+    the integer unit's peak where the machine has one (a stage with int8 matmuls), named in
+    `peak_name`. app/measure/speculative.py's ceilings, with the source said for a page."""
+    from app.measure.speculative import ceilings as measured
+    c = measured(threads, integer)
+    recorded = c["source"].endswith("machine.json")
+    return dict(c, source=f"recorded in `{c['source']}`" if recorded else
+                "measured just now by app/measure/roofline.py (no recorded machine.json for this machine)")
 
 
 def best_seconds(fn, reps: int) -> float:

@@ -112,9 +112,7 @@ def matrices_by_type(backend, limit):
     return {tn: [backend.prepare_matrix(t) for t in ts[:limit]] for tn, ts in groups.items()}
 
 
-from app.measure.speculative import ceilings
-
-bandwidth = {t: ceilings(t)["bandwidth_gbs"] for t in sorted({1, cores})}
+bandwidth = {t: nb.ceilings(t)["bandwidth_gbs"] for t in sorted({1, cores})}
 rates = {}
 if not (missing["fused"] or missing["repack"]):
     for name in ("fused", "repack"):
@@ -134,7 +132,7 @@ if not (missing["fused"] or missing["repack"]):
                 rates[(name, threads, tn)] = sum(m.nbytes for m in ms) / best / 1e9
     nb.bar_chart({f"{n}@{t} {tn}": r for (n, t, tn), r in rates.items()}, "GB/s of weights", "Decode kernels per type",
                  lines={f"memory bandwidth, {t} thread(s): {bw:.1f} GB/s": bw for t, bw in bandwidth.items()})
-    nb.md(f"_Bandwidth from {ceilings(1)['source']}._")
+    nb.md(f"_Bandwidth {nb.ceilings()['source']}._")
     findings["kernels"] = ", ".join(f"{tn}@{t}: {rates[('repack', t, tn)] / rates[('fused', t, tn)]:.2f}x fused"
                                     for (n, t, tn) in rates if n == "repack")
 

@@ -94,11 +94,11 @@ findings["batched decode (live)"] = ", ".join(f"B={B}: {B / s:.0f} tokens/s" for
 # arithmetic is. The measured curve rises with the first and bends toward the second.
 
 # %%
-from app.measure.speculative import ceilings, integer_matmuls
+from app.measure.speculative import integer_matmuls
 from common.model import flops_per_token
 
 # the threads the steps above ran on; the peak of the unit the stage's matmuls use (int8: the integer one)
-ceil = ceilings(engine.backend.threads, integer_matmuls(engine))
+ceil = nb.ceilings(engine.backend.threads, integer_matmuls(engine))
 W = engine.weight_stream_bytes()
 F = flops_per_token(mc, len(prompt))
 roof_mem = [B * ceil["bandwidth_gbs"] * 1e9 / W for B in batches]
@@ -109,7 +109,7 @@ nb.line_chart({f"{stage}, measured (this machine)": (list(batches), [B / step_s[
                    (list(batches), [roof_flop] * len(batches))},
               "sequences per step (B)", "tokens/s",
               f"Decode throughput vs batch (the ceilings at {ceil['threads']} thread(s))", logy=True)
-nb.md(f"_Ceilings at {ceil['threads']} thread(s), from {ceil['source']}: {ceil['bandwidth_gbs']:.1f} GB/s, "
+nb.md(f"_Ceilings at {ceil['threads']} thread(s), {ceil['source']}: {ceil['bandwidth_gbs']:.1f} GB/s, "
       f"{ceil['peak_gflops']:.0f} G operations/s (the {ceil['peak_name']}). Weights read per step: "
       f"{nb.human_bytes(W)}; {F / 1e6:.0f} M operations per token (a multiply-add counts two)._")
 findings["the roofline per step"] = (f"bandwidth ceiling {roof_mem[0]:.0f} tokens/s at B=1, rising with B; "
